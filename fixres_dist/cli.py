@@ -1,0 +1,71 @@
+"""The command-line parser shared by ``main_scratch.py`` and ``main_finetune.py`` (FixRes flag names)."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+# Defaults that differ between the two scripts; every other default lives in TrainerConfig.
+# Scratch: a low training resolution on the 28 px embedded images; finetune: a higher test
+# resolution, few epochs, small LR, no warmup (FixRes finetuned with lr 1e-3 per 512 images).
+MODE_DEFAULTS = {
+    "scratch": {"input_size": 32, "epochs": 8, "learning_rate": 0.2, "warmup_epochs": 1.0},
+    "finetune": {"input_size": 48, "epochs": 3, "learning_rate": 0.05, "warmup_epochs": 0.0},
+}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser(mode: str) -> argparse.ArgumentParser:
+    """The parser; values not given are ``None`` (resolved later by rank resolution and defaults)."""
+    what = "train a classifier from scratch" if mode == "scratch" else \
+        "FixRes-finetune a classifier at the test resolution (Touvron et al., NeurIPS 2019)"
+    p = argparse.ArgumentParser(description=f"fixres_dist: {what} with DistributedDataParallel.")
+    d = p.add_argument_group("distributed (see README: where a process learns its rank)")
+    d.add_argument("--num-tasks", type=int, help="world size; alone and > 1: spawn that many local ranks")
+    d.add_argument("--global-rank", type=int, help="this process's global rank (with --num-tasks)")
+    d.add_argument("--local-rank", type=int, help="this process's rank on its node (default: global rank)")
+    d.add_argument("--job-id", help="job name; ranks with the same job id and shared folder meet")
+    d.add_argument("--dist-url", help="file://PATH, tcp://HOST:PORT or env:// (default: a file in the job folder)")
+    d.add_argument("--dist-backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, gloo on CPU")
+    d.add_argument("--dist-timeout", type=float, help="seconds to wait for peers and collectives (default 300)")
+    d.add_argument("--shared-folder-path", help="folder (shared by all nodes) for job folders (default ./runs)")
+    t = p.add_argument_group("training")
+    t.add_argument("--data-path", "--imnet-path", dest="data_path",
+                   help="ImageFolder root with train/ and val/ (default: embedded Fashion-MNIST subset)")
+    t.add_argument("--architecture", help="torchvision model name (default resnet18)")
+    t.add_argument("--weight-path", help="checkpoint.pth or state_dict file to start from")
+    t.add_argument("--input-size", type=_positive_int, help=f"training resolution in pixels "
+                   f"(default {MODE_DEFAULTS[mode]['input_size']}; finetune: the test resolution)")
+    t.add_argument("--test-size", type=_positive_int, help="evaluation resolution in pixels (default: input size)")
+    t.add_argument("--train-size", type=_positive_int,
+                   help="resolution the weights were trained at (default: from the checkpoint's config)")
+    t.add_argument("--batch", type=_positive_int, help="images per process per step (default 64)")
+    t.add_argument("--epochs", type=_positive_int)
+    t.add_argument("--learning-rate", type=float, help="LR for a global batch of 256 (linear scaling rule)")
+    t.add_argument("--momentum", type=float)
+    t.add_argument("--weight-decay", type=float)
+    t.add_argument("--warmup-epochs", type=float)
+    t.add_argument("--dist-bn", choices=["reduce", "broadcast"],
+                   help="BatchNorm statistics: average over ranks each epoch (default) or take rank 0's")
+    t.add_argument("--workers", type=int, help="data loader worker processes per rank (default 2)")
+    t.add_argument("--seed", type=int)
+    t.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    t.add_argument("--no-progress", dest="progress", action="store_false", default=None,
+                   help="no progress bar")
+    return p
+
+
+def config_fields(args: argparse.Namespace, mode: str) -> dict:
+    """Training options given on the command line plus the mode's defaults (no rank fields)."""
+    rank_flags = {"num_tasks", "global_rank", "local_rank", "job_id", "dist_url"}
+    fields = {"mode": mode, **MODE_DEFAULTS[mode]}
+    fields.update({k: v for k, v in vars(args).items() if v is not None and k not in rank_flags})
+    fields.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    fields.setdefault("dist_backend", "nccl" if fields["device"] == "cuda" else "gloo")
+    return fields

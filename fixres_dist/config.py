@@ -1,0 +1,127 @@
+"""``TrainerConfig``: every option of a run, validated, and its JSON round trip (``config.json``)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from urllib.parse import urlparse
+
+import attrs
+
+from .errors import FixresError
+
+CONFIG_FILE = "config.json"
+JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def _non_negative(instance, attribute, value):
+    if value < 0:
+        raise FixresError(f"--{attribute.name.replace('_', '-')} must be >= 0, got {value}")
+
+
+def _positive(instance, attribute, value):
+    if value is not None and value <= 0:
+        raise FixresError(f"--{attribute.name.replace('_', '-')} must be > 0, got {value}")
+
+
+def _one_of(*choices):
+    def check(instance, attribute, value):
+        if value not in choices:
+            raise FixresError(f"--{attribute.name.replace('_', '-')} must be one of {', '.join(choices)}; got {value!r}")
+    return check
+
+
+def _job_id(instance, attribute, value):
+    if not JOB_ID_PATTERN.match(value):
+        raise FixresError(f"--job-id {value!r} is not safe as a folder name: use 1-128 characters "
+                          "from letters, digits, '.', '_', '-', starting with a letter or digit")
+
+
+def _dist_url(instance, attribute, value):
+    scheme = urlparse(value).scheme
+    if scheme not in ("file", "tcp", "env"):
+        raise FixresError(f"--dist-url {value!r}: the scheme must be file://, tcp:// or env://")
+    if scheme == "tcp":
+        parsed = urlparse(value)
+        if not parsed.hostname or not parsed.port:
+            raise FixresError(f"--dist-url {value!r}: give tcp://HOST:PORT")
+
+
+@attrs.define(frozen=True, kw_only=True)
+class TrainerConfig:
+    """Everything a rank needs to run its part of a job; immutable and validated on creation.
+
+    Sizes are in pixels, ``batch`` is images per process, ``dist_timeout`` is in seconds,
+    ``learning_rate`` is the rate for a global batch of 256 images (scaled linearly, see
+    :func:`fixres_dist.trainer.scaled_learning_rate`). Raises :class:`FixresError` on an invalid
+    value. ``to_json``/``from_json`` give a lossless round trip through ``config.json``.
+    """
+
+    # Where this process sits in the job (see fixres_dist.distributed.resolve_ranks).
+    num_tasks: int = attrs.field(default=1, validator=_positive)
+    global_rank: int = attrs.field(default=0, validator=_non_negative)
+    local_rank: int = attrs.field(default=0, validator=_non_negative)
+    job_id: str = attrs.field(default="local", validator=_job_id)
+    dist_backend: str = attrs.field(default="gloo", validator=_one_of("gloo", "nccl"))
+    dist_url: str = attrs.field(default="env://", validator=_dist_url)
+    dist_timeout: float = attrs.field(default=300.0, validator=_positive)
+    shared_folder_path: str = "runs"
+
+    # What to train, on what.
+    mode: str = attrs.field(default="scratch", validator=_one_of("scratch", "finetune"))
+    data_path: str | None = None
+    architecture: str = "resnet18"
+    weight_path: str | None = None
+    train_size: int | None = attrs.field(default=None, validator=_positive)
+    input_size: int = attrs.field(default=32, validator=_positive)
+    test_size: int | None = attrs.field(default=None, validator=_positive)
+
+    # How.
+    batch: int = attrs.field(default=64, validator=_positive)
+    epochs: int = attrs.field(default=6, validator=_positive)
+    learning_rate: float = attrs.field(default=0.4, validator=_positive)
+    momentum: float = attrs.field(default=0.9, validator=_non_negative)
+    weight_decay: float = attrs.field(default=5e-5, validator=_non_negative)
+    warmup_epochs: float = attrs.field(default=1.0, validator=_non_negative)
+    dist_bn: str = attrs.field(default="reduce", validator=_one_of("reduce", "broadcast"))
+    workers: int = attrs.field(default=2, validator=_non_negative)
+    seed: int = attrs.field(default=0, validator=_non_negative)
+    device: str = attrs.field(default="cpu", validator=_one_of("cpu", "cuda"))
+    progress: bool = True
+
+    def __attrs_post_init__(self):
+        if self.global_rank >= self.num_tasks:
+            raise FixresError(f"--global-rank {self.global_rank} must be < --num-tasks {self.num_tasks}")
+        if self.local_rank >= self.num_tasks:
+            raise FixresError(f"--local-rank {self.local_rank} must be < --num-tasks {self.num_tasks}")
+        if self.mode == "finetune" and not self.weight_path:
+            raise FixresError("main_finetune.py needs --weight-path (a checkpoint.pth or a state_dict file)")
+
+    @property
+    def job_folder(self) -> Path:
+        """``<shared_folder_path>/<job_id>``: where config.json, metrics.jsonl and checkpoint.pth go."""
+        return Path(self.shared_folder_path) / self.job_id
+
+    @property
+    def eval_size(self) -> int:
+        """The test resolution in pixels (``test_size``, or ``input_size`` when not given)."""
+        return self.test_size or self.input_size
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainerConfig":
+        """Build from a dict as written by :meth:`to_dict`; raises FixresError on unknown keys."""
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise FixresError(f"config has unknown keys {unknown}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainerConfig":
+        return cls.from_dict(json.loads(text))

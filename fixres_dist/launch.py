@@ -1,0 +1,110 @@
+"""From a command line to running ranks: resolve placement, check inputs, run or spawn, exit status.
+
+Exit status: 0 on success; 1 on any failure, after one line ``fixres_dist: rank R: <cause>`` on
+stderr (a traceback is printed before it only for unexpected errors, i.e. bugs); 2 for command-line
+usage errors (argparse). Bad input is found here, before any rank starts or anything is written.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import attrs
+import torch.multiprocessing as mp
+
+from . import data, distributed, models
+from .cli import build_parser, config_fields
+from .config import TrainerConfig
+from .errors import FixresError
+from .trainer import Trainer
+
+
+def build_config(mode: str, args: argparse.Namespace, environ=None) -> tuple[TrainerConfig, str]:
+    """Resolve ranks for parsed ``args``; returns ``(config, placement source)``.
+
+    In spawn mode the config is rank 0's; :func:`spawn` derives the others.
+    Raises :class:`FixresError` on invalid or conflicting values.
+    """
+    placement = distributed.resolve_placement(args.num_tasks, args.global_rank, args.local_rank,
+                                              args.job_id, args.dist_url, environ)
+    fields = config_fields(args, mode)
+    job_id = placement.job_id or distributed.default_job_id()
+    config = TrainerConfig(num_tasks=placement.num_tasks, global_rank=placement.global_rank,
+                           local_rank=placement.local_rank, job_id=job_id,
+                           dist_url=placement.dist_url or "env://", **fields)
+    if placement.dist_url is None and placement.num_tasks > 1:
+        config = attrs.evolve(config, dist_url=distributed.file_rendezvous_url(config.job_folder))
+    return config, placement.source
+
+
+def preflight(config: TrainerConfig) -> None:
+    """Check data, architecture and weights before anything starts; raises FixresError."""
+    classes = data.check_image_folder(config.data_path or data.embedded_data_path())
+    models.check_architecture(config.architecture)
+    if config.weight_path:
+        state, _ = models.read_weight_file(config.weight_path)
+        models.load_weights(models.build_model(config.architecture, len(classes)), state, config.weight_path)
+
+
+def run_rank(config: TrainerConfig) -> dict:
+    """Run one rank, turning any failure into one stderr line and ``SystemExit(1)``."""
+    try:
+        return Trainer(config)()
+    except FixresError as exc:
+        print(f"fixres_dist: rank {config.global_rank}: {exc}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print(f"fixres_dist: rank {config.global_rank}: interrupted", file=sys.stderr, flush=True)
+    except Exception as exc:  # a bug or a lost peer: keep the traceback, end with the one-line cause
+        traceback.print_exc()
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(f"fixres_dist: rank {config.global_rank}: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+def _spawned_rank(index: int, config: TrainerConfig) -> None:
+    run_rank(attrs.evolve(config, global_rank=index, local_rank=index))
+
+
+def spawn(config: TrainerConfig) -> None:
+    """Start ``config.num_tasks`` local ranks and wait; if one fails the others are terminated."""
+    try:
+        mp.start_processes(_spawned_rank, args=(config,), nprocs=config.num_tasks, join=True,
+                           start_method="spawn")
+    except mp.ProcessExitedException as exc:
+        print(f"fixres_dist: rank {exc.error_index} exited with status {exc.exit_code}; "
+              f"stopped the other ranks", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except mp.ProcessRaisedException as exc:
+        print(f"fixres_dist: rank {exc.error_index} failed: {str(exc).strip().splitlines()[-1]}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
+def main(mode: str, argv: list[str] | None = None) -> None:
+    """Entry point of ``main_scratch.py`` (``mode="scratch"``) and ``main_finetune.py`` (``"finetune"``)."""
+    args = build_parser(mode).parse_args(argv)
+    try:
+        config, source = build_config(mode, args)
+        if source in ("spawn", "single") or config.global_rank == 0:
+            preflight(config)
+    except FixresError as exc:
+        rank = args.global_rank if args.global_rank is not None else \
+            os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+        print(f"fixres_dist: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    if source == "spawn":
+        spawn(config)
+    else:
+        run_rank(config)
+
+
+def main_scratch() -> None:
+    """Console entry point ``fixres-scratch`` (same as ``python main_scratch.py``)."""
+    main("scratch")
+
+
+def main_finetune() -> None:
+    """Console entry point ``fixres-finetune`` (same as ``python main_finetune.py``)."""
+    main("finetune")

@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fixres_dist",
+    version="0.1.0",
+    description="DistributedDataParallel training and FixRes train-test resolution finetuning of image classifiers",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["fixres_dist", "fixres_dist.*"]),
+    package_data={"fixres_dist": ["embedded_data/fashion_mnist/LICENSE",
+                                  "embedded_data/fashion_mnist/*/*/*.png"]},
+    py_modules=["main_scratch", "main_finetune"],
+    install_requires=["torch>=2.4", "torchvision>=0.19", "submitit>=1.5", "attrs>=23.1", "numpy", "tqdm",
+                      "matplotlib"],
+    extras_require={"test": ["pytest>=7"]},
+    entry_points={"console_scripts": [
+        "fixres-scratch=fixres_dist.launch:main_scratch",
+        "fixres-finetune=fixres_dist.launch:main_finetune",
+    ]},
+)

@@ -1,0 +1,76 @@
+"""Shared fixtures: small real ImageFolders cut from the embedded Fashion-MNIST, clean environment."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixres_dist.data import embedded_data_path
+
+ROOT = Path(__file__).resolve().parents[1]
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_ID",
+            "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
+            "SLURM_CPUS_PER_TASK")
+
+
+@pytest.fixture(autouse=True)
+def clean_rank_env(monkeypatch):
+    """Tests run outside any launcher: no torchrun or SLURM variables leak in."""
+    for name in RANK_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def make_subset(dest: Path, train_per_class: int, val_per_class: int, classes: int = 10) -> Path:
+    """Copy the first images of the embedded data set into ``dest`` (ImageFolder layout)."""
+    src = embedded_data_path()
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for folder in sorted((src / split).iterdir())[:classes]:
+            (dest / split / folder.name).mkdir(parents=True)
+            for image in sorted(folder.iterdir())[:count]:
+                shutil.copy(image, dest / split / folder.name / image.name)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """10 classes, 8 train and 3 val images per class (80 train, 30 val)."""
+    return make_subset(tmp_path_factory.mktemp("tiny"), 8, 3)
+
+
+@pytest.fixture(scope="session")
+def odd_val_data(tmp_path_factory) -> Path:
+    """5 classes with 7 val images each: 35 images, divisible by neither 2 nor 3."""
+    return make_subset(tmp_path_factory.mktemp("odd"), 4, 7, classes=5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+    env["PYTHONPATH"] = str(ROOT)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+FAST = ["--input-size", "32", "--batch", "8", "--epochs", "1", "--workers", "0", "--no-progress"]
+
+
+def run_script(script: str, *args, timeout: float = 240, env: dict | None = None, cwd=None):
+    """Run ``main_<script>.py`` as a real process; returns CompletedProcess (text)."""
+    cmd = [sys.executable, str(ROOT / f"main_{script}.py"), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=cwd)
+
+
+def start_script(script: str, *args, env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / f"main_{script}.py"), *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or clean_env())

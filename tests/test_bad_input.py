@@ -1,0 +1,95 @@
+"""Bad input: one clear line on stderr, no traceback, non-zero exit, nothing written."""
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import torch
+
+from conftest import FAST, make_subset, run_script
+from fixres_dist import models
+from fixres_dist.launch import main
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("weights")
+    files = {"resnet18_10": models.build_model("resnet18", 10).state_dict(),
+             "resnet18_7": models.build_model("resnet18", 7).state_dict(),
+             "resnet34_10": models.build_model("resnet34", 10).state_dict()}
+    for name, state in files.items():
+        torch.save(state, folder / f"{name}.pth")
+    (folder / "empty.pth").write_bytes(b"")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def broken_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("broken")
+    no_val = make_subset(root / "no_val", 2, 1, classes=3)
+    shutil.rmtree(no_val / "val")
+    empty_class = make_subset(root / "empty_class", 2, 1, classes=3)
+    for image in (empty_class / "train" / "1_trouser").iterdir():
+        image.unlink()
+    differ = make_subset(root / "differ", 2, 1, classes=3)
+    (differ / "val" / "2_pullover").rename(differ / "val" / "2_jumper")
+    return root
+
+
+CASES = {
+    "rank >= num tasks": (["--num-tasks", "2", "--global-rank", "2", "--job-id", "x"], "--global-rank 2 must be < --num-tasks 2"),
+    "negative rank": (["--num-tasks", "2", "--global-rank", "-1", "--job-id", "x"], "--global-rank must be >= 0"),
+    "local rank >= num tasks": (["--num-tasks", "2", "--global-rank", "0", "--local-rank", "5", "--job-id", "x"], "--local-rank 5"),
+    "zero tasks": (["--num-tasks", "0"], "--num-tasks must be >= 1"),
+    "missing data": (["--data-path", "{tmp}/nowhere"], "does not exist"),
+    "no val folder": (["--data-path", "{broken}/no_val"], "has no val/ folder"),
+    "empty class folder": (["--data-path", "{broken}/empty_class"], "1_trouser holds no images"),
+    "class folders differ": (["--data-path", "{broken}/differ"], "train and val class folders differ"),
+    "unknown architecture": (["--architecture", "resnet81"], "did you mean resnet18"),
+    "unsafe job id": (["--job-id", "../up"], "not safe as a folder name"),
+    "bad dist url": (["--dist-url", "http://host:1"], "file://, tcp:// or env://"),
+    "missing weights": (["--weight-path", "{tmp}/none.pth"], "does not exist"),
+    "empty weight file": (["--weight-path", "{weights}/empty.pth"], "cannot read weight file"),
+    "other architecture": (["--weight-path", "{weights}/resnet34_10.pth"], "unexpected keys e.g. layer1.2"),
+    "other class count": (["--weight-path", "{weights}/resnet18_7.pth"], "fc.weight (7, 512) vs model (10, 512)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_fails_cleanly(case, tmp_path, weights, broken_data, capsys):
+    args, message = CASES[case]
+    args = [a.format(tmp=tmp_path, weights=weights, broken=broken_data) for a in args]
+    shared = tmp_path / "shared"
+    mode = "finetune" if "--weight-path" in args else "scratch"
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        main(mode, [*args, "--shared-folder-path", str(shared), *FAST])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("fixres_dist: rank ") and message in err, err
+    assert not shared.exists()
+    assert time.monotonic() - start < 30
+
+
+def test_finetune_without_weights_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main("finetune", ["--shared-folder-path", str(tmp_path / "s"), *FAST])
+    assert exit_info.value.code == 1
+    assert "needs --weight-path" in capsys.readouterr().err
+
+
+def test_argparse_rejects_non_positive_sizes(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main("scratch", ["--input-size", "0"])
+    assert exit_info.value.code == 2
+    assert "must be a positive integer" in capsys.readouterr().err
+
+
+def test_real_process_exit_status_and_single_line(tmp_path):
+    proc = run_script("scratch", "--num-tasks", "3", "--global-rank", "3", "--job-id", "x",
+                      "--shared-folder-path", tmp_path / "shared", timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "fixres_dist: rank 3: --global-rank 3 must be < --num-tasks 3"
+    assert not (tmp_path / "shared").exists()

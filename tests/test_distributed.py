@@ -1,0 +1,122 @@
+"""Real gloo ranks on localhost: DDP steps, exact evaluation, separately started ranks, timeouts."""
+from __future__ import annotations
+
+import json
+import time
+
+import attrs
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import FAST, clean_env, free_port, run_script, start_script
+from fixres_dist import TrainerConfig, Trainer, data, distributed, metrics, models
+
+
+def _identical_after_step(rank, world, port, data_path, out):
+    config = TrainerConfig(num_tasks=world, global_rank=rank, local_rank=rank, job_id="step",
+                           dist_url=f"tcp://127.0.0.1:{port}", shared_folder_path=str(out), data_path=str(data_path),
+                           batch=8, workers=0, progress=False, dist_timeout=60)
+    trainer = Trainer(config)
+    trainer._setup_process_group()
+    trainer._prepare_job_folder()
+    trainer._build_data()
+    torch.manual_seed(1000 + rank)  # different init per rank: DDP must broadcast rank 0's weights
+    trainer._build_model()
+    trainer._build_optimizer()
+    before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).clone()
+    trainer.train_loader.batch_sampler.set_epoch(0)
+    images, labels = next(iter(trainer.train_loader))
+    trainer._train_step(images, labels)
+    after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    gathered = [torch.empty_like(after) for _ in range(world)]
+    torch.distributed.all_gather(gathered, after)
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "identical": all(torch.equal(g, gathered[0]) for g in gathered),
+        "moved": not torch.equal(before, after)}))
+    distributed.destroy_process_group()
+
+
+def test_ranks_hold_identical_parameters_after_one_ddp_step(tiny_data, tmp_path):
+    mp.start_processes(_identical_after_step, args=(2, free_port(), tiny_data, tmp_path), nprocs=2,
+                       start_method="spawn")
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"identical": True, "moved": True}
+
+
+def _evaluate_rank(rank, world, port, data_path, out):
+    torch.set_num_threads(1)
+    distributed.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world, 60)
+    torch.manual_seed(0)
+    model = models.build_model("resnet18", 5)
+    val = data.image_folder(data_path, "val")
+    loader = data.make_loader(val, data.test_transform(32), batch_size=4, world_size=world, rank=rank,
+                              shuffle=False, seed=0, workers=0)
+    result = metrics.evaluate(model, loader, torch.device("cpu"))
+    (out / f"w{world}r{rank}.json").write_text(json.dumps(attrs.asdict(result)))
+    distributed.destroy_process_group()
+
+
+def test_exact_evaluation_is_independent_of_world_size(odd_val_data, tmp_path):
+    results = {}
+    for world in (1, 2, 3):
+        if world == 1:
+            _evaluate_rank(0, 1, 0, odd_val_data, tmp_path)
+        else:
+            mp.start_processes(_evaluate_rank, args=(world, free_port(), odd_val_data, tmp_path), nprocs=world,
+                               start_method="spawn")
+        results[world] = [json.loads((tmp_path / f"w{world}r{r}.json").read_text()) for r in range(world)]
+    reference = results[1][0]
+    assert reference["images"] == 35
+    for world, per_rank in results.items():
+        for r in per_rank:
+            assert r["images"] == 35
+            assert r["top1"] == reference["top1"] and r["top5"] == reference["top5"]
+            assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+
+
+def test_separately_started_ranks_meet_despite_a_stale_rendezvous_file(tiny_data, tmp_path):
+    job = tmp_path / "shared" / "sep"
+    job.mkdir(parents=True)
+    # leftover of a crashed run: points at a port nobody listens on
+    (job / "rendezvous.json").write_text(json.dumps({"host": "127.0.0.1", "port": free_port(), "nonce": "old"}))
+    common = ["--num-tasks", 2, "--job-id", "sep", "--shared-folder-path", tmp_path / "shared",
+              "--data-path", tiny_data, "--dist-timeout", 90, *FAST]
+    rank1 = start_script("scratch", "--global-rank", 1, "--local-rank", 1, *common)
+    time.sleep(3)
+    rank0 = start_script("scratch", "--global-rank", 0, "--local-rank", 0, *common)
+    out0, err0 = rank0.communicate(timeout=240)
+    out1, err1 = rank1.communicate(timeout=60)
+    assert rank0.returncode == 0, err0
+    assert rank1.returncode == 0, err1
+    events = [json.loads(line)["event"] for line in (job / "metrics.jsonl").read_text().splitlines()]
+    assert events.count("eval") == 1 and events.count("train") == 1
+    assert not (job / "rendezvous.json").exists()
+    assert (job / "checkpoint.pth").exists()
+
+
+@pytest.mark.parametrize("rank, message", [(1, "rank 0 did not open the rendezvous"),
+                                           (0, "rank(s) 1 of 2 never arrived")])
+def test_a_rank_whose_peers_never_arrive_times_out(tiny_data, tmp_path, rank, message):
+    start = time.monotonic()
+    proc = run_script("scratch", "--num-tasks", 2, "--global-rank", rank, "--job-id", "alone",
+                      "--shared-folder-path", tmp_path, "--data-path", tiny_data, "--dist-timeout", 4, *FAST,
+                      timeout=60)
+    assert proc.returncode == 1
+    assert message in proc.stderr and f"rank {rank}:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_torchrun_launch_agrees_on_one_job_folder(tiny_data, tmp_path):
+    import subprocess, sys
+    from conftest import ROOT
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(ROOT / "main_scratch.py"), "--shared-folder-path", str(tmp_path), "--data-path", str(tiny_data),
+           *map(str, FAST)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folders = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert len(folders) == 1
+    config = TrainerConfig.from_json((folders[0] / "config.json").read_text())
+    assert config.num_tasks == 2 and config.dist_url == "env://"

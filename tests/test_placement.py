@@ -1,0 +1,62 @@
+"""Rank resolution: each source, the precedence between them, and conflicts."""
+import pytest
+
+from fixres_dist import FixresError
+from fixres_dist.distributed import resolve_placement
+
+TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none"}
+SLURM = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "777",
+         "SLURM_NTASKS_PER_NODE": "2"}
+
+
+def test_explicit_flags():
+    p = resolve_placement(4, 3, 1, "job", None, environ={})
+    assert (p.source, p.num_tasks, p.global_rank, p.local_rank, p.job_id) == ("flags", 4, 3, 1, "job")
+
+
+def test_explicit_flags_default_local_rank_and_beat_slurm():
+    p = resolve_placement(2, 1, None, "job", None, environ=SLURM)
+    assert (p.source, p.global_rank, p.local_rank, p.num_tasks) == ("flags", 1, 1, 2)
+
+
+def test_torchrun_env():
+    p = resolve_placement(environ=TORCHRUN)
+    assert (p.source, p.num_tasks, p.global_rank, p.local_rank, p.dist_url) == ("torchrun", 2, 1, 1, "env://")
+    assert p.job_id is None  # agreed later through rank 0
+    assert resolve_placement(environ={**TORCHRUN, "TORCHELASTIC_RUN_ID": "abc"}).job_id == "abc"
+
+
+def test_torchrun_beats_slurm():
+    p = resolve_placement(environ={**SLURM, **TORCHRUN})
+    assert p.source == "torchrun" and p.global_rank == 1
+
+
+def test_slurm_env():
+    p = resolve_placement(environ=SLURM)
+    assert (p.source, p.num_tasks, p.global_rank, p.local_rank, p.job_id, p.local_world_size) == \
+        ("slurm", 4, 3, 1, "777", 2)
+    array = resolve_placement(environ={**SLURM, "SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"})
+    assert array.job_id == "70_3"
+
+
+def test_spawn_and_single():
+    assert resolve_placement(3, environ={}).source == "spawn"
+    single = resolve_placement(environ={})
+    assert (single.source, single.num_tasks, single.global_rank) == ("single", 1, 0)
+    assert resolve_placement(1, environ={}).source == "single"
+
+
+@pytest.mark.parametrize("args, environ, message", [
+    ((4,), TORCHRUN, "--num-tasks 4 conflicts with WORLD_SIZE=2"),
+    ((4, 0, 0, "j"), TORCHRUN, "--num-tasks 4 conflicts with WORLD_SIZE=2"),
+    ((2,), SLURM, "--num-tasks 2 conflicts with SLURM_NTASKS=4"),
+    ((None, 0), {}, "--global-rank needs --num-tasks"),
+    ((2, None, 1, "j"), {}, "--local-rank needs --global-rank"),
+    ((2, 1), {}, "must share a --job-id"),
+    ((0,), {}, "--num-tasks must be >= 1"),
+    ((), {**TORCHRUN, "RANK": "x"}, "RANK='x' is not an integer"),
+])
+def test_conflicts_and_incomplete(args, environ, message):
+    with pytest.raises(FixresError, match=message):
+        resolve_placement(*args, environ=environ)

@@ -1,14 +1,24 @@
-"""Checkpoint files: written atomically (temporary file, fsync, rename), read without executing code.
+"""Checkpoint files: complete, written atomically, the last K kept, read without executing code.
 
-A checkpoint is a plain dict ``{"format_version", "model", "optimizer", "scheduler", "epoch",
-"config", "metrics"}``; the model state is the unwrapped module's (no ``module.`` prefix), the
-config a plain dict so that ``torch.load(weights_only=True)`` reads it.
+Layout in the job folder: ``checkpoint-<global step>.pth`` files (the last ``keep`` of them) and
+``checkpoint.pth``, a hard link to the newest. Every file is written to a temporary name, fsynced
+and renamed, and the folder is fsynced, so a reader sees a complete old or new checkpoint, never a
+partial one, whatever kills the writer (full disk, SIGKILL, lost node).
+
+Contents (a plain dict, readable with ``torch.load(weights_only=True)``): ``format_version``,
+``model`` (the unwrapped module's state), ``optimizer``, ``schedule`` (base LR and progress in
+epochs), ``scaler`` (AMP GradScaler state or None), ``epoch`` and ``images_in_epoch`` (where the
+sampler resumes), ``global_step``, ``ranks`` (per rank: RNG states of torch, CUDA, numpy, random and
+the rank's BatchNorm buffers), ``config`` (a plain dict) and ``metrics`` (the events so far).
 """
 from __future__ import annotations
 
 import os
+import random
+import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .errors import FixresError
@@ -17,34 +27,61 @@ CHECKPOINT_FILE = "checkpoint.pth"
 FORMAT_VERSION = 1
 
 
-def save_checkpoint(path: str | Path, state: dict) -> None:
-    """Write ``state`` to ``path`` atomically: a reader sees the old file or the new one, never half.
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
-    Raises :class:`FixresError` (and leaves the previous file intact) when the write fails, e.g. on
-    a full or read-only disk.
+
+def _replace_with_link(source: Path, target: Path) -> None:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:  # file systems without hard links: copy instead
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
+
+
+def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int = 2,
+                    fault_hook=None) -> Path:
+    """Write ``state`` as ``checkpoint-<global_step>.pth``, point ``checkpoint.pth`` at it, keep ``keep``.
+
+    ``fault_hook(global_step, file)`` is called mid-write (tests). Raises :class:`FixresError` when
+    the write fails (full or read-only disk); the previous checkpoints are left intact.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    folder = Path(folder)
+    path = folder / f"checkpoint-{global_step:08d}.pth"
+    tmp = folder / f".{path.name}.{os.getpid()}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
+            if fault_hook is not None:
+                fault_hook(global_step, f)
             torch.save({"format_version": FORMAT_VERSION, **state}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _replace_with_link(path, folder / CHECKPOINT_FILE)
+        _fsync_dir(folder)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise FixresError(f"cannot write checkpoint {path}: {exc.strerror or exc}; the previous checkpoint is kept") from None
+        raise FixresError(f"cannot write checkpoint in {folder}: {exc.strerror or exc}; "
+                          "the previous checkpoint is kept") from None
+    for old in sorted(folder.glob("checkpoint-*.pth"))[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
 
 
 def load_checkpoint(path: str | Path) -> dict:
     """Read a checkpoint with ``weights_only=True``; raises FixresError if unreadable or too new."""
     path = Path(path)
+    if not path.is_file():
+        raise FixresError(f"checkpoint {path} does not exist")
+    if path.stat().st_size == 0:
+        raise FixresError(f"checkpoint {path} is empty (0 bytes)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # corrupt files raise many types inside torch.load
@@ -55,3 +92,24 @@ def load_checkpoint(path: str | Path) -> dict:
         raise FixresError(f"{path} has checkpoint format {state['format_version']}, newer than this "
                           f"fixres_dist reads ({FORMAT_VERSION}); upgrade fixres_dist")
     return state
+
+
+def rng_state() -> dict:
+    """This process's RNG states (torch, CUDA, numpy, random) as plain data."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                      "has_gauss": has_gauss, "gauss": gauss},
+            "random": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    version, internal, gauss = state["random"]
+    random.setstate((version, tuple(internal), gauss))

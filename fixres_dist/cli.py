@@ -56,6 +56,13 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     t.add_argument("--workers", type=int, help="data loader worker processes per rank (default 2)")
     t.add_argument("--seed", type=int)
     t.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    c = p.add_argument_group("checkpoints and preemption")
+    c.add_argument("--ckpt-every", type=int, help="also checkpoint every N optimizer steps (default: epoch ends only)")
+    c.add_argument("--keep-checkpoints", type=int, help="numbered checkpoints to keep (default 2)")
+    c.add_argument("--resume", help="checkpoint to resume from (default: the job folder's checkpoint.pth, if any)")
+    c.add_argument("--preempt-signal", help="signal that means 'checkpoint and stop' besides SIGTERM (default SIGUSR2)")
+    c.add_argument("--skip-bad-images", action="store_true", default=None,
+                   help="skip and count unreadable images instead of stopping")
     t.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                    help="no progress bar")
     return p

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -29,6 +30,11 @@ def _one_of(*choices):
         if value not in choices:
             raise FixresError(f"--{attribute.name.replace('_', '-')} must be one of {', '.join(choices)}; got {value!r}")
     return check
+
+
+def _signal_name(instance, attribute, value):
+    if not (value.startswith("SIG") and hasattr(signal.Signals, value)) or value in ("SIGKILL", "SIGSTOP"):
+        raise FixresError(f"--preempt-signal {value!r} is not a catchable signal name such as SIGUSR2")
 
 
 def _job_id(instance, attribute, value):
@@ -88,6 +94,13 @@ class TrainerConfig:
     seed: int = attrs.field(default=0, validator=_non_negative)
     device: str = attrs.field(default="cpu", validator=_one_of("cpu", "cuda"))
     progress: bool = True
+
+    # Never lose work (checkpoint.py): periodic checkpoints, resume, preemption.
+    ckpt_every: int | None = attrs.field(default=None, validator=_positive)
+    keep_checkpoints: int = attrs.field(default=2, validator=_positive)
+    resume: str | None = None
+    preempt_signal: str = attrs.field(default="SIGUSR2", validator=_signal_name)
+    skip_bad_images: bool = False
 
     def __attrs_post_init__(self):
         if self.global_rank >= self.num_tasks:

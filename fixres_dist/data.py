@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 from torchvision import datasets
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import v2
@@ -99,21 +99,37 @@ class SeededDataset(Dataset):
     Indexed by :class:`~fixres_dist.samplers.SampleKey`. The torch RNG is reseeded per sample from
     ``numpy.random.SeedSequence([seed, epoch, index])`` inside ``torch.random.fork_rng``, so the
     same image gets the same crop whatever the rank, the loader worker or the restart point.
-    Returns ``(uint8 tensor (3, H, W), int label)``.
+    Returns ``(uint8 tensor (3, H, W), int label)``, or ``None`` for an unreadable image when
+    ``skip_bad_images`` (else :class:`FixresError` naming the file).
     """
 
-    def __init__(self, base: datasets.ImageFolder, transform: v2.Transform, seed: int):
-        self.base, self.transform, self.seed = base, transform, seed
+    def __init__(self, base: datasets.ImageFolder, transform: v2.Transform, seed: int, skip_bad_images: bool = False):
+        self.base, self.transform, self.seed, self.skip_bad_images = base, transform, seed, skip_bad_images
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __getitem__(self, key: SampleKey):
-        image, label = self.base[key.index]
+        try:
+            image, label = self.base[key.index]
+        except (OSError, ValueError, SyntaxError) as exc:  # PIL's UnidentifiedImageError is an OSError
+            if self.skip_bad_images:
+                return None
+            raise FixresError(f"unreadable image {self.base.samples[key.index][0]} ({type(exc).__name__}); "
+                              "fix or remove it, or pass --skip-bad-images") from None
         sample_seed = int(np.random.SeedSequence([self.seed, key.epoch, key.index]).generate_state(1)[0])
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(sample_seed)
             return self.transform(image), label
+
+
+def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Stack readable samples; returns ``(uint8 images (B, 3, H, W), int64 labels (B,), skipped)``."""
+    good = [s for s in samples if s is not None]
+    if not good:
+        raise FixresError(f"all {len(samples)} images of a batch are unreadable")
+    images, labels = default_collate(good)
+    return images, labels, len(samples) - len(good)
 
 
 def image_folder(root: str | Path, split: str) -> datasets.ImageFolder:
@@ -123,7 +139,7 @@ def image_folder(root: str | Path, split: str) -> datasets.ImageFolder:
 
 def make_loader(dataset: datasets.ImageFolder, transform: v2.Transform, *, batch_size: int,
                 world_size: int, rank: int, shuffle: bool, seed: int, workers: int,
-                pin_memory: bool = False) -> DataLoader:
+                pin_memory: bool = False, skip_bad_images: bool = False) -> DataLoader:
     """A DataLoader over ``dataset`` for one rank with an :class:`ExactBatchSampler`.
 
     Loader workers are seeded by torch from a generator seeded with ``seed + rank`` (distinct per
@@ -133,6 +149,7 @@ def make_loader(dataset: datasets.ImageFolder, transform: v2.Transform, *, batch
     # Ranks started by torch.multiprocessing's spawn inherit "spawn" as the default start method,
     # and spawned loader workers re-import torch (seconds each on a small CPU); fork them instead.
     context = "fork" if workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
-    return DataLoader(SeededDataset(dataset, transform, seed), batch_sampler=sampler, num_workers=workers,
+    return DataLoader(SeededDataset(dataset, transform, seed, skip_bad_images), batch_sampler=sampler,
+                      num_workers=workers, collate_fn=collate_readable,
                       pin_memory=pin_memory, persistent_workers=workers > 0, multiprocessing_context=context,
                       generator=torch.Generator().manual_seed(seed + rank))

@@ -38,6 +38,7 @@ from .errors import FixresError
 
 RENDEZVOUS_FILE = "rendezvous.json"
 _PROBE_SECONDS = 3.0
+_STORE: dist.Store | None = None  # this process's rendezvous store, once the group formed
 
 
 @attrs.frozen
@@ -241,6 +242,7 @@ def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, 
     """Meet the other ranks and create the default process group (no-op for world size 1)."""
     if world_size == 1:
         return
+    global _STORE
     store = make_store(dist_url, rank, world_size, timeout)
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
@@ -248,6 +250,56 @@ def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, 
     except (RuntimeError, dist.DistError) as exc:
         raise FixresError(f"process group ({backend}) did not form within {timeout:g} s: "
                           f"{str(exc).strip().splitlines()[0]}") from None
+    store.set(f"fixres/process/{rank}", f"{socket.gethostname()} {os.getpid()}")
+    _STORE = store
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and line.split()[1] in ("Z", "X") for line in f)
+    except OSError:
+        return False
+
+
+def announce_failure(reason: str) -> None:
+    """Tell the other ranks, through the rendezvous store, why this rank is about to stop."""
+    if _STORE is not None and is_initialized():
+        try:
+            _STORE.set(f"fixres/failed/{dist.get_rank()}", reason[:300])
+        except Exception:  # best effort: the store may be gone with rank 0
+            pass
+
+
+def lost_peers(wait: float = 3.0) -> str:
+    """Which peer ranks failed or vanished, as a phrase, after a collective failed ("" if none known).
+
+    A rank that failed with an exception announced it (:func:`announce_failure`); ranks on this host
+    that were killed are found by process id; if the rendezvous store (hosted by rank 0) no longer
+    answers, rank 0 is gone. Polls for up to ``wait`` seconds, as a dying peer may still be exiting.
+    """
+    if _STORE is None or not is_initialized():
+        return ""
+    me, world = dist.get_rank(), dist.get_world_size()
+    _STORE.set_timeout(datetime.timedelta(seconds=3))
+    deadline = time.monotonic() + wait
+    while True:
+        gone = []
+        for rank in range(world):
+            if rank == me:
+                continue
+            try:
+                if _STORE.check([f"fixres/failed/{rank}"]):
+                    gone.append(f"rank {rank}, which failed: {_STORE.get(f'fixres/failed/{rank}').decode()}")
+                    continue
+                host, pid = _STORE.get(f"fixres/process/{rank}").decode().split()
+            except Exception:  # the store died with its host process, rank 0
+                return "rank 0 (and with it the rendezvous store)"
+            if host == socket.gethostname() and not _process_alive(int(pid)):
+                gone.append(f"rank {rank} (pid {pid} is gone)")
+        if gone or time.monotonic() > deadline:
+            return "; ".join(gone)
+        time.sleep(0.2)
 
 
 def is_initialized() -> bool:
@@ -276,6 +328,8 @@ def barrier() -> None:
 
 
 def destroy_process_group() -> None:
+    global _STORE
+    _STORE = None
     if is_initialized():
         dist.destroy_process_group()
 

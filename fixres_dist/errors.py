@@ -9,3 +9,14 @@ other exception is a bug and keeps its traceback.
 
 class FixresError(Exception):
     """A user-facing error; its message is one line that says what is wrong and what to do."""
+
+
+def user_message(exc: BaseException) -> str | None:
+    """The one-line message of a FixresError, also when a DataLoader worker re-raised it wrapped."""
+    if isinstance(exc, FixresError) and "Original Traceback" not in str(exc):
+        return str(exc)
+    text = str(exc)
+    marker = "FixresError: "
+    if marker in text:
+        return text.rsplit(marker, 1)[1].strip().splitlines()[0]
+    return None

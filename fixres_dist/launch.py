@@ -2,12 +2,14 @@
 
 Exit status: 0 on success; 1 on any failure, after one line ``fixres_dist: rank R: <cause>`` on
 stderr (a traceback is printed before it only for unexpected errors, i.e. bugs); 2 for command-line
-usage errors (argparse). Bad input is found here, before any rank starts or anything is written.
+usage errors (argparse); 3 after a preemption (SIGTERM or the preemption signal): every rank wrote
+the checkpoint, and running the same command again resumes. Bad input is found here, before any rank starts or anything is written.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 
@@ -17,8 +19,8 @@ import torch.multiprocessing as mp
 from . import data, distributed, models
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
-from .errors import FixresError
-from .trainer import Trainer
+from .errors import FixresError, user_message
+from .trainer import PREEMPTED_EXIT_STATUS, Preempted, Trainer
 
 
 def build_config(mode: str, args: argparse.Namespace, environ=None) -> tuple[TrainerConfig, str]:
@@ -48,18 +50,28 @@ def preflight(config: TrainerConfig) -> None:
         models.load_weights(models.build_model(config.architecture, len(classes)), state, config.weight_path)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def run_rank(config: TrainerConfig) -> dict:
-    """Run one rank, turning any failure into one stderr line and ``SystemExit(1)``."""
+    """Run one rank; on failure print one stderr line and exit 1 (3 after a preemption checkpoint)."""
+    prefix = f"fixres_dist: rank {config.global_rank}:"
     try:
         return Trainer(config)()
-    except FixresError as exc:
-        print(f"fixres_dist: rank {config.global_rank}: {exc}", file=sys.stderr, flush=True)
+    except Preempted as exc:
+        print(f"{prefix} {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(PREEMPTED_EXIT_STATUS) from None
     except KeyboardInterrupt:
-        print(f"fixres_dist: rank {config.global_rank}: interrupted", file=sys.stderr, flush=True)
-    except Exception as exc:  # a bug or a lost peer: keep the traceback, end with the one-line cause
-        traceback.print_exc()
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"fixres_dist: rank {config.global_rank}: {type(exc).__name__}: {first}", file=sys.stderr, flush=True)
+        print(f"{prefix} interrupted", file=sys.stderr, flush=True)
+    except Exception as exc:  # every failure ends with one line; bugs also get their traceback
+        message = user_message(exc)
+        if message is None:
+            traceback.print_exc()
+        print(f"{prefix} {message or f'{type(exc).__name__}: {_first_line(exc)}'}", file=sys.stderr, flush=True)
+    finally:
+        distributed.destroy_process_group()
     raise SystemExit(1)
 
 
@@ -68,18 +80,35 @@ def _spawned_rank(index: int, config: TrainerConfig) -> None:
 
 
 def spawn(config: TrainerConfig) -> None:
-    """Start ``config.num_tasks`` local ranks and wait; if one fails the others are terminated."""
+    """Start ``config.num_tasks`` local ranks and wait.
+
+    SIGTERM, SIGINT and the preemption signal received by this parent are forwarded to the ranks.
+    When a rank fails the others are terminated; the parent exits 1 (3 if the ranks were preempted
+    and wrote their checkpoint).
+    """
+    context = mp.start_processes(_spawned_rank, args=(config,), nprocs=config.num_tasks, join=False,
+                                 start_method="spawn")
+
+    def forward(signum, frame):
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    forwarded = (signal.SIGTERM, signal.SIGINT, signal.Signals[config.preempt_signal])
+    previous = {s: signal.signal(s, forward) for s in forwarded}
     try:
-        mp.start_processes(_spawned_rank, args=(config,), nprocs=config.num_tasks, join=True,
-                           start_method="spawn")
+        while not context.join():
+            pass
     except mp.ProcessExitedException as exc:
-        print(f"fixres_dist: rank {exc.error_index} exited with status {exc.exit_code}; "
-              f"stopped the other ranks", file=sys.stderr, flush=True)
+        if exc.exit_code == PREEMPTED_EXIT_STATUS:
+            raise SystemExit(PREEMPTED_EXIT_STATUS) from None
+        cause = f"was killed by {signal.Signals(-exc.exit_code).name}" if exc.exit_code < 0 else \
+            f"exited with status {exc.exit_code}"
+        print(f"fixres_dist: rank {exc.error_index} {cause}; stopped the other ranks", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    except mp.ProcessRaisedException as exc:
-        print(f"fixres_dist: rank {exc.error_index} failed: {str(exc).strip().splitlines()[-1]}",
-              file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def main(mode: str, argv: list[str] | None = None) -> None:

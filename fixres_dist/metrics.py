@@ -37,7 +37,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device) -> EvalResult
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # top1 hits, top5 hits, loss sum, count
-    for images, labels in loader:
+    for images, labels, _skipped in loader:
         images = normalize(images.to(device, non_blocking=True))
         labels = labels.to(device, non_blocking=True)
         logits = model(images)

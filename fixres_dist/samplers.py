@@ -32,14 +32,18 @@ class SampleKey(NamedTuple):
 
 
 def global_batches(dataset_size: int, world_size: int, batch_size: int, shuffle: bool,
-                   seed: int, epoch: int) -> list[torch.Tensor]:
-    """The epoch's order cut into global batches (1-D int64 tensors); see the module doc."""
+                   seed: int, epoch: int, skip: int = 0) -> list[torch.Tensor]:
+    """The epoch's order, less its first ``skip`` images, cut into global batches (int64 tensors).
+
+    The order depends only on ``(seed, epoch)``, not on the world size, so a run resumed on another
+    world size continues the same permutation: no image of the epoch is repeated or skipped.
+    """
     if shuffle:
         generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
         order = torch.randperm(dataset_size, generator=generator)
     else:
         order = torch.arange(dataset_size)
-    chunks = list(torch.split(order, world_size * batch_size))
+    chunks = list(torch.split(order[skip:], world_size * batch_size))
     if len(chunks) > 1 and len(chunks[-1]) < 2 * world_size:
         tail = chunks.pop()
         chunks[-1] = torch.cat([chunks[-1], tail])
@@ -67,19 +71,28 @@ class ExactBatchSampler(Sampler[list[SampleKey]]):
             raise ValueError(f"rank {rank} outside [0, {world_size})")
         self.dataset_size, self.world_size, self.rank = dataset_size, world_size, rank
         self.batch_size, self.shuffle, self.seed = batch_size, shuffle, seed
-        self.epoch = 0
+        self.epoch, self.skip = 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Draw batches for ``epoch``, leaving out its first ``skip`` images (already trained on)."""
+        self.epoch, self.skip = epoch, skip
+
+    def images_done(self, batches_done: int) -> int:
+        """Images of the epoch consumed over all ranks after ``batches_done`` batches of this pass."""
+        if batches_done >= len(self):
+            return self.dataset_size
+        return self.skip + batches_done * self.world_size * self.batch_size
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
         for chunk in global_batches(self.dataset_size, self.world_size, self.batch_size,
-                                    self.shuffle, self.seed, self.epoch):
+                                    self.shuffle, self.seed, self.epoch, self.skip):
             mine = chunk[self.rank::self.world_size].tolist()
             if mine:
                 yield [SampleKey(i, self.epoch) for i in mine]
 
     def __len__(self) -> int:
-        full, rest = divmod(self.dataset_size, self.world_size * self.batch_size)
+        full, rest = divmod(self.dataset_size - self.skip, self.world_size * self.batch_size)
         count, last = (full + 1, rest) if rest else (full, self.world_size * self.batch_size)
+        if count == 0:
+            return 0
         return count - 1 if count > 1 and last < 2 * self.world_size else count

@@ -1,0 +1,207 @@
+"""Never lose work: atomic checkpoints, resume (bit-identical), preemption, dead ranks, hostile inputs."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import time
+
+import pytest
+import torch
+
+from conftest import clean_env, make_subset, run_script, start_script
+from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+
+TRAIN = ["--input-size", "32", "--batch", "8", "--epochs", "2", "--workers", "1", "--no-progress"]
+
+
+def train(tmp_path, data, job, *extra, fault=None, timeout=300):
+    env = clean_env(**({"FIXRES_FAULT": fault} if fault else {}))
+    return run_script("scratch", "--num-tasks", 2, "--job-id", job, "--shared-folder-path", tmp_path,
+                      "--data-path", data, *TRAIN, *extra, env=env, timeout=timeout)
+
+
+def final_model(tmp_path, job):
+    return load_checkpoint(tmp_path / job / CHECKPOINT_FILE)
+
+
+def assert_same_parameters(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_data, tmp_path_factory):
+    """Two epochs, two ranks, loader workers, never interrupted."""
+    folder = tmp_path_factory.mktemp("straight")
+    proc = train(folder, tiny_data, "straight")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_model(folder, "straight")
+
+
+def test_preempted_mid_epoch_then_resumed_is_bit_identical(straight, tiny_data, tmp_path):
+    first = train(tmp_path, tiny_data, "job", fault="signal:rank=1:step=3")
+    assert first.returncode == 3, first.stderr[-3000:]
+    assert "preempted by SIGUSR2" in first.stderr
+    state = load_checkpoint(tmp_path / "job" / CHECKPOINT_FILE)
+    assert (state["epoch"], state["global_step"], state["images_in_epoch"]) == (0, 3, 48)
+    assert len(state["ranks"]) == 2 and state["ranks"][0]["rng"]["torch"].dtype == torch.uint8
+    second = train(tmp_path, tiny_data, "job")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "epoch 1, image 48" in second.stdout
+    end = final_model(tmp_path, "job")
+    assert_same_parameters(end["model"], straight["model"])
+    assert end["global_step"] == straight["global_step"] == 10
+    # metrics.jsonl holds each epoch's events once, in order, across the restart
+    events = [json.loads(line) for line in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["epoch"]) for e in events if e["event"] in ("train", "eval")] == \
+        [("train", 1), ("eval", 1), ("train", 2), ("eval", 2)]
+
+
+def test_killed_rank_then_rerun_resumes_from_periodic_checkpoint_bit_identical(straight, tiny_data, tmp_path):
+    start = time.monotonic()
+    first = train(tmp_path, tiny_data, "job", "--ckpt-every", 3, fault="kill:rank=1:step=7")
+    assert first.returncode == 1
+    assert "rank 1 was killed by SIGKILL" in first.stderr
+    assert time.monotonic() - start < 120
+    assert load_checkpoint(tmp_path / "job" / CHECKPOINT_FILE)["global_step"] == 6
+    assert len(list((tmp_path / "job").glob("checkpoint-*.pth"))) == 2  # keep the last K=2
+    second = train(tmp_path, tiny_data, "job", "--ckpt-every", 3)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert_same_parameters(final_model(tmp_path, "job")["model"], straight["model"])
+
+
+def test_separate_ranks_survivor_names_the_killed_rank(tiny_data, tmp_path):
+    common = ["--num-tasks", 2, "--job-id", "k", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+              "--dist-timeout", 120, *TRAIN]
+    env = clean_env(FIXRES_FAULT="kill:rank=1:step=2")
+    rank0 = start_script("scratch", "--global-rank", 0, *common, env=env)
+    rank1 = start_script("scratch", "--global-rank", 1, *common, env=env)
+    assert rank1.wait(timeout=120) == -signal.SIGKILL
+    killed_at = time.monotonic()
+    _, err0 = rank0.communicate(timeout=90)
+    assert rank0.returncode == 1
+    assert time.monotonic() - killed_at < 60
+    last = err0.strip().splitlines()[-1]
+    assert last.startswith("fixres_dist: rank 0: lost rank 1"), err0[-2000:]
+    assert "Traceback" not in err0
+
+
+def test_a_rank_that_raises_shows_its_traceback_once_and_the_others_stop(tiny_data, tmp_path):
+    start = time.monotonic()
+    proc = train(tmp_path, tiny_data, "r", fault="raise:rank=1:step=2")
+    assert proc.returncode == 1
+    assert proc.stderr.count("Traceback") == 1 and "injected fault at step 2" in proc.stderr
+    assert "fixres_dist: rank 1: RuntimeError: injected fault at step 2" in proc.stderr
+    assert "fixres_dist: rank 0: lost rank 1, which failed: RuntimeError: injected fault at step 2" in proc.stderr
+    assert time.monotonic() - start < 120
+
+
+def test_sigterm_to_one_separately_started_rank_checkpoints_both(tiny_data, tmp_path):
+    common = ["--num-tasks", 2, "--job-id", "t", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+              "--dist-timeout", 120, *TRAIN[:-3], "--epochs", "30", "--workers", "0", "--no-progress"]
+    rank0 = start_script("scratch", "--global-rank", 0, *common)
+    rank1 = start_script("scratch", "--global-rank", 1, *common)
+    metrics = tmp_path / "t" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and '"train"' in metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    rank1.send_signal(signal.SIGTERM)
+    _, err1 = rank1.communicate(timeout=60)
+    _, err0 = rank0.communicate(timeout=60)
+    assert (rank0.returncode, rank1.returncode) == (3, 3), err0[-2000:] + err1[-2000:]
+    assert "preempted by SIGTERM" in err1
+    state = load_checkpoint(tmp_path / "t" / CHECKPOINT_FILE)
+    assert state["epoch"] >= 1 and len(state["ranks"]) == 2
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_resume_on_another_world_size(tiny_data, tmp_path, world):
+    first = train(tmp_path, tiny_data, "w", fault="signal:rank=0:step=2")
+    assert first.returncode == 3
+    proc = run_script("scratch", "--num-tasks", world, "--job-id", "w", "--shared-folder-path", tmp_path,
+                      "--data-path", tiny_data, *TRAIN, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"warning: resuming a 2-rank checkpoint on {world} ranks" in proc.stdout
+    assert "epoch 1 continues at image 32 of 80" in proc.stdout
+    assert final_model(tmp_path, "w")["config"]["num_tasks"] == world
+
+
+def test_another_configuration_is_refused(tiny_data, tmp_path):
+    assert train(tmp_path, tiny_data, "c", "--epochs", 1).returncode == 0
+    before = (tmp_path / "c" / CHECKPOINT_FILE).read_bytes()
+    proc = train(tmp_path, tiny_data, "c", "--architecture", "resnet34")
+    assert proc.returncode == 1
+    assert "holds a checkpoint of another configuration (architecture: 'resnet18' -> 'resnet34'" in proc.stderr
+    assert (tmp_path / "c" / CHECKPOINT_FILE).read_bytes() == before
+
+
+def test_job_folder_and_files_are_owner_only(tiny_data, tmp_path):
+    assert train(tmp_path, tiny_data, "o", "--epochs", 1).returncode == 0
+    assert stat.S_IMODE((tmp_path / "o").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "o" / CHECKPOINT_FILE).stat().st_mode) == 0o600
+
+
+# ------------------------------------------------------------------ hostile inputs
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty (0 bytes)"),
+    ("truncated", "truncated or corrupt"),
+    ("future", "checkpoint format 99, newer than this fixres_dist reads"),
+])
+def test_bad_checkpoint_in_job_folder(tiny_data, tmp_path, content, message):
+    job = tmp_path / "h"
+    job.mkdir()
+    if content == "truncated":
+        torch.save({"model": {"w": torch.zeros(1000)}}, job / CHECKPOINT_FILE)
+        data = (job / CHECKPOINT_FILE).read_bytes()
+        content = data[: len(data) // 2]
+    elif content == "future":
+        save_checkpoint(job, {"model": {}, "format_version": 99}, 1)
+        content = (job / CHECKPOINT_FILE).read_bytes()
+    (job / CHECKPOINT_FILE).write_bytes(content)
+    proc = train(tmp_path, tiny_data, "h")
+    assert proc.returncode == 1
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert (job / CHECKPOINT_FILE).read_bytes() == content
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(tiny_data, tmp_path):
+    proc = train(tmp_path, tiny_data, "f", "--ckpt-every", 2, fault="ckpt-write:rank=0:step=4")
+    assert proc.returncode == 1
+    assert "cannot write checkpoint" in proc.stderr and "No space left on device" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert load_checkpoint(tmp_path / "f" / CHECKPOINT_FILE)["global_step"] == 2
+    assert not list((tmp_path / "f").glob(".*tmp"))
+
+
+@pytest.mark.parametrize("bad", ["zero-byte", "not-an-image"])
+def test_unreadable_image_is_named_or_skipped(tmp_path, bad):
+    data = make_subset(tmp_path / "data", 4, 2, classes=3)
+    victim = data / "train" / "1_trouser" / "broken.png"
+    victim.write_bytes(b"" if bad == "zero-byte" else b"this is text, not a PNG")
+    common = ["--data-path", data, "--shared-folder-path", tmp_path / "s", *TRAIN[:-5], "--epochs", "1",
+              "--workers", "0", "--no-progress"]
+    proc = run_script("scratch", "--job-id", "bad", *common)
+    assert proc.returncode == 1
+    assert f"unreadable image {victim}" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script("scratch", "--job-id", "skip", "--skip-bad-images", *common)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = [json.loads(line) for line in (tmp_path / "s" / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert [e.get("skipped_images") for e in events if e["event"] == "train"] == [1]
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_ckpt_every_must_be_positive(tmp_path, value):
+    proc = run_script("scratch", "--ckpt-every", value, "--shared-folder-path", tmp_path / "s", timeout=60)
+    assert proc.returncode == 1 and "--ckpt-every must be > 0" in proc.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_eight_ranks_on_two_cores_complete(tiny_data, tmp_path):
+    proc = run_script("scratch", "--num-tasks", 8, "--job-id", "eight", "--shared-folder-path", tmp_path,
+                      "--data-path", tiny_data, "--input-size", 32, "--batch", 4, "--epochs", 1, "--workers", 0,
+                      "--no-progress", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_checkpoint(tmp_path / "eight" / CHECKPOINT_FILE)["config"]["num_tasks"] == 8

@@ -257,16 +257,16 @@ class Trainer:
         fixres.set_train_mode(self.ddp)
         sampler = self.train_loader.batch_sampler
         sampler.set_epoch(epoch, skip=self.images_in_epoch)
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, images, skipped
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per step
+        images_seen, skipped_images = 0, 0
         bar = tqdm(total=len(self.train_set), initial=self.images_in_epoch, unit="img", unit_scale=True,
                    leave=False, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not (self.rank0 and cfg.progress))
         start = time.perf_counter()
         for step, (images, labels, skipped) in enumerate(self.train_loader):
             self._set_learning_rate(epoch + self.images_in_epoch / len(self.train_set))
             loss = self._train_step(images, labels)
-            sums += torch.stack([loss.double() * labels.numel(),
-                                 torch.tensor(labels.numel(), dtype=torch.float64, device=self.device),
-                                 torch.tensor(skipped, dtype=torch.float64, device=self.device)])
+            loss_sum += loss.double() * labels.numel()
+            images_seen, skipped_images = images_seen + labels.numel(), skipped_images + skipped
             done = sampler.images_done(step + 1)
             bar.update(done - self.images_in_epoch)
             self.images_in_epoch, self.global_step = done, self.global_step + 1
@@ -278,6 +278,8 @@ class Trainer:
             self._stop_if_asked()
         bar.close()
         seconds = time.perf_counter() - start
+        sums = torch.stack([loss_sum, torch.tensor(float(images_seen), dtype=torch.float64, device=self.device),
+                            torch.tensor(float(skipped_images), dtype=torch.float64, device=self.device)])
         loss_sum, images, skipped = distributed.all_reduce_sum(sums).tolist()
         lr = self.optimizer.param_groups[0]["lr"]
         self._record("train", epoch=epoch + 1, loss=loss_sum / max(images, 1), lr=lr,

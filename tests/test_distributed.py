@@ -26,7 +26,7 @@ def _identical_after_step(rank, world, port, data_path, out):
     trainer._build_optimizer()
     before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).clone()
     trainer.train_loader.batch_sampler.set_epoch(0)
-    images, labels = next(iter(trainer.train_loader))
+    images, labels, _ = next(iter(trainer.train_loader))
     trainer._train_step(images, labels)
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     gathered = [torch.empty_like(after) for _ in range(world)]

@@ -9,7 +9,7 @@ Three parts, used by ``slurm/submit.py`` and ``slurm/sweep.py``:
   job folder's checkpoint. Its :meth:`SlurmTrainer.checkpoint` is submitit's requeue protocol.
 * :func:`check_request`, which compares what a job asks for with ``sinfo`` and the shared folder,
   so that an impossible job is refused in seconds instead of pending forever.
-* :func:`submit`, :func:`wait_and_report` and :func:`sweep` for the command-line scripts.
+* :func:`submit`, :func:`report` and :func:`submit_sweep` / :func:`gather_sweep` for the scripts.
 
 The requeue path, on SLURM's warning signal (``--signal USR2@delay``, or
 ``scancel --signal=USR2 JOBID``): every rank finishes its optimizer step, the ranks write one
@@ -339,8 +339,8 @@ def check_request(request: SlurmRequest, partitions: dict[str, Partition]) -> Sl
     if not part.up:
         raise FixresError(f"partition {part.name!r} is not up (sinfo shows it inactive or down)")
     if part.max_time_min is not None and r.timeout_min > part.max_time_min:
-        raise FixresError(f"--timeout-min {r.timeout_min} exceeds partition {part.name!r}'s time limit of "
-                          f"{part.max_time_min:g} minutes")
+        raise FixresError(f"--timeout-min {r.timeout_min} exceeds the time limit of partition {part.name!r} "
+                          f"({part.max_time_min:g} minutes)")
 
     def fits(node: Node, cpus_per_task: int) -> bool:
         return (node.cpus >= r.tasks * cpus_per_task and node.gpus >= r.gpus_per_node
@@ -449,7 +449,8 @@ def squeue_states(job_id: str) -> dict[str, str]:
     except subprocess.TimeoutExpired:
         return {"?": "UNKNOWN"}
     if out.returncode != 0:
-        return {}  # "Invalid job id specified": gone
+        # "Invalid job id specified": the job has left slurmctld's memory; anything else: ask again
+        return {} if "invalid job id" in out.stderr.lower() else {"?": "UNKNOWN"}
     states = {}
     for line in out.stdout.splitlines():
         if "|" in line:
@@ -497,21 +498,32 @@ def _cause(exc: Exception) -> tuple[bool, str]:
 
 
 def task_outcomes(job) -> list[tuple[int, object, str | None]]:
-    """``(rank, result or None, error line or None)`` for every task of a finished submitit job."""
-    outcomes = []
+    """``(rank, result or None, error line or None)`` for every task of a finished submitit job.
+
+    Failed tasks come first, the one that failed earliest (by its error pickle's time) at the front:
+    a rank that raised before the ranks that only lost it, before the ranks that were killed.
+    """
+    outcomes, order = [], []
     for rank in range(job.num_tasks):
+        task = job.task(rank)
         try:
-            outcomes.append((rank, job.task(rank).result(), None))
+            outcomes.append((rank, task.result(), None))
+            order.append((2, 0.0, rank))
         except Exception as exc:  # submitit's FailedJobError / UncompletedJobError: report, don't crash
-            outcomes.append((rank, None, _cause(exc)[1]))
-    return outcomes
+            raised, cause = _cause(exc)
+            try:
+                when = task.paths.result_pickle.stat().st_mtime
+            except OSError:
+                when = float("inf")
+            outcomes.append((rank, None, cause))
+            order.append((0 if raised else 1, when, rank))
+    return [outcomes[rank] for _, _, rank in sorted(order)]
 
 
-def first_failure(job, outcomes) -> tuple[int, str] | None:
-    """The rank that failed first in spirit: one that raised, before one that was only killed."""
+def first_failure(outcomes) -> tuple[int, str] | None:
+    """The failed task that :func:`task_outcomes` put first, as ``(rank, error line)``."""
     failed = [(rank, error) for rank, _, error in outcomes if error is not None]
-    raised = [(rank, error) for rank, error in failed if "has not produced any output" not in error]
-    return (raised or failed or [None])[0]
+    return failed[0] if failed else None
 
 
 def final_state(job_id: str, timeout: float = 10) -> str:
@@ -522,7 +534,7 @@ def final_state(job_id: str, timeout: float = 10) -> str:
         try:
             out = subprocess.run(["sacct", "-n", "-X", "-P", "-j", str(job_id), "-o", "State"],
                                  capture_output=True, text=True, timeout=10)
-            states = [s.split()[0] for s in out.stdout.split()] if out.returncode == 0 else []
+            states = [ln.split()[0] for ln in out.stdout.splitlines() if ln.strip()] if out.returncode == 0 else []
         except (subprocess.TimeoutExpired, FileNotFoundError):
             states = []
         if states:
@@ -533,15 +545,17 @@ def final_state(job_id: str, timeout: float = 10) -> str:
     return state
 
 
-def report(job, config: TrainerConfig, started: float, out=sys.stdout) -> int:
+def report(job, config: TrainerConfig, started: float, out=None) -> int:
     """Wait for ``job``, print its state changes and per-rank results; returns an exit status."""
+    out = out or sys.stdout
+
     def say(event):
         seconds, jid, state = event
         print(f"  +{seconds:6.1f} s  job {jid}: {state}", file=out, flush=True)
 
     watched = watch(job.job_id, say, started)
     outcomes = task_outcomes(job)
-    failed = first_failure(job, outcomes)
+    failed = first_failure(outcomes)
     state = final_state(job.job_id) if failed else "COMPLETED"
     elapsed = time.time() - started
     if failed:
@@ -555,7 +569,7 @@ def report(job, config: TrainerConfig, started: float, out=sys.stdout) -> int:
           + (f" (running {running:.1f} s after submission)" if running is not None else ""), file=out)
     print("| rank | host | restarts | resolution | top-1 % | top-5 % | images |", file=out)
     print("|------|------|----------|------------|---------|---------|--------|", file=out)
-    for rank, result, _ in outcomes:
+    for rank, result, _ in sorted(outcomes, key=lambda o: o[0]):
         print(f"| {rank:4d} | {result.get('host', '?')} | {result.get('restart', 0):8d} | "
               f"{result['resolution']:7d} px | {result['top1']:7.2f} | {result['top5']:7.2f} | "
               f"{result['images']:6d} |", file=out)
@@ -605,8 +619,8 @@ def gather_sweep(jobs, configs) -> list[dict]:
     rows = []
     for job, config in zip(jobs, configs):
         outcomes = task_outcomes(job)
-        result = outcomes[0][1]
-        failed = first_failure(job, outcomes)
+        result = next((res for rank, res, _ in outcomes if rank == 0), None)
+        failed = first_failure(outcomes)
         error = f"rank {failed[0]}: {failed[1]}" if failed else None
         row = {"resolution": config.input_size, "job_id": job.job_id, "error": error,
                "top1_before": read_before_top1(job_folder(config, job.job_id), config.input_size)}
@@ -686,7 +700,11 @@ def submit_main(argv: list[str] | None = None) -> int:
           flush=True)
     if not args.wait:
         return 0
-    return report(job, config, started)
+    try:
+        return report(job, config, started)
+    except KeyboardInterrupt:
+        print(f"\nstopped waiting; job {job.job_id} goes on (scancel {job.job_id} stops it)", file=sys.stderr)
+        return 130
 
 
 def sweep_main(argv: list[str] | None = None) -> int:
@@ -713,8 +731,12 @@ def sweep_main(argv: list[str] | None = None) -> int:
     print(f"submitted SLURM array job {array_id}: {len(jobs)} finetune(s) at {', '.join(map(str, resolutions))} px, "
           f"each {request.nodes} node(s) x {request.tasks} task(s); job folders "
           f"{configs[0].shared_folder_path}/{array_id}_<i>/ (logs in their logs/)", flush=True)
-    watch(array_id, lambda e: print(f"  +{e[0]:6.1f} s  job {e[1]}: {e[2]}", flush=True), started)
-    rows = gather_sweep(jobs, configs)
+    try:
+        watch(array_id, lambda e: print(f"  +{e[0]:6.1f} s  job {e[1]}: {e[2]}", flush=True), started)
+        rows = gather_sweep(jobs, configs)
+    except KeyboardInterrupt:
+        print(f"\nstopped waiting; array job {array_id} goes on (scancel {array_id} stops it)", file=sys.stderr)
+        return 130
     print(sweep_table(rows, configs[0].weight_path, configs[0].epochs))
     output = Path(args.output) if args.output else Path(configs[0].shared_folder_path) / f"sweep-{array_id}.json"
     output.write_text(json.dumps(rows, indent=2) + "\n")

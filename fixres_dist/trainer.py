@@ -164,7 +164,8 @@ class Trainer:
         return previous
 
     def _on_stop_signal(self, signum, frame) -> None:
-        self._stop_signal = signal.Signals(signum)
+        if self._stop_signal != signal.Signals[self.config.preempt_signal]:  # the preemption signal wins
+            self._stop_signal = signal.Signals(signum)
 
     def _prepare_job_folder(self) -> None:
         cfg = self.config
@@ -304,12 +305,14 @@ class Trainer:
 
     def _stop_if_asked(self) -> None:
         """If any rank got a stop signal: all ranks checkpoint here together, then raise Preempted."""
-        flag = torch.tensor([0 if self._stop_signal is None else int(self._stop_signal)], dtype=torch.int64)
+        # 0: go on, 1: SIGTERM, 2: the preemption signal (it wins: submitit sends SIGTERM, then USR2)
+        codes = [None, signal.SIGTERM, signal.Signals[self.config.preempt_signal]]
+        flag = torch.tensor([codes.index(self._stop_signal) if self._stop_signal in codes else 0])
         if self._control_group is not None:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control_group)
         if flag.item() == 0:
             return
-        self._stop_signal = signal.Signals(int(flag.item()))
+        self._stop_signal = codes[int(flag.item())]
         self._save_checkpoint()
         self.log(f"preempted by {self._stop_signal.name} at epoch {self.epoch + 1}, image {self.images_in_epoch}, "
                  f"step {self.global_step}: checkpoint written; run the same command again to resume")

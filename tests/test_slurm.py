@@ -1,0 +1,380 @@
+"""Against a real SLURM (slurm/start-local-slurm.sh): submitit and sbatch jobs of 2 CPU tasks (gloo).
+
+A submitit job trains then finetunes and both ranks report; the sbatch + srun templates do the same;
+SLURM's warning signal mid-training requeues a job that resumes to the same parameters as an
+uninterrupted run; a rank that raises fails the job at once, with its error in its log; the job-array
+sweep gives one row per resolution; bad requests are refused in seconds. Every test uses fresh
+folders (SLURM job ids restart at 1 when the cluster's state is wiped, and submitit would find an
+old result pickle), a small warning delay (``--signal-delay-s 10``) and polls states instead of
+asserting once (sacct lags the queue).
+
+Skipped, with the reason, only where no SLURM can be started: no SLURM commands, not root, or the
+start script fails. When the cluster is not up, the tests start it with slurm/start-local-slurm.sh
+(no package installation from here: ``LOCAL_SLURM_INSTALL=0``) and stop it afterwards.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from fixres_dist import slurm
+from fixres_dist.checkpoint import load_checkpoint
+
+CLUSTER = ["--tasks-per-node", "2", "--timeout-min", "5", "--signal-delay-s", "10"]
+START, STOP = ROOT / "slurm" / "start-local-slurm.sh", ROOT / "slurm" / "stop-local-slurm.sh"
+
+
+def _sinfo_state() -> str | None:
+    if shutil.which("sinfo") is None:
+        return None
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return None
+    states = out.stdout.split() if out.returncode == 0 else []
+    return next((s for s in states if s.rstrip("*~#!%$@^-") in ("idle", "mixed", "allocated", "completing")), None)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A SLURM that answers; started here (and stopped afterwards) if it is installed but down."""
+    reason = os.environ.get("FIXRES_SLURM_UNAVAILABLE")
+    if reason:
+        pytest.skip(f"no SLURM: {reason}")
+    started = False
+    if _sinfo_state() is None:
+        if shutil.which("slurmctld") is None or shutil.which("sbatch") is None:
+            pytest.skip("no SLURM: slurmctld/sbatch not installed (run slurm/start-local-slurm.sh as root "
+                        "once; it installs Debian's slurm-wlm packages)")
+        if os.geteuid() != 0:
+            pytest.skip("no SLURM: the local cluster is down and only root can start it "
+                        "(slurm/start-local-slurm.sh)")
+        env = {**os.environ, "LOCAL_SLURM_INSTALL": "0"}
+        out = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=180, env=env)
+        if out.returncode != 0 or _sinfo_state() is None:
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            pytest.skip(f"no SLURM: slurm/start-local-slurm.sh failed: {last}")
+        started = True
+    yield
+    if started:
+        subprocess.run(["bash", str(STOP)], capture_output=True, timeout=180)
+
+
+def submit_cli(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "slurm" / script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def in_process(main, *args) -> tuple[int, str, str]:
+    """Run a script's main function here (no second Python + torch start): (status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main([str(a) for a in args])
+    return status, out.getvalue(), err.getvalue()
+
+
+def wait_gone(job_id: str, timeout: float = 240) -> list:
+    """Poll squeue until the job has left the queue; returns the state changes (G3: poll, don't assert once)."""
+    watched = slurm.watch(job_id, timeout=timeout)
+    assert not slurm.squeue_states(job_id), f"job {job_id} still queued after {timeout} s: {watched['events']}"
+    return watched["events"]
+
+
+def sacct_states(job_id: str) -> list[str]:
+    """Every run of the job in sacct, oldest first (``-D``: a requeued job shows REQUEUED then its end)."""
+    out = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-j", str(job_id), "-o", "State"],
+                         capture_output=True, text=True, timeout=15)
+    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def read_events(job_folder: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in (job_folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def scratch_flags(data: Path, shared: Path) -> list[str]:
+    """2 epochs of 5 steps (80 images, 2 ranks x 8), a checkpoint every 2 steps."""
+    return ["--data-path", str(data), "--shared-folder-path", str(shared), "--input-size", "32", "--batch", "8",
+            "--epochs", "2", "--ckpt-every", "2", "--workers", "0", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def scratch_job(cluster, tiny_data, tmp_path_factory):
+    """``slurm/submit.py scratch --wait``: a 2-task submitit job; returns (shared folder, job id, output).
+
+    Also the uninterrupted reference run of the requeue test (same flags)."""
+    shared = tmp_path_factory.mktemp("slurm-shared")
+    status, stdout, stderr = in_process(slurm.submit_main, "scratch", *CLUSTER, "--wait", "--",
+                                        *scratch_flags(tiny_data, shared))
+    assert status == 0, stdout + stderr
+    job_id = re.search(r"submitted SLURM job (\d+)", stdout).group(1)
+    return shared, job_id, stdout
+
+
+def test_submitit_job_trains_then_finetunes_with_two_ranks(scratch_job, tiny_data):
+    shared, job_id, stdout = scratch_job
+    assert f"logs {shared}/{job_id}/logs/{job_id}_<rank>_log.{{out,err}}" in stdout
+    rows = re.findall(r"^\|\s+(\d)\s+\|.*\|\s+32 px \|\s+([\d.]+) \|.*\|\s+30 \|$", stdout, re.M)
+    assert [r for r, _ in rows] == ["0", "1"] and rows[0][1] == rows[1][1], stdout  # both ranks, same top-1
+    checkpoint = load_checkpoint(shared / job_id / "checkpoint.pth")
+    assert checkpoint["config"]["num_tasks"] == 2 and checkpoint["config"]["job_id"] == job_id
+    assert checkpoint["config"]["dist_url"].endswith(f"/{job_id}/rendezvous-0.json")
+
+    request = slurm.SlurmRequest(tasks_per_node=2, timeout_min=5, signal_delay_s=10)
+    job, config, request = slurm.submit("finetune", request, [
+        "--data-path", str(tiny_data), "--shared-folder-path", str(shared),
+        "--weight-path", str(shared / job_id / "checkpoint.pth"), "--input-size", "48", "--batch", "8",
+        "--epochs", "1", "--workers", "0", "--no-progress"])
+    results = job.results()
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert all(r["resolution"] == 48 and r["images"] == 30 and r["job_id"] == job.job_id for r in results)
+    assert results[0]["top1"] == results[1]["top1"]
+    log = (shared / job.job_id / "logs" / f"{job.job_id}_0_log.out").read_text()
+    assert "test resolution, FixRes finetuned" in log
+    wait_gone(job.job_id)
+    assert wait_for(lambda: sacct_states(job.job_id) == ["COMPLETED"], 15, "sacct COMPLETED")
+
+
+def test_sbatch_srun_templates_train_then_finetune_with_two_tasks_and_requeue(cluster, tiny_data, tmp_path):
+    """scratch.sbatch gets the warning signal mid-training: its ranks checkpoint and exit with status 3,
+    the script requeues the job, which resumes; finetune.sbatch then runs after it (afterok)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(PYTHON=sys.executable, FIXRES_ROOT=str(ROOT))
+
+    def sbatch(*args):
+        cmd = ["sbatch", "--parsable", "--ntasks-per-node", "2", "--time", "5", *map(str, args)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().split(";")[0]
+
+    scratch = sbatch(ROOT / "slurm" / "scratch.sbatch", "--data-path", tiny_data, "--shared-folder-path", shared,
+                     "--input-size", "32", "--batch", "8", "--epochs", "2", "--ckpt-every", "2", "--workers", "0",
+                     "--no-progress")
+    finetune = sbatch(f"--dependency=afterok:{scratch}", ROOT / "slurm" / "finetune.sbatch",
+                      "--data-path", tiny_data, "--shared-folder-path", shared,
+                      "--weight-path", shared / scratch / "checkpoint.pth", "--input-size", "48",
+                      "--batch", "8", "--epochs", "1", "--workers", "0", "--no-progress")
+    wait_for(lambda: list((shared / scratch).glob("checkpoint-*.pth")), 240, "the first periodic checkpoint")
+    subprocess.run(["scancel", "--signal=USR2", scratch], check=True, timeout=30)
+    wait_gone(finetune, timeout=300)
+
+    logs = {name: (tmp_path / f"slurm-fixres-{name}-{job_id}.out").read_text()
+            for job_id, name in ((scratch, "scratch"), (finetune, "finetune"))}
+    assert wait_for(lambda: sacct_states(scratch) == ["REQUEUED", "COMPLETED"], 15, "scratch requeued"), logs
+    assert wait_for(lambda: sacct_states(finetune) == ["COMPLETED"], 15, "finetune COMPLETED"), logs
+    assert f"job {scratch} preempted, checkpoint written; requeueing" in logs["scratch"]
+    assert re.search(rf"job {scratch} restart 1: .*\n(.*\n)*resumed from ", logs["scratch"]), logs["scratch"]
+    node = os.uname().nodename.split(".")[0]
+    for job_id, name in ((scratch, "scratch"), (finetune, "finetune")):
+        assert f"2 task(s) on {node} --dist-url tcp://" in logs[name], logs[name]  # master from the node list
+        config = json.loads((shared / job_id / "config.json").read_text())
+        assert config["num_tasks"] == 2 and config["job_id"] == job_id and config["dist_url"].startswith("tcp://")
+        evals = [e for e in read_events(shared / job_id) if e["event"] == "eval"]
+        assert evals and evals[-1]["images"] == 30
+    assert "test resolution, FixRes finetuned" in logs["finetune"]
+    steps = subprocess.run(["sacct", "-n", "-P", "-j", f"{finetune}.0", "-o", "NTasks,State"],
+                           capture_output=True, text=True, timeout=15).stdout.split()
+    assert steps == ["2|COMPLETED"]
+
+
+def test_warning_signal_requeues_and_the_job_resumes_to_the_same_parameters(scratch_job, tiny_data):
+    shared, reference, _ = scratch_job  # the same flags, never interrupted
+    request = slurm.SlurmRequest(tasks_per_node=2, timeout_min=5, signal_delay_s=10)
+    job, _, _ = slurm.submit("scratch", request, scratch_flags(tiny_data, shared))
+    folder = shared / job.job_id
+
+    # mid-epoch: once the first periodic checkpoint (step 2 of the 5 in an epoch) is on disk
+    wait_for(lambda: list(folder.glob("checkpoint-*.pth")), 240, "the first periodic checkpoint")
+    signalled = time.time()
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
+    at_signal = read_events(folder)
+    assert not any(e["event"] == "train" and e["epoch"] == 2 for e in at_signal), "the signal came too late"
+    log_file = folder / "logs" / f"{job.job_id}_0_log.out"
+
+    def requeued_run_log() -> str:  # submitit logs "Starting with JobEnvironment" at every start
+        runs = log_file.read_text().split("Starting with JobEnvironment") if log_file.exists() else []
+        return runs[2] if len(runs) >= 3 else ""
+
+    watcher = concurrent.futures.ThreadPoolExecutor(1).submit(slurm.watch, job.job_id, None, signalled, 300)
+    resumed = wait_for(lambda: re.search(r"resum", requeued_run_log(), re.I) or watcher.done(), 240,
+                       "the requeued run")
+    resumed_after = time.time() - signalled
+    events = watcher.result(timeout=300)["events"]
+    results = job.results()
+    assert all(r["restart"] == 1 for r in results), results  # the result comes from the requeued run
+    assert wait_for(lambda: sacct_states(job.job_id)[-2:] == ["REQUEUED", "COMPLETED"], 15, "sacct REQUEUED")
+    assert resumed is not True and resumed, log_file.read_text()  # the requeued run said it resumed
+    ours = load_checkpoint(folder / "checkpoint.pth")
+    theirs = load_checkpoint(shared / reference / "checkpoint.pth")
+    assert ours["epoch"] == theirs["epoch"] == 2
+    different = [k for k in theirs["model"] if not torch.equal(ours["model"][k], theirs["model"][k])]
+    assert not different, f"parameters differ from the uninterrupted run's: {different[:5]}"
+
+    states = [state for _, _, state in events]
+    assert "PENDING" in states, events  # requeued: RUNNING -> PENDING -> RUNNING
+    restarted = next(t for t, _, state in events[states.index("PENDING"):] if state == "RUNNING")
+    print(f"\nrequeue: signal -> RUNNING again {restarted:.1f} s, -> resumed (log) {resumed_after:.1f} s")
+
+
+def test_a_rank_that_raises_fails_the_job_quickly_with_the_error_in_its_log(cluster, tiny_data, tmp_path,
+                                                                              monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    monkeypatch.setenv("FIXRES_FAULT", "raise:rank=1:step=2")  # the job inherits the environment
+    started = time.time()
+    out = submit_cli("submit.py", "scratch", *CLUSTER, "--wait", "--", "--data-path", tiny_data,
+                     "--shared-folder-path", shared, "--input-size", "32", "--batch", "8", "--epochs", "3",
+                     "--workers", "0", "--no-progress")
+    elapsed = time.time() - started
+    assert out.returncode == 1, out.stdout + out.stderr
+    job_id = re.search(r"submitted SLURM job (\d+)", out.stdout).group(1)
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"fixres_dist: job {job_id} FAILED after"), out.stderr
+    assert f"rank 1: RuntimeError: injected fault at step 2 (log: {shared}/{job_id}/logs/{job_id}_1_log.err)" in line
+    err = (shared / job_id / "logs" / f"{job_id}_1_log.err").read_text()
+    assert "fixres_dist: rank 1: RuntimeError: injected fault" in err
+    assert elapsed < 120, f"took {elapsed:.0f} s (time limit 300 s, distributed timeout 300 s)"
+    assert sacct_states(job_id)[-1] == "FAILED"
+
+
+def test_job_array_sweep_gives_one_result_per_resolution(scratch_job, tiny_data):
+    shared, job_id, _ = scratch_job
+    status, stdout, stderr = in_process(
+        slurm.sweep_main, "--resolutions", "32,40,48", "--timeout-min", "5", "--signal-delay-s", "10", "--",
+        "--weight-path", shared / job_id / "checkpoint.pth", "--data-path", tiny_data,
+        "--shared-folder-path", shared, "--batch", "8", "--workers", "0", "--no-progress")
+    assert status == 0, stdout + stderr
+    array_id = re.search(r"submitted SLURM array job (\d+)", stdout).group(1)
+    rows = json.loads((shared / f"sweep-{array_id}.json").read_text())
+    assert [r["resolution"] for r in rows] == [32, 40, 48]
+    assert [r["job_id"] for r in rows] == [f"{array_id}_{i}" for i in range(3)]
+    assert all(r["error"] is None and r["images"] == 30 and 0 <= r["top1"] <= 100 for r in rows), rows
+    assert all(r["top1_before"] is not None for r in rows), rows
+    assert "1-epoch finetune at each test resolution" in stdout
+    assert len(re.findall(r"^\|\s+(32|40|48) px \|", stdout, re.M)) == 3, stdout
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A folder this process cannot write to (a read-only mount for root, mode 0500 otherwise)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o500)
+        yield folder
+        folder.chmod(0o700)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a read-only folder here")
+    yield folder
+    subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+@pytest.mark.parametrize("case, cluster_args, main_args, message", [
+    ("partition", ["--partition", "nosuch"], [], "partition 'nosuch' does not exist (partitions: "),
+    ("tasks", ["--tasks-per-node", "64"], [], "cannot run 1 node(s) with 64 task(s)"),
+    ("gpus", ["--gpus-per-node", "2"], [], "2 GPU(s)"),
+    ("nodes", ["--nodes", "16"], [], "cannot run 16 node(s)"),
+    ("cpus", ["--cpus-per-task", "512"], [], "x 512 CPU(s)"),
+    ("memory", ["--mem-gb", "100000"], [], "100000 GB"),
+    ("timeout", ["--timeout-min", "1", "--signal-delay-s", "90"], [], "--timeout-min 1 is too short for --signal-delay-s 90"),
+    ("missing shared", [], ["--shared-folder-path", "MISSING"], "does not exist"),
+    ("unwritable shared", [], ["--shared-folder-path", "UNWRITABLE"], "is not writable"),
+    ("rank flags", [], ["--num-tasks", "2"], "--num-tasks: SLURM sets the ranks"),
+])
+def test_bad_requests_are_refused_in_seconds(cluster, tiny_data, tmp_path, request, capsys,
+                                             case, cluster_args, main_args, message):
+    if "UNWRITABLE" in main_args:
+        main_args = ["--shared-folder-path", str(request.getfixturevalue("unwritable"))]
+    main_args = [str(tmp_path / "missing") if a == "MISSING" else a for a in main_args]
+    if "--shared-folder-path" not in main_args:
+        main_args += ["--shared-folder-path", str(tmp_path)]
+    started = time.time()
+    status = slurm.submit_main(["scratch", *cluster_args, "--", "--data-path", str(tiny_data), *main_args])
+    elapsed = time.time() - started
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 1 and len(err) == 1 and err[0].startswith("fixres_dist: submit: "), err
+    assert message in err[0], err
+    assert elapsed < 10, f"{case}: {elapsed:.1f} s"
+    assert not list(tmp_path.glob("*/logs")), "nothing may be submitted"
+
+
+# ----------------------------------------------------------------- without a cluster (always run)
+@pytest.mark.parametrize("text, minutes", [("infinite", None), ("UNLIMITED", None), ("30", 30), ("30:00", 30),
+                                           ("2:00:00", 120), ("1-00:00:00", 1440), ("2-12", 3600),
+                                           ("1-01:30", 1530)])
+def test_slurm_time_limits_parse(text, minutes):
+    assert slurm.parse_time_limit(text) == minutes
+
+
+@pytest.mark.parametrize("gres, gpus", [("(null)", 0), ("gpu:8", 8), ("gpu:a100:4(S:0-1)", 4),
+                                        ("gpu:a100:4,gpu:v100:2", 6), ("shard:8,gpu:2", 2)])
+def test_sinfo_gres_gives_the_gpu_count(gres, gpus):
+    assert slurm.parse_gpus(gres) == gpus
+
+
+GPU_CLUSTER = {
+    "gpu": slurm.Partition("gpu", True, True, 72 * 60, (
+        slurm.Node("g1", 80, 512000, 8, "idle"), slurm.Node("g2", 80, 512000, 8, "mixed"),
+        slurm.Node("g3", 80, 512000, 8, "drained"))),
+    "cpu": slurm.Partition("cpu", False, True, None, (slurm.Node("c1", 32, 64000, 0, "idle"),)),
+}
+
+
+def test_a_gpu_request_gets_one_task_per_gpu_and_the_cpus_shared_out():
+    checked = slurm.check_request(slurm.SlurmRequest(nodes=2, gpus_per_node=8, timeout_min=60), GPU_CLUSTER)
+    assert (checked.partition, checked.tasks, checked.cpus_per_task) == ("gpu", 8, 10)
+
+
+@pytest.mark.parametrize("request_fields, message", [
+    ({"nodes": 3, "gpus_per_node": 8}, "only 2 of the 3 node(s) that fit are usable (g1 idle, g2 mixed, g3 drained)"),
+    ({"gpus_per_node": 8, "tasks_per_node": 4}, "one task per GPU"),
+    ({"partition": "cpu", "gpus_per_node": 1}, "cannot run 1 node(s) with 1 task(s) x 32 CPU(s), 1 GPU(s)"),
+    ({"timeout_min": 73 * 60}, "exceeds the time limit of partition 'gpu' (4320 minutes)"),
+    ({"timeout_min": 2, "signal_delay_s": 120}, "use --timeout-min >= 3 or a smaller --signal-delay-s"),
+    ({"partition": "a100"}, "partition 'a100' does not exist (partitions: gpu, cpu)"),
+])
+def test_impossible_requests_are_refused_against_the_partition(request_fields, message):
+    with pytest.raises(slurm.FixresError, match=re.escape(message)):
+        slurm.check_request(slurm.SlurmRequest(**{"timeout_min": 60, **request_fields}), GPU_CLUSTER)
+
+
+def test_each_restart_of_a_job_meets_at_its_own_rendezvous_file(tmp_path):
+    from fixres_dist import TrainerConfig
+
+    template = TrainerConfig(num_tasks=4, shared_folder_path=str(tmp_path))
+    first = slurm.task_config(template, "1234", 3, 1, 4, restart=0)
+    again = slurm.task_config(template, "1234", 3, 1, 4, restart=1)
+    assert (again.global_rank, again.local_rank, again.num_tasks, again.job_id) == (3, 1, 4, "1234")
+    assert first.dist_url == f"file://{tmp_path}/1234/rendezvous-0.json"
+    assert again.dist_url == f"file://{tmp_path}/1234/rendezvous-1.json"
+    with pytest.raises(slurm.FixresError, match="SLURM started 2 tasks but the job was submitted for 4"):
+        slurm.task_config(template, "1234", 0, 0, 2, restart=0)

@@ -75,22 +75,26 @@ def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int
     return path
 
 
+REQUIRED_KEYS = ("model", "optimizer", "epoch", "images_in_epoch", "global_step", "ranks", "config", "metrics")
+
+
 def load_checkpoint(path: str | Path) -> dict:
-    """Read a checkpoint with ``weights_only=True``; raises FixresError if unreadable or too new."""
+    """Read a checkpoint with ``weights_only=True``; FixresError if unreadable, incomplete or too new."""
+    from .models import safe_load
     path = Path(path)
-    if not path.is_file():
-        raise FixresError(f"checkpoint {path} does not exist")
-    if path.stat().st_size == 0:
-        raise FixresError(f"checkpoint {path} is empty (0 bytes)")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # corrupt files raise many types inside torch.load
-        raise FixresError(f"cannot read checkpoint {path}: {type(exc).__name__} (truncated or corrupt?)") from None
-    if not isinstance(state, dict) or "model" not in state:
+    state = safe_load(path, "checkpoint")
+    if not isinstance(state, dict):
         raise FixresError(f"{path} is not a fixres_dist checkpoint")
-    if state.get("format_version", 0) > FORMAT_VERSION:
-        raise FixresError(f"{path} has checkpoint format {state['format_version']}, newer than this "
+    version = state.get("format_version")
+    if not isinstance(version, int):
+        raise FixresError(f"{path} is not a fixres_dist checkpoint (no integer format_version)")
+    if version > FORMAT_VERSION:
+        raise FixresError(f"{path} has checkpoint format {version}, newer than this "
                           f"fixres_dist reads ({FORMAT_VERSION}); upgrade fixres_dist")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise FixresError(f"{path} is not a complete fixres_dist checkpoint (missing {', '.join(missing)}); "
+                          "to start from its weights use --weight-path")
     return state
 
 

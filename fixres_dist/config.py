@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 from pathlib import Path
@@ -15,12 +16,20 @@ CONFIG_FILE = "config.json"
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+def _finite(attribute, value):
+    if isinstance(value, float) and not math.isfinite(value):
+        raise FixresError(f"--{attribute.name.replace('_', '-')} must be a finite number, got {value}")
+
+
 def _non_negative(instance, attribute, value):
+    _finite(attribute, value)
     if value < 0:
         raise FixresError(f"--{attribute.name.replace('_', '-')} must be >= 0, got {value}")
 
 
 def _positive(instance, attribute, value):
+    if value is not None:
+        _finite(attribute, value)
     if value is not None and value <= 0:
         raise FixresError(f"--{attribute.name.replace('_', '-')} must be > 0, got {value}")
 
@@ -44,13 +53,22 @@ def _job_id(instance, attribute, value):
 
 
 def _dist_url(instance, attribute, value):
-    scheme = urlparse(value).scheme
-    if scheme not in ("file", "tcp", "env"):
-        raise FixresError(f"--dist-url {value!r}: the scheme must be file://, tcp:// or env://")
-    if scheme == "tcp":
+    try:
         parsed = urlparse(value)
-        if not parsed.hostname or not parsed.port:
-            raise FixresError(f"--dist-url {value!r}: give tcp://HOST:PORT")
+        port = parsed.port
+    except ValueError as exc:
+        raise FixresError(f"--dist-url {value!r}: {exc}") from None
+    if parsed.scheme not in ("file", "tcp", "env"):
+        raise FixresError(f"--dist-url {value!r}: the scheme must be file://, tcp:// or env://")
+    if parsed.scheme == "tcp" and (not parsed.hostname or not port):
+        raise FixresError(f"--dist-url {value!r}: give tcp://HOST:PORT")
+    if parsed.scheme == "file" and (parsed.netloc or not parsed.path.startswith("/") or parsed.path.endswith("/")):
+        raise FixresError(f"--dist-url {value!r}: give file:///ABSOLUTE/PATH/FILE (three slashes)")
+
+
+def _seed(instance, attribute, value):
+    if not 0 <= value < 2 ** 63:
+        raise FixresError(f"--seed must be in [0, 2**63), got {value}")
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -91,7 +109,7 @@ class TrainerConfig:
     warmup_epochs: float = attrs.field(default=1.0, validator=_non_negative)
     dist_bn: str = attrs.field(default="reduce", validator=_one_of("reduce", "broadcast"))
     workers: int = attrs.field(default=2, validator=_non_negative)
-    seed: int = attrs.field(default=0, validator=_non_negative)
+    seed: int = attrs.field(default=0, validator=_seed)
     device: str = attrs.field(default="cpu", validator=_one_of("cpu", "cuda"))
     progress: bool = True
 

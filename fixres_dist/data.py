@@ -19,6 +19,7 @@ traffic four times smaller.
 from __future__ import annotations
 
 import multiprocessing
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -43,16 +44,20 @@ def embedded_data_path() -> Path:
 
 
 def _class_folders(split: Path) -> dict[str, int]:
+    """Class folder name -> number of image files in it (walked like ImageFolder: symlinks followed)."""
     classes = {}
     for folder in sorted(p for p in split.iterdir() if p.is_dir()):
-        classes[folder.name] = sum(1 for f in folder.rglob("*") if f.suffix.lower() in IMG_EXTENSIONS)
+        classes[folder.name] = sum(
+            1 for root, _, files in os.walk(folder, followlinks=True) for name in files
+            if name.lower().endswith(IMG_EXTENSIONS) and os.path.isfile(os.path.join(root, name)))
     return classes
 
 
-def check_image_folder(root: str | Path) -> list[str]:
+def check_image_folder(root: str | Path, min_train_images: int = 1) -> list[str]:
     """Check that ``root`` holds ``train/`` and ``val/`` with the same non-empty class folders.
 
-    Returns the sorted class names. Raises :class:`FixresError` naming the first problem found.
+    Returns the sorted class names. Raises :class:`FixresError` naming the first problem found,
+    also when ``train/`` holds fewer than ``min_train_images`` images.
     """
     root = Path(root)
     if not root.is_dir():
@@ -73,6 +78,9 @@ def check_image_folder(root: str | Path) -> list[str]:
         only_train = sorted(set(found["train"]) - set(found["val"]))
         only_val = sorted(set(found["val"]) - set(found["train"]))
         raise FixresError(f"train and val class folders differ: only in train {only_train}, only in val {only_val}")
+    if sum(found["train"].values()) < min_train_images:
+        raise FixresError(f"{root / 'train'} holds {sum(found['train'].values())} images, too few for "
+                          f"the ranks (at least {min_train_images}: 2 per rank)")
     return sorted(found["train"])
 
 

@@ -39,6 +39,15 @@ from .errors import FixresError
 RENDEZVOUS_FILE = "rendezvous.json"
 _PROBE_SECONDS = 3.0
 _STORE: dist.Store | None = None  # this process's rendezvous store, once the group formed
+_PEERS: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), read once the group formed
+
+
+class RendezvousInterrupted(Exception):
+    """A stop signal arrived while this rank waited for its peers (nothing to checkpoint yet)."""
+
+
+def _never() -> bool:
+    return False
 
 
 @attrs.frozen
@@ -99,6 +108,8 @@ def resolve_placement(num_tasks: int | None = None, global_rank: int | None = No
             raise FixresError("--global-rank needs --num-tasks")
         if torchrun:
             _check_agree("--num-tasks", num_tasks, "WORLD_SIZE", _env_int(environ, "WORLD_SIZE"))
+            _check_agree("--global-rank", global_rank, "RANK", _env_int(environ, "RANK"))
+            _check_agree("--local-rank", local_rank, "LOCAL_RANK", _env_int(environ, "LOCAL_RANK"))
         if num_tasks > 1 and job_id is None and dist_url is None:
             raise FixresError("ranks started separately must share a --job-id (with the same "
                               "--shared-folder-path) or an explicit --dist-url tcp://HOST:PORT")
@@ -120,7 +131,8 @@ def resolve_placement(num_tasks: int | None = None, global_rank: int | None = No
         if "SLURM_ARRAY_JOB_ID" in environ and "SLURM_ARRAY_TASK_ID" in environ:
             slurm_job = f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
         return Placement("slurm", world, _env_int(environ, "SLURM_PROCID"),
-                         int(environ.get("SLURM_LOCALID", 0)), _slurm_tasks_on_node(environ, world),
+                         _env_int({"SLURM_LOCALID": "0", **environ}, "SLURM_LOCALID"),
+                         _slurm_tasks_on_node(environ, world),
                          job_id or slurm_job, dist_url)
 
     if num_tasks is not None and num_tasks > 1:
@@ -163,7 +175,7 @@ def _tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: 
                          wait_for_workers=False)
 
 
-def _publish_and_wait(path: Path, world_size: int, timeout: float) -> dist.TCPStore:
+def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop=_never) -> dist.TCPStore:
     """Rank 0 of a file rendezvous: host a store, publish it, wait for every other rank."""
     host = _advertised_host()
     store = _tcp_store(host, 0, world_size, True, timeout)
@@ -174,6 +186,9 @@ def _publish_and_wait(path: Path, world_size: int, timeout: float) -> dist.TCPSt
     expected = [f"fixres/arrived/{r}" for r in range(1, world_size)]
     deadline = time.monotonic() + timeout
     while not store.check(expected):
+        if should_stop():
+            path.unlink(missing_ok=True)
+            raise RendezvousInterrupted(f"stopped by a signal while waiting at {path}")
         if time.monotonic() > deadline:
             missing = [k.rsplit("/", 1)[1] for k in expected if not store.check([k])]
             raise FixresError(f"rank(s) {', '.join(missing)} of {world_size} never arrived at {path} "
@@ -183,11 +198,13 @@ def _publish_and_wait(path: Path, world_size: int, timeout: float) -> dist.TCPSt
     return store
 
 
-def _join_published(path: Path, rank: int, world_size: int, timeout: float) -> dist.TCPStore:
+def _join_published(path: Path, rank: int, world_size: int, timeout: float, should_stop=_never) -> dist.TCPStore:
     """A non-zero rank of a file rendezvous: poll the file until its store answers with its nonce."""
     deadline = time.monotonic() + timeout
     tried = None
     while time.monotonic() < deadline:
+        if should_stop():
+            raise RendezvousInterrupted(f"stopped by a signal while waiting for {path}")
         try:
             info = json.loads(path.read_text())
             key = (info["host"], int(info["port"]), info["nonce"])
@@ -217,7 +234,7 @@ def _tcp_rendezvous(host: str, port: int, rank: int, world_size: int, timeout: f
     return store
 
 
-def make_store(dist_url: str, rank: int, world_size: int, timeout: float) -> dist.Store:
+def make_store(dist_url: str, rank: int, world_size: int, timeout: float, should_stop=_never) -> dist.Store:
     """Build the rendezvous store for ``dist_url`` (file://, tcp:// or env://).
 
     Raises :class:`FixresError` when the peers do not show up within ``timeout`` seconds.
@@ -228,8 +245,8 @@ def make_store(dist_url: str, rank: int, world_size: int, timeout: float) -> dis
         if not path.parent.is_dir():
             raise FixresError(f"rendezvous folder {path.parent} does not exist")
         if rank == 0:
-            return _publish_and_wait(path, world_size, timeout)
-        return _join_published(path, rank, world_size, timeout)
+            return _publish_and_wait(path, world_size, timeout, should_stop)
+        return _join_published(path, rank, world_size, timeout, should_stop)
     if url.scheme == "tcp":
         return _tcp_rendezvous(url.hostname, url.port, rank, world_size, timeout)
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -238,12 +255,17 @@ def make_store(dist_url: str, rank: int, world_size: int, timeout: float) -> dis
     return _tcp_rendezvous(addr, int(port), rank, world_size, timeout)
 
 
-def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, timeout: float) -> None:
-    """Meet the other ranks and create the default process group (no-op for world size 1)."""
+def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, timeout: float,
+                       should_stop=_never) -> None:
+    """Meet the other ranks and create the default process group (no-op for world size 1).
+
+    ``should_stop()`` is polled while waiting at a file rendezvous; when it returns True,
+    :class:`RendezvousInterrupted` is raised. Raises :class:`FixresError` on timeout.
+    """
     if world_size == 1:
         return
     global _STORE
-    store = make_store(dist_url, rank, world_size, timeout)
+    store = make_store(dist_url, rank, world_size, timeout, should_stop)
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
@@ -252,6 +274,10 @@ def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, 
                           f"{str(exc).strip().splitlines()[0]}") from None
     store.set(f"fixres/process/{rank}", f"{socket.gethostname()} {os.getpid()}")
     _STORE = store
+    dist.barrier()
+    for peer in range(world_size):
+        host, pid = store.get(f"fixres/process/{peer}").decode().split()
+        _PEERS[peer] = (host, int(pid))
 
 
 def _process_alive(pid: int) -> bool:
@@ -274,31 +300,30 @@ def announce_failure(reason: str) -> None:
 def lost_peers(wait: float = 3.0) -> str:
     """Which peer ranks failed or vanished, as a phrase, after a collective failed ("" if none known).
 
-    A rank that failed with an exception announced it (:func:`announce_failure`); ranks on this host
-    that were killed are found by process id; if the rendezvous store (hosted by rank 0) no longer
-    answers, rank 0 is gone. Polls for up to ``wait`` seconds, as a dying peer may still be exiting.
+    Ranks on this host that died are found by process id (known since the group formed) without
+    asking anyone; a rank that failed with an exception announced it in the rendezvous store
+    (:func:`announce_failure`); if the store (hosted by rank 0) no longer answers, rank 0 is gone.
+    Polls for up to ``wait`` seconds, as a dying peer may still be exiting.
     """
     if _STORE is None or not is_initialized():
         return ""
-    me, world = dist.get_rank(), dist.get_world_size()
+    me = dist.get_rank()
     _STORE.set_timeout(datetime.timedelta(seconds=3))
     deadline = time.monotonic() + wait
     while True:
-        gone = []
-        for rank in range(world):
-            if rank == me:
-                continue
+        dead = [f"rank {rank} (pid {pid} is gone)" for rank, (host, pid) in sorted(_PEERS.items())
+                if rank != me and host == socket.gethostname() and not _process_alive(pid)]
+        if dead:
+            return "; ".join(dead)
+        failed = []
+        for rank in _PEERS:
             try:
-                if _STORE.check([f"fixres/failed/{rank}"]):
-                    gone.append(f"rank {rank}, which failed: {_STORE.get(f'fixres/failed/{rank}').decode()}")
-                    continue
-                host, pid = _STORE.get(f"fixres/process/{rank}").decode().split()
+                if rank != me and _STORE.check([f"fixres/failed/{rank}"]):
+                    failed.append(f"rank {rank}, which failed: {_STORE.get(f'fixres/failed/{rank}').decode()}")
             except Exception:  # the store died with its host process, rank 0
                 return "rank 0 (and with it the rendezvous store)"
-            if host == socket.gethostname() and not _process_alive(int(pid)):
-                gone.append(f"rank {rank} (pid {pid} is gone)")
-        if gone or time.monotonic() > deadline:
-            return "; ".join(gone)
+        if failed or time.monotonic() > deadline:
+            return "; ".join(failed)
         time.sleep(0.2)
 
 
@@ -330,6 +355,7 @@ def barrier() -> None:
 def destroy_process_group() -> None:
     global _STORE
     _STORE = None
+    _PEERS.clear()
     if is_initialized():
         dist.destroy_process_group()
 

@@ -12,11 +12,12 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 import attrs
 import torch.multiprocessing as mp
 
-from . import data, distributed, models
+from . import checkpoint, data, distributed, models
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
 from .errors import FixresError, user_message
@@ -43,7 +44,13 @@ def build_config(mode: str, args: argparse.Namespace, environ=None) -> tuple[Tra
 
 def preflight(config: TrainerConfig) -> None:
     """Check data, architecture and weights before anything starts; raises FixresError."""
-    classes = data.check_image_folder(config.data_path or data.embedded_data_path())
+    classes = data.check_image_folder(config.data_path or data.embedded_data_path(), 2 * config.num_tasks)
+    shared = Path(config.shared_folder_path).absolute()
+    existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise FixresError(f"cannot create the job folder {shared / config.job_id}: {existing} is not a writable folder")
+    if config.resume:
+        checkpoint.load_checkpoint(config.resume)
     models.check_architecture(config.architecture)
     if config.weight_path:
         state, _ = models.read_weight_file(config.weight_path)

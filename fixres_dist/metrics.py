@@ -8,6 +8,7 @@ count) are all-reduced in float64. Top-1/top-5 are percentages of the images cou
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -61,5 +62,16 @@ class MetricsLog:
     def write(self, event: str, **fields) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a") as f:
             f.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+
+    def rewrite(self, events: list[dict]) -> None:
+        """Replace the file, atomically, by ``events`` (the history a resumed checkpoint holds)."""
+        if not self.enabled:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.writelines(json.dumps(e) + "\n" for e in events)
+        os.replace(tmp, self.path)

@@ -7,6 +7,8 @@ is either our ``checkpoint.pth`` (a dict with ``model`` and ``config``) or a pla
 from __future__ import annotations
 
 import difflib
+import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,19 +49,33 @@ def _strip_prefixes(state_dict: dict) -> dict:
     return out
 
 
+def safe_load(path: Path, what: str):
+    """``torch.load(path, weights_only=True)`` with one-line FixresErrors; never runs code from the file."""
+    if not path.exists():
+        raise FixresError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise FixresError(f"{what} {path} is not a file")
+    if path.stat().st_size == 0:
+        raise FixresError(f"{what} {path} is empty (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise FixresError(f"refused {what} {path}: it holds Python objects other than tensors and plain "
+                          "data (not loaded; nothing in it was executed)") from None
+    except Exception as exc:  # torch raises many types for corrupt files; we report them all the same way
+        raise FixresError(f"cannot read {what} {path}: not a complete PyTorch file ({type(exc).__name__}; "
+                          "truncated or corrupt?)") from None
+
+
 def read_weight_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
     """Return ``(state_dict, config dict or None)`` from a checkpoint or plain state_dict file.
 
     Raises :class:`FixresError` if the file is missing, unreadable, truncated or holds no tensors.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FixresError(f"weight file {path} does not exist")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for corrupt files; we report them all the same way
-        raise FixresError(f"cannot read weight file {path}: {type(exc).__name__}: "
-                          f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'corrupt or truncated'}") from None
+    payload = safe_load(path, "weight file")
     config = None
     if isinstance(payload, dict) and isinstance(payload.get("model"), dict):
         config = payload.get("config") if isinstance(payload.get("config"), dict) else None

@@ -13,6 +13,7 @@ it is called after the checkpoint, so submitit requeues the job at a safe point.
 """
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import signal
@@ -37,6 +38,21 @@ PREEMPTED_EXIT_STATUS = 3
 RESUMABLE_CHANGES = {"num_tasks", "global_rank", "local_rank", "dist_url", "dist_timeout", "dist_backend",
                      "workers", "progress", "ckpt_every", "keep_checkpoints", "resume", "preempt_signal",
                      "shared_folder_path", "job_id", "device", "skip_bad_images"}
+
+
+def _make_private_folder(folder) -> None:
+    """Create ``folder`` (and parents) and make it owner-only; FixresError if that is impossible."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(folder, 0o700)
+    except OSError as exc:
+        raise FixresError(f"cannot use job folder {folder}: {exc.strerror or exc}") from None
+
+
+def _write_private(path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 class Preempted(Exception):
@@ -110,6 +126,10 @@ class Trainer:
         self._build_model()
         self._build_optimizer()
         resumed = self._resume()
+        if self.rank0:  # only now: a refused resume must leave the folder as it was
+            _write_private(cfg.job_folder / CONFIG_FILE, cfg.to_json() + "\n")
+            if resumed:  # events after the checkpoint were lost with the run: drop them from the log
+                self.metrics.rewrite(self.history)
         if cfg.mode == "finetune" and not resumed:
             self._evaluate_before_finetune()
         while self.epoch < cfg.epochs:
@@ -143,13 +163,16 @@ class Trainer:
             self.device = torch.device("cuda", cfg.local_rank)
             torch.cuda.set_device(self.device)
         if cfg.dist_url.startswith("file://"):
-            cfg.job_folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # holds the rendezvous file
-        distributed.init_process_group(cfg.dist_backend, cfg.dist_url, cfg.global_rank, cfg.num_tasks,
-                                       cfg.dist_timeout)
+            _make_private_folder(cfg.job_folder)  # holds the rendezvous file
+        try:
+            distributed.init_process_group(cfg.dist_backend, cfg.dist_url, cfg.global_rank, cfg.num_tasks,
+                                           cfg.dist_timeout, should_stop=lambda: self._stop_signal is not None)
+        except distributed.RendezvousInterrupted as exc:
+            raise Preempted(f"{exc}; nothing to checkpoint yet") from None
         job_id = distributed.broadcast_object(cfg.job_id)  # torchrun without a run id: rank 0's
         if job_id != cfg.job_id:
             self.config = cfg = attrs.evolve(cfg, job_id=job_id)
-        cfg.job_folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _make_private_folder(cfg.job_folder)
         torch.manual_seed(cfg.seed + cfg.global_rank)
         self.faults = FaultInjector(cfg.global_rank, signal.Signals[cfg.preempt_signal])
         self._control_group = None
@@ -168,10 +191,18 @@ class Trainer:
             self._stop_signal = signal.Signals(signum)
 
     def _prepare_job_folder(self) -> None:
+        """Rank 0: lock the job folder against a second run, drop temporary files of a killed one."""
         cfg = self.config
         self.metrics = MetricsLog(cfg.job_folder / METRICS_FILE, self.rank0)
         if self.rank0:
-            (cfg.job_folder / CONFIG_FILE).write_text(cfg.to_json() + "\n")
+            self._lock = open(cfg.job_folder / ".lock", "a")
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise FixresError(f"job folder {cfg.job_folder} is in use by another run; "
+                                  "wait for it or use another --job-id") from None
+            for stale in cfg.job_folder.glob(".checkpoint-*.tmp"):
+                stale.unlink(missing_ok=True)
             self.log(f"job {cfg.job_id}: {cfg.mode} {cfg.architecture}, {cfg.num_tasks} rank(s) on "
                      f"{self.device.type}, folder {cfg.job_folder}")
 

@@ -1,6 +1,8 @@
 """Bad input: one clear line on stderr, no traceback, non-zero exit, nothing written."""
 from __future__ import annotations
 
+import os
+import pickle
 import shutil
 import time
 
@@ -21,6 +23,12 @@ def weights(tmp_path_factory):
     for name, state in files.items():
         torch.save(state, folder / f"{name}.pth")
     (folder / "empty.pth").write_bytes(b"")
+    (folder / "text.pth").write_text("hello, not a checkpoint")
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {folder / 'PWNED'}",))
+    (folder / "evil.pth").write_bytes(pickle.dumps({"model": Evil()}))
     return folder
 
 
@@ -34,6 +42,10 @@ def broken_data(tmp_path_factory):
         image.unlink()
     differ = make_subset(root / "differ", 2, 1, classes=3)
     (differ / "val" / "2_pullover").rename(differ / "val" / "2_jumper")
+    make_subset(root / "three", 1, 1, classes=3)
+    dir_image = make_subset(root / "dir_image", 2, 1, classes=1)
+    for split in ("train", "val"):
+        (dir_image / split / "b_class" / "fake.png").mkdir(parents=True)
     return root
 
 
@@ -50,7 +62,19 @@ CASES = {
     "unsafe job id": (["--job-id", "../up"], "not safe as a folder name"),
     "bad dist url": (["--dist-url", "http://host:1"], "file://, tcp:// or env://"),
     "missing weights": (["--weight-path", "{tmp}/none.pth"], "does not exist"),
-    "empty weight file": (["--weight-path", "{weights}/empty.pth"], "cannot read weight file"),
+    "empty weight file": (["--weight-path", "{weights}/empty.pth"], "is empty (0 bytes)"),
+    "text weight file": (["--weight-path", "{weights}/text.pth"], "not a complete PyTorch file"),
+    "weight path is a folder": (["--weight-path", "{weights}"], "is not a file"),
+    "code in weight file": (["--weight-path", "{weights}/evil.pth"], "nothing in it was executed"),
+    "nan learning rate": (["--learning-rate", "nan"], "--learning-rate must be a finite number"),
+    "inf momentum": (["--momentum", "inf"], "--momentum must be a finite number"),
+    "port out of range": (["--num-tasks", "2", "--dist-url", "tcp://localhost:99999"], "Port out of range"),
+    "relative file url": (["--num-tasks", "2", "--dist-url", "file://x.json"], "three slashes"),
+    "huge seed": (["--seed", "99999999999999999999999"], "--seed must be in [0, 2**63)"),
+    "too few train images": (["--num-tasks", "2", "--data-path", "{broken}/three"], "too few for the ranks"),
+    "folder named like an image": (["--data-path", "{broken}/dir_image"], "b_class holds no images"),
+    "shared folder is a file": (["--shared-folder-path", "{weights}/empty.pth"], "is not a writable folder"),
+    "resume a plain state_dict": (["--resume", "{weights}/resnet18_10.pth"], "not a fixres_dist checkpoint"),
     "other architecture": (["--weight-path", "{weights}/resnet34_10.pth"], "unexpected keys e.g. layer1.2"),
     "other class count": (["--weight-path", "{weights}/resnet18_7.pth"], "fc.weight (7, 512) vs model (10, 512)"),
 }
@@ -64,13 +88,14 @@ def test_bad_input_fails_cleanly(case, tmp_path, weights, broken_data, capsys):
     mode = "finetune" if "--weight-path" in args else "scratch"
     start = time.monotonic()
     with pytest.raises(SystemExit) as exit_info:
-        main(mode, [*args, "--shared-folder-path", str(shared), *FAST])
+        main(mode, ["--shared-folder-path", str(shared), *FAST, *args])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert err.startswith("fixres_dist: rank ") and message in err, err
-    assert not shared.exists()
+    assert not shared.exists() or "shared folder" in case
     assert time.monotonic() - start < 30
+    assert not (weights / "PWNED").exists()
 
 
 def test_finetune_without_weights_is_a_usage_error(tmp_path, capsys):

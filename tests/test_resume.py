@@ -71,6 +71,9 @@ def test_killed_rank_then_rerun_resumes_from_periodic_checkpoint_bit_identical(s
     second = train(tmp_path, tiny_data, "job", "--ckpt-every", 3)
     assert second.returncode == 0, second.stderr[-3000:]
     assert_same_parameters(final_model(tmp_path, "job")["model"], straight["model"])
+    events = [json.loads(line) for line in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["epoch"]) for e in events if e["event"] in ("train", "eval")] == \
+        [("train", 1), ("eval", 1), ("train", 2), ("eval", 2)]  # the killed run's epoch 2 is not repeated
 
 
 def test_separate_ranks_survivor_names_the_killed_rank(tiny_data, tmp_path):
@@ -131,11 +134,12 @@ def test_resume_on_another_world_size(tiny_data, tmp_path, world):
 
 def test_another_configuration_is_refused(tiny_data, tmp_path):
     assert train(tmp_path, tiny_data, "c", "--epochs", 1).returncode == 0
-    before = (tmp_path / "c" / CHECKPOINT_FILE).read_bytes()
+    files = ("checkpoint.pth", "config.json", "metrics.jsonl")
+    before = {name: (tmp_path / "c" / name).read_bytes() for name in files}
     proc = train(tmp_path, tiny_data, "c", "--architecture", "resnet34")
     assert proc.returncode == 1
     assert "holds a checkpoint of another configuration (architecture: 'resnet18' -> 'resnet34'" in proc.stderr
-    assert (tmp_path / "c" / CHECKPOINT_FILE).read_bytes() == before
+    assert {name: (tmp_path / "c" / name).read_bytes() for name in files} == before
 
 
 def test_job_folder_and_files_are_owner_only(tiny_data, tmp_path):
@@ -205,3 +209,28 @@ def test_eight_ranks_on_two_cores_complete(tiny_data, tmp_path):
                       "--no-progress", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert load_checkpoint(tmp_path / "eight" / CHECKPOINT_FILE)["config"]["num_tasks"] == 8
+
+
+def test_sigterm_while_waiting_for_peers_exits_promptly(tiny_data, tmp_path):
+    proc = start_script("scratch", "--num-tasks", 2, "--global-rank", 0, "--job-id", "wait", "--shared-folder-path",
+                        tmp_path, "--data-path", tiny_data, "--dist-timeout", 120, *TRAIN)
+    rendezvous = tmp_path / "wait" / "rendezvous.json"
+    deadline = time.monotonic() + 60
+    while not rendezvous.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 3 and "nothing to checkpoint yet" in err
+    assert time.monotonic() - sent < 10
+    assert not rendezvous.exists()
+
+
+def test_a_second_run_of_the_same_job_is_refused(tiny_data, tmp_path):
+    import fcntl
+    (tmp_path / "busy").mkdir(mode=0o700)
+    with open(tmp_path / "busy" / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running rank 0 holds it
+        proc = run_script("scratch", "--job-id", "busy", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+                          *TRAIN, timeout=120)
+    assert proc.returncode == 1 and "is in use by another run" in proc.stderr

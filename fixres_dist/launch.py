@@ -21,7 +21,7 @@ from . import checkpoint, data, distributed, models
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
 from .errors import FixresError, user_message
-from .trainer import PREEMPTED_EXIT_STATUS, Preempted, Trainer
+from .trainer import PREEMPTED_EXIT_STATUS, Preempted, Trainer, check_resumable
 
 
 def build_config(mode: str, args: argparse.Namespace, environ=None) -> tuple[TrainerConfig, str]:
@@ -49,8 +49,9 @@ def preflight(config: TrainerConfig) -> None:
     existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise FixresError(f"cannot create the job folder {shared / config.job_id}: {existing} is not a writable folder")
-    if config.resume:
-        checkpoint.load_checkpoint(config.resume)
+    resume = config.resume or shared / config.job_id / checkpoint.CHECKPOINT_FILE
+    if config.resume or os.path.exists(resume):
+        check_resumable(config, checkpoint.load_checkpoint(resume)["config"], resume)
     models.check_architecture(config.architecture)
     if config.weight_path:
         state, _ = models.read_weight_file(config.weight_path)

@@ -40,6 +40,15 @@ RESUMABLE_CHANGES = {"num_tasks", "global_rank", "local_rank", "dist_url", "dist
                      "shared_folder_path", "job_id", "device", "skip_bad_images"}
 
 
+def check_resumable(config: TrainerConfig, saved: dict, path) -> None:
+    """Raise FixresError if the checkpoint at ``path`` (its config dict ``saved``) is of another run."""
+    changed = sorted(k for k, v in config.to_dict().items() if k not in RESUMABLE_CHANGES and saved.get(k) != v)
+    if changed:
+        diff = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(config, k)!r}" for k in changed[:3])
+        raise FixresError(f"{path} holds a checkpoint of another configuration ({diff}); "
+                          "use another --job-id, or --resume with a matching checkpoint")
+
+
 def _make_private_folder(folder) -> None:
     """Create ``folder`` (and parents) and make it owner-only; FixresError if that is impossible."""
     try:
@@ -257,11 +266,7 @@ class Trainer:
         if not cfg.resume and not os.path.exists(path):
             return False
         state = checkpoint.load_checkpoint(path)
-        old = state["config"]
-        changed = sorted(k for k, v in cfg.to_dict().items() if k not in RESUMABLE_CHANGES and old.get(k) != v)
-        if changed:
-            raise FixresError(f"{path} holds a checkpoint of another configuration ({', '.join(f'{k}: {old.get(k)!r} -> {getattr(cfg, k)!r}' for k in changed[:3])}); "
-                              "use another --job-id, or --resume with a matching checkpoint")
+        check_resumable(cfg, state["config"], path)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.epoch, self.images_in_epoch, self.global_step = state["epoch"], state["images_in_epoch"], state["global_step"]
@@ -279,8 +284,12 @@ class Trainer:
                      f"by the linear scaling rule ({self.base_lr:g}), BatchNorm statistics averaged, epoch "
                      f"{self.epoch + 1} continues at image {self.images_in_epoch} of {len(self.train_set)} "
                      "of the same permutation (no image repeated or skipped); RNG streams restart")
-        self.log(f"resumed from {path}: epoch {self.epoch + 1}, image {self.images_in_epoch} of the epoch, "
-                 f"step {self.global_step}")
+        if self.epoch >= cfg.epochs:
+            self.log(f"{path}: this job already completed its {cfg.epochs} epochs; nothing to do "
+                     "(use another --job-id for a new run)")
+        else:
+            self.log(f"resumed from {path}: epoch {self.epoch + 1}, image {self.images_in_epoch} of the epoch, "
+                     f"step {self.global_step}")
         return True
 
     # --------------------------------------------------------------- training

@@ -307,7 +307,7 @@ def unwritable(tmp_path):
     ("memory", ["--mem-gb", "100000"], [], "100000 GB"),
     ("timeout", ["--timeout-min", "1", "--signal-delay-s", "90"], [], "--timeout-min 1 is too short for --signal-delay-s 90"),
     ("missing shared", [], ["--shared-folder-path", "MISSING"], "does not exist"),
-    ("unwritable shared", [], ["--shared-folder-path", "UNWRITABLE"], "is not writable"),
+    ("unwritable shared", [], ["--shared-folder-path", "UNWRITABLE"], "writable"),
     ("rank flags", [], ["--num-tasks", "2"], "--num-tasks: SLURM sets the ranks"),
 ])
 def test_bad_requests_are_refused_in_seconds(cluster, tiny_data, tmp_path, request, capsys,

@@ -34,7 +34,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from .errors import FixresError
+from .errors import FixresError, first_line
 
 RENDEZVOUS_FILE = "rendezvous.json"
 _PROBE_SECONDS = 3.0
@@ -229,8 +229,8 @@ def _tcp_rendezvous(host: str, port: int, rank: int, world_size: int, timeout: f
     try:
         store = _tcp_store(host, port, world_size, rank == 0, timeout)
     except (RuntimeError, OSError) as exc:
-        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise FixresError(f"cannot meet the other ranks at {host}:{port} within {timeout:g} s: {cause}") from None
+        raise FixresError(f"cannot meet the other ranks at {host}:{port} within {timeout:g} s: "
+                          f"{first_line(exc)}") from None
     return store
 
 
@@ -271,7 +271,7 @@ def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, 
                                 timeout=datetime.timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError) as exc:
         raise FixresError(f"process group ({backend}) did not form within {timeout:g} s: "
-                          f"{str(exc).strip().splitlines()[0]}") from None
+                          f"{first_line(exc)}") from None
     store.set(f"fixres/process/{rank}", f"{socket.gethostname()} {os.getpid()}")
     _STORE = store
     dist.barrier()

@@ -20,3 +20,9 @@ def user_message(exc: BaseException) -> str | None:
     if marker in text:
         return text.rsplit(marker, 1)[1].strip().splitlines()[0]
     return None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``str(exc)``, or the exception's type name when it has no message."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

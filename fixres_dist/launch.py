@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from . import checkpoint, data, distributed, models
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
-from .errors import FixresError, user_message
+from .errors import FixresError, first_line, user_message
 from .trainer import PREEMPTED_EXIT_STATUS, Preempted, Trainer, check_resumable
 
 
@@ -58,11 +58,6 @@ def preflight(config: TrainerConfig) -> None:
         models.load_weights(models.build_model(config.architecture, len(classes)), state, config.weight_path)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
-
-
 def run_rank(config: TrainerConfig) -> dict:
     """Run one rank; on failure print one stderr line and exit 1 (3 after a preemption checkpoint)."""
     prefix = f"fixres_dist: rank {config.global_rank}:"
@@ -77,7 +72,7 @@ def run_rank(config: TrainerConfig) -> dict:
         message = user_message(exc)
         if message is None:
             traceback.print_exc()
-        print(f"{prefix} {message or f'{type(exc).__name__}: {_first_line(exc)}'}", file=sys.stderr, flush=True)
+        print(f"{prefix} {message or f'{type(exc).__name__}: {first_line(exc)}'}", file=sys.stderr, flush=True)
     finally:
         distributed.destroy_process_group()
     raise SystemExit(1)

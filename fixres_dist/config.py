@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 import attrs
 
 from .errors import FixresError
+from .fixres import SCOPES
 
 CONFIG_FILE = "config.json"
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -66,6 +67,25 @@ def _dist_url(instance, attribute, value):
         raise FixresError(f"--dist-url {value!r}: give file:///ABSOLUTE/PATH/FILE (three slashes)")
 
 
+def _input_size(instance, attribute, value):
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise FixresError(f"--input-size must be a positive integer or 'auto', got {value!r}")
+
+
+def _sizes(value):
+    """``--test-sizes`` as a tuple of ints (JSON gives lists); None stays None."""
+    return None if value is None else tuple(value)
+
+
+def _test_sizes(instance, attribute, value):
+    if value is None:
+        return
+    if not value or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in value):
+        raise FixresError(f"--test-sizes must be positive integers (pixels), got {list(value)}")
+    if len(set(value)) != len(value):
+        raise FixresError(f"--test-sizes lists a resolution twice: {list(value)}")
+
+
 def _seed(instance, attribute, value):
     if not 0 <= value < 2 ** 63:
         raise FixresError(f"--seed must be in [0, 2**63), got {value}")
@@ -97,8 +117,17 @@ class TrainerConfig:
     architecture: str = "resnet18"
     weight_path: str | None = None
     train_size: int | None = attrs.field(default=None, validator=_positive)
-    input_size: int = attrs.field(default=32, validator=_positive)
+    input_size: int | str = attrs.field(default=32, validator=_input_size)
     test_size: int | None = attrs.field(default=None, validator=_positive)
+    test_sizes: tuple[int, ...] | None = attrs.field(default=None, converter=_sizes, validator=_test_sizes)
+
+    # The FixRes finetune (fixres.py) and what a run produces besides training.
+    finetune_scope: str = attrs.field(default="head+last-norm", validator=_one_of(*SCOPES))
+    finetune_augmentation: str = attrs.field(default="test", validator=_one_of("test", "fixres"))
+    eval_only: bool = False
+    extract_features: str | None = None
+    extract_split: str = attrs.field(default="val", validator=_one_of("val", "train"))
+    overwrite: bool = False
 
     # How.
     batch: int = attrs.field(default=64, validator=_positive)
@@ -111,6 +140,11 @@ class TrainerConfig:
     workers: int = attrs.field(default=2, validator=_non_negative)
     seed: int = attrs.field(default=0, validator=_seed)
     device: str = attrs.field(default="cpu", validator=_one_of("cpu", "cuda"))
+    # Speed (issue 6): mixed precision, memory format, torch.compile backend, synchronised BatchNorm.
+    amp: str = attrs.field(default="off", validator=_one_of("bf16", "fp16", "off"))
+    channels_last: bool = False
+    compile: str | None = None
+    sync_bn: bool = False
     progress: bool = True
 
     # Never lose work (checkpoint.py): periodic checkpoints, resume, preemption.
@@ -127,6 +161,17 @@ class TrainerConfig:
             raise FixresError(f"--local-rank {self.local_rank} must be < --num-tasks {self.num_tasks}")
         if self.mode == "finetune" and not self.weight_path:
             raise FixresError("main_finetune.py needs --weight-path (a checkpoint.pth or a state_dict file)")
+        if self.amp == "fp16" and self.device != "cuda":
+            raise FixresError("--amp fp16 needs --device cuda (its GradScaler is CUDA-only); on CPU use "
+                              "--amp bf16 or --amp off")
+        if self.eval_only and not self.weight_path:
+            raise FixresError("--eval-only needs --weight-path (the checkpoint.pth or state_dict to evaluate)")
+        if self.input_size == "auto":
+            if self.mode != "finetune" or self.eval_only:
+                raise FixresError("--input-size auto only applies to main_finetune.py (finetune at the best "
+                                  "swept test resolution)")
+            if not self.test_sizes:
+                raise FixresError("--input-size auto needs --test-sizes, the resolutions to choose from")
 
     @property
     def job_folder(self) -> Path:
@@ -134,9 +179,9 @@ class TrainerConfig:
         return Path(self.shared_folder_path) / self.job_id
 
     @property
-    def eval_size(self) -> int:
-        """The test resolution in pixels (``test_size``, or ``input_size`` when not given)."""
-        return self.test_size or self.input_size
+    def eval_size(self) -> int | None:
+        """The test resolution in pixels (``test_size``, or ``input_size``; None while that is 'auto')."""
+        return self.test_size or (None if self.input_size == "auto" else self.input_size)
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)

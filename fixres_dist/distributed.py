@@ -377,6 +377,29 @@ def average_batchnorm_statistics(model: torch.nn.Module) -> None:
                 buffer.div_(world)
 
 
+def cuda_device(local_rank: int, environ=None) -> torch.device:
+    """The GPU of the rank with ``local_rank`` on its node.
+
+    ``cuda:<local_rank>`` among the visible devices; but when a launcher narrowed
+    ``CUDA_VISIBLE_DEVICES`` to a single GPU for this task (SLURM ``--gpus-per-task 1``,
+    ``--gpu-bind``), that GPU, ``cuda:0``, whatever the local rank. Raises :class:`FixresError` when
+    no GPU is visible or the local rank has none.
+    """
+    environ = os.environ if environ is None else environ
+    count = torch.cuda.device_count()
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if count == 0:
+        raise FixresError(f"--device cuda but no CUDA GPU is visible (CUDA_VISIBLE_DEVICES={visible!r}); "
+                          "use --device cpu")
+    narrowed = visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
+    if narrowed and count == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= count:
+        raise FixresError(f"local rank {local_rank} has no GPU: {count} visible (CUDA_VISIBLE_DEVICES={visible!r}); "
+                          "start at most one rank per GPU on each node")
+    return torch.device("cuda", local_rank)
+
+
 def threads_per_rank(num_tasks: int, environ=None) -> int:
     """CPU threads for one rank: this process's usable cores shared by the ranks on this node.
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import attrs
 import torch.multiprocessing as mp
 
-from . import checkpoint, data, distributed, models
+from . import checkpoint, data, distributed, extraction, fixres, models
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
 from .errors import FixresError, first_line, user_message
@@ -43,7 +43,8 @@ def build_config(mode: str, args: argparse.Namespace, environ=None) -> tuple[Tra
 
 
 def preflight(config: TrainerConfig) -> None:
-    """Check data, architecture and weights before anything starts; raises FixresError."""
+    """Check data, architecture, resolutions, weights, finetune scope and the features folder before
+    anything starts; raises FixresError."""
     classes = data.check_image_folder(config.data_path or data.embedded_data_path(), 2 * config.num_tasks)
     shared = Path(config.shared_folder_path).absolute()
     existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
@@ -53,9 +54,25 @@ def preflight(config: TrainerConfig) -> None:
     if config.resume or os.path.exists(resume):
         check_resumable(config, checkpoint.load_checkpoint(resume)["config"], resume)
     models.check_architecture(config.architecture)
+    if config.device == "cuda":
+        distributed.cuda_device(config.local_rank)
+    if config.compile:
+        import torch._dynamo
+        if config.compile not in torch._dynamo.list_backends(exclude_tags=()):
+            raise FixresError(f"--compile {config.compile!r} is not a torch.compile backend; known: "
+                              f"{', '.join(torch._dynamo.list_backends())}")
+    sizes = {config.input_size, config.test_size, config.train_size, *(config.test_sizes or ())} - {None, "auto"}
+    for size in sorted(sizes):
+        models.check_resolution(config.architecture, size)
+    if config.extract_features:
+        extraction.check_destination(config.extract_features, config.overwrite)
     if config.weight_path:
+        probe_size = min(sizes)
+        model = models.build_model(config.architecture, len(classes), image_size=probe_size)
         state, _ = models.read_weight_file(config.weight_path)
-        models.load_weights(models.build_model(config.architecture, len(classes)), state, config.weight_path)
+        models.load_weights(model, state, config.weight_path)
+        if config.mode == "finetune" and not config.eval_only:
+            fixres.trainable_modules(model, probe_size, config.finetune_scope)
 
 
 def run_rank(config: TrainerConfig) -> dict:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import distributed
-from .data import normalize
+from .data import to_device
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -33,15 +33,20 @@ class EvalResult:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device) -> EvalResult:
-    """Evaluate ``model`` (unwrapped, put in eval mode) on this rank's share and reduce over ranks."""
+def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: torch.dtype | None = None,
+             channels_last: bool = False) -> EvalResult:
+    """Evaluate ``model`` (unwrapped, put in eval mode) on this rank's share and reduce over ranks.
+
+    ``amp``: autocast dtype (``torch.bfloat16``/``torch.float16``) or None; the sums are float64.
+    """
     was_training = model.training
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # top1 hits, top5 hits, loss sum, count
     for images, labels, _skipped in loader:
-        images = normalize(images.to(device, non_blocking=True))
+        images = to_device(images, device, channels_last)
         labels = labels.to(device, non_blocking=True)
-        logits = model(images)
+        with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+            logits = model(images).float()
         k = min(5, logits.shape[1])
         hits = logits.topk(k, dim=1).indices.eq(labels[:, None])
         sums += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(),

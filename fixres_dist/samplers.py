@@ -83,6 +83,15 @@ class ExactBatchSampler(Sampler[list[SampleKey]]):
             return self.dataset_size
         return self.skip + batches_done * self.world_size * self.batch_size
 
+    def global_batch_sizes(self) -> list[int]:
+        """Images per global batch (all ranks together) of the current pass, as :func:`global_batches` cuts them."""
+        remaining, step = self.dataset_size - self.skip, self.world_size * self.batch_size
+        sizes = [step] * (remaining // step) + ([remaining % step] if remaining % step else [])
+        if len(sizes) > 1 and sizes[-1] < 2 * self.world_size:
+            tail = sizes.pop()
+            sizes[-1] += tail
+        return sizes
+
     def __iter__(self) -> Iterator[list[SampleKey]]:
         for chunk in global_batches(self.dataset_size, self.world_size, self.batch_size,
                                     self.shuffle, self.seed, self.epoch, self.skip):

@@ -1,9 +1,12 @@
 """The Trainer: one rank's part of a job, from rendezvous to the last checkpoint.
 
 ``Trainer(config)()`` runs the job in this process. The story, in :meth:`Trainer._run`:
-meet the other ranks; build data, model and optimizer; resume from the job folder's checkpoint if
-there is one; (finetune: measure top-1 before); train epoch by epoch, averaging BatchNorm
-statistics over ranks, evaluating exactly, checkpointing; (finetune: print the FixRes table).
+meet the other ranks; build the data and the model; find the job folder's checkpoint if there is
+one; (``--eval-only``: evaluate, report and stop); (finetune: measure top-1 before, at the train
+and test resolutions, and pick the test resolution if ``--input-size auto``); freeze what does not
+train and wrap in DDP; restore the checkpoint; train epoch by epoch, averaging BatchNorm statistics
+over ranks, evaluating exactly, checkpointing; then the resolution sweep, the FixRes table and the
+feature extraction, as asked.
 Rank 0 alone logs, shows progress and writes files; checkpoints hold every rank's RNG state.
 
 Preemption: SIGTERM or ``config.preempt_signal`` (SIGUSR2 by default, SLURM's warning signal) on
@@ -18,6 +21,7 @@ import math
 import os
 import signal
 import time
+import warnings
 
 import attrs
 import torch
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from . import checkpoint, data, distributed, fixres, models
+from . import batchnorm, checkpoint, data, distributed, extraction, fixres, models, sweep
 from .config import CONFIG_FILE, TrainerConfig
 from .errors import FixresError, first_line, user_message
 from .faults import FaultInjector
@@ -37,7 +41,9 @@ PREEMPTED_EXIT_STATUS = 3
 # Fields that may change between a checkpoint and the run resuming it.
 RESUMABLE_CHANGES = {"num_tasks", "global_rank", "local_rank", "dist_url", "dist_timeout", "dist_backend",
                      "workers", "progress", "ckpt_every", "keep_checkpoints", "resume", "preempt_signal",
-                     "shared_folder_path", "job_id", "device", "skip_bad_images"}
+                     "shared_folder_path", "job_id", "device", "skip_bad_images", "test_sizes",
+                     "extract_features", "extract_split", "overwrite", "amp", "channels_last", "compile"}
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
 
 
 def check_resumable(config: TrainerConfig, saved: dict, path) -> None:
@@ -103,6 +109,8 @@ class Trainer:
         self.device = torch.device("cpu")
         self.epoch, self.images_in_epoch, self.global_step = 0, 0, 0
         self.history: list[dict] = []
+        # The training resolution; with --input-size auto, the first test size until the sweep picks one.
+        self.input_size = config.input_size if config.input_size != "auto" else config.test_sizes[0]
         self._stop_signal = None
 
     # ----------------------------------------------------------------- the story
@@ -131,28 +139,47 @@ class Trainer:
         cfg = self.config
         self._prepare_job_folder()
         self._build_data()
-        self._build_model()
-        self._build_optimizer()
-        resumed = self._resume()
+        state = self._checkpoint_to_resume()
         if self.rank0:  # only now: a refused resume must leave the folder as it was
             _write_private(cfg.job_folder / CONFIG_FILE, cfg.to_json() + "\n")
-            if resumed:  # events after the checkpoint were lost with the run: drop them from the log
-                self.metrics.rewrite(self.history)
-        if cfg.mode == "finetune" and not resumed:
+            self.metrics.rewrite(self.history)  # drops events the checkpoint does not know of
+        self._build_model()
+        if cfg.eval_only:
+            return self._evaluate_only()
+        if cfg.mode == "finetune" and state is None:
             self._evaluate_before_finetune()
+        self._prepare_training()
+        if state is not None:
+            self._restore(state)
         while self.epoch < cfg.epochs:
             self._train_one_epoch()
             if cfg.dist_bn == "reduce":
                 distributed.average_batchnorm_statistics(self.model)
-            self._evaluate(self.epoch + 1, cfg.eval_size)
+            self._evaluate(self.epoch + 1, self.eval_size)
             self.epoch, self.images_in_epoch = self.epoch + 1, 0
             self._save_checkpoint()
             self._stop_if_asked()
-        final = [e for e in self.history if e["event"] == "eval" and e["resolution"] == cfg.eval_size][-1]
+        final = [e for e in self.history if e["event"] == "eval" and e["resolution"] == self.eval_size][-1]
+        if cfg.test_sizes:
+            self._sweep("after" if cfg.mode == "finetune" else "trained")
         if cfg.mode == "finetune":
             self._print_finetune_table()
+        return self._finish(final)
+
+    def _finish(self, final: dict) -> dict:
+        """Sweep report and features, if asked; the result every rank returns."""
+        cfg = self.config
+        if cfg.test_sizes:
+            self._report_sweep()
+        if cfg.extract_features:
+            self._extract_features()
         distributed.barrier()
         return {"rank": cfg.global_rank, **{k: final[k] for k in ("resolution", "top1", "top5", "loss", "images")}}
+
+    @property
+    def eval_size(self) -> int:
+        """The test resolution in pixels: ``--test-size``, else the training resolution."""
+        return self.config.test_size or self.input_size
 
     def checkpoint(self, *args, **kwargs):
         """submitit's preemption hook: a resubmission of this job, which resumes from its folder."""
@@ -166,10 +193,9 @@ class Trainer:
         if not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(distributed.threads_per_rank(cfg.num_tasks))
         if cfg.device == "cuda":
-            if cfg.local_rank >= torch.cuda.device_count():
-                raise FixresError(f"local rank {cfg.local_rank} has no GPU ({torch.cuda.device_count()} visible)")
-            self.device = torch.device("cuda", cfg.local_rank)
+            self.device = distributed.cuda_device(cfg.local_rank)
             torch.cuda.set_device(self.device)
+            torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels
         if cfg.dist_url.startswith("file://"):
             _make_private_folder(cfg.job_folder)  # holds the rendezvous file
         try:
@@ -221,8 +247,8 @@ class Trainer:
         self.train_set, self.val_set = data.image_folder(root, "train"), data.image_folder(root, "val")
         if len(self.train_set) < 2 * cfg.num_tasks:
             raise FixresError(f"{len(self.train_set)} training images are too few for {cfg.num_tasks} ranks")
-        train_tf = data.train_transform(cfg.input_size) if cfg.mode == "scratch" else data.test_transform(cfg.input_size)
-        self.train_loader = self._loader(self.train_set, train_tf, shuffle=True)
+        if cfg.extract_features:
+            extraction.check_destination(cfg.extract_features, cfg.overwrite)
         self.val_loaders = {}  # resolution -> loader (persistent workers)
 
     def _loader(self, dataset, transform, shuffle: bool):
@@ -232,22 +258,52 @@ class Trainer:
                                 pin_memory=self.device.type == "cuda", skip_bad_images=cfg.skip_bad_images)
 
     def _build_model(self) -> None:
+        """The unwrapped classifier at ``self.input_size``, with ``--weight-path`` loaded."""
         cfg = self.config
-        model = models.build_model(cfg.architecture, len(self.classes))
-        self.weight_config = None
+        model = models.build_model(cfg.architecture, len(self.classes), image_size=self.input_size)
+        weight_config = None
         if cfg.weight_path:
-            state, self.weight_config = models.read_weight_file(cfg.weight_path)
-            models.load_weights(model, state, cfg.weight_path)
-        model.to(self.device)
+            state, weight_config = models.read_weight_file(cfg.weight_path)
+            note = models.load_weights(model, state, cfg.weight_path)
+            if note:
+                self.log(note)
+        trained_at = cfg.input_size if cfg.mode == "scratch" else (weight_config or {}).get("input_size")
+        self.train_size = cfg.train_size or (trained_at if isinstance(trained_at, int) else None)
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model.to(self.device)  # unwrapped: evaluation and checkpoints use it
+
+    def _prepare_training(self) -> None:
+        """Finetune: freeze what does not train. Then the train loader, the optimizer and the DDP wrap."""
+        cfg = self.config
         if cfg.mode == "finetune":
-            trainable = fixres.freeze_for_finetune(model, cfg.input_size)
-            count = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            self.log(f"finetuning {count:,} of {sum(p.numel() for p in model.parameters()):,} parameters: "
-                     f"{', '.join(trainable)}")
-        self.model = model  # unwrapped: evaluation and checkpoints use it
-        self.ddp = model if cfg.num_tasks == 1 else DistributedDataParallel(
-            model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            self.model = models.for_resolution(self.model, self.input_size)  # ViT: position embeddings
+            trainable = fixres.freeze_for_finetune(self.model, self.input_size, cfg.finetune_scope)
+            count = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            self.log(f"finetuning ({cfg.finetune_scope}) {count:,} of {sum(p.numel() for p in self.model.parameters()):,} "
+                     f"parameters in {len(trainable)} tensors: {', '.join(trainable)}")
+            if cfg.num_tasks > 1:  # trainable BatchNorms see the union of all ranks' images
+                norms = [name for name, m in self.model.named_modules() if isinstance(m, fixres.NORM_TYPES)
+                         and any(p.requires_grad for p in m.parameters(recurse=False))]
+                synchronised = batchnorm.synchronise(self.model, norms, self.device.type)
+                if synchronised:
+                    self.log(f"BatchNorm statistics over all {cfg.num_tasks} ranks' images: {', '.join(synchronised)}")
+        if cfg.sync_bn and cfg.num_tasks > 1:
+            synchronised = batchnorm.synchronise(self.model, None, self.device.type)
+            self.log(f"--sync-bn: {len(synchronised)} BatchNorm layers synchronised over {cfg.num_tasks} ranks")
+        transform = data.train_transform(self.input_size) if cfg.mode == "scratch" else \
+            data.finetune_transform(self.input_size, cfg.finetune_augmentation)
+        self.train_loader = self._loader(self.train_set, transform, shuffle=True)
+        self._build_optimizer()
+        self.ddp = self.model if cfg.num_tasks == 1 else DistributedDataParallel(
+            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
             forward_sync_buffers=cfg.dist_bn == "broadcast")
+        self.amp = AMP_DTYPES[cfg.amp]
+        self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
+        self.forward = self.ddp
+        if cfg.compile:  # compiled lazily, at the first step (see _train_step)
+            self.forward = torch.compile(self.ddp, backend=cfg.compile)
+            self._compile_checked = False
 
     def _build_optimizer(self) -> None:
         cfg = self.config
@@ -258,18 +314,27 @@ class Trainer:
                  f"(linear scaling rule), {len(self.train_loader)} steps per epoch")
 
     # ----------------------------------------------------------------- resume
-    def _resume(self) -> bool:
-        """Load the checkpoint named by ``--resume`` or found in the job folder; True if resumed."""
+    def _checkpoint_to_resume(self) -> dict | None:
+        """The checkpoint named by ``--resume`` or found in the job folder (checked), or None."""
         cfg = self.config
         path = cfg.resume or cfg.job_folder / checkpoint.CHECKPOINT_FILE
         if not cfg.resume and not os.path.exists(path):
-            return False
+            return None
         state = checkpoint.load_checkpoint(path)
         check_resumable(cfg, state["config"], path)
+        self.history = list(state["metrics"])
+        self.input_size = state.get("input_size", self.input_size)  # --input-size auto: the size chosen
+        self._resume_path = path
+        return state
+
+    def _restore(self, state: dict) -> None:
+        """Continue from ``state``: parameters, optimizer, position in the epoch, RNG and BatchNorm buffers."""
+        cfg, path = self.config, self._resume_path
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler.is_enabled() and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.images_in_epoch, self.global_step = state["epoch"], state["images_in_epoch"], state["global_step"]
-        self.history = list(state["metrics"])
         ranks = state["ranks"]
         if len(ranks) == cfg.num_tasks:
             mine = ranks[cfg.global_rank]
@@ -289,7 +354,6 @@ class Trainer:
         else:
             self.log(f"resumed from {path}: epoch {self.epoch + 1}, image {self.images_in_epoch} of the epoch, "
                      f"step {self.global_step}")
-        return True
 
     # --------------------------------------------------------------- training
     def _train_one_epoch(self) -> None:
@@ -297,6 +361,7 @@ class Trainer:
         fixres.set_train_mode(self.ddp)
         sampler = self.train_loader.batch_sampler
         sampler.set_epoch(epoch, skip=self.images_in_epoch)
+        global_batches = sampler.global_batch_sizes()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per step
         images_seen, skipped_images = 0, 0
         bar = tqdm(total=len(self.train_set), initial=self.images_in_epoch, unit="img", unit_scale=True,
@@ -304,14 +369,14 @@ class Trainer:
         start = time.perf_counter()
         for step, (images, labels, skipped) in enumerate(self.train_loader):
             self._set_learning_rate(epoch + self.images_in_epoch / len(self.train_set))
-            loss = self._train_step(images, labels)
-            loss_sum += loss.double() * labels.numel()
+            loss = self._train_step(images, labels, global_batches[step])
+            loss_sum += loss.double()
             images_seen, skipped_images = images_seen + labels.numel(), skipped_images + skipped
             done = sampler.images_done(step + 1)
             bar.update(done - self.images_in_epoch)
             self.images_in_epoch, self.global_step = done, self.global_step + 1
             if self.rank0 and cfg.progress and step % 20 == 0:
-                bar.set_postfix(loss=f"{loss.item():.3f}")
+                bar.set_postfix(loss=f"{loss.item() / labels.numel():.3f}")
             self.faults.after_step(self.global_step)
             if cfg.ckpt_every and self.global_step % cfg.ckpt_every == 0:
                 self._save_checkpoint()
@@ -332,15 +397,45 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on a uint8 (B, 3, H, W) batch; returns the detached mean loss."""
-        images = data.normalize(images.to(self.device, non_blocking=True))
+    def _train_step(self, images: torch.Tensor, labels: torch.Tensor, global_batch: int | None = None) -> torch.Tensor:
+        """One optimizer step on this rank's uint8 (B, 3, H, W) share of a global batch.
+
+        The loss is the mean over the *global* batch (``global_batch`` images on all ranks; default
+        B x world size): this rank's summed cross-entropy x world size / global batch, which DDP's
+        gradient averaging turns into exactly the gradient of one process on the whole batch, even
+        when the last batch is split unevenly. Returns the detached *summed* loss of this rank's images.
+        """
+        images = data.to_device(images, self.device, self.config.channels_last)
         labels = labels.to(self.device, non_blocking=True)
-        loss = F.cross_entropy(self.ddp(images), labels)
+        with torch.autocast(self.device.type, dtype=self.amp or torch.bfloat16, enabled=self.amp is not None):
+            logits = self._forward(images)
+        loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
+        world = self.config.num_tasks
+        loss = loss_sum * (world / (global_batch or labels.numel() * world))
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return loss.detach()
+        self.scaler.scale(loss).backward()  # fp16: scaled against underflow; otherwise as is
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return loss_sum.detach()
+
+    def _forward(self, images: torch.Tensor) -> torch.Tensor:
+        """The DDP model's forward, compiled with ``--compile``.
+
+        Compilation happens at the first call; if it fails, the run warns with the cause and goes on
+        uncompiled (same results, eager speed) rather than losing the job to a compiler problem.
+        """
+        if self.forward is self.ddp or self._compile_checked:
+            return self.forward(images)
+        try:
+            logits = self.forward(images)
+        except Exception as exc:  # any compiler failure; a genuine error recurs below, uncompiled
+            warnings.warn(f"--compile {self.config.compile} failed ({type(exc).__name__}: {first_line(exc)}); "
+                          "continuing uncompiled", stacklevel=2)
+            self.log(f"warning: torch.compile failed ({type(exc).__name__}: {first_line(exc)}); continuing uncompiled")
+            self.forward = self.ddp
+            return self.ddp(images)
+        self._compile_checked = True
+        return logits
 
     def _stop_if_asked(self) -> None:
         """If any rank got a stop signal: all ranks checkpoint here together, then raise Preempted."""
@@ -359,9 +454,11 @@ class Trainer:
 
     # ------------------------------------------------------------- evaluation
     def _evaluate(self, epoch: int, size: int, label: str = "") -> EvalResult:
+        """Exact top-1/top-5 at test resolution ``size`` (pixels); recorded as an ``eval`` event."""
         if size not in self.val_loaders:
             self.val_loaders[size] = self._loader(self.val_set, data.test_transform(size), shuffle=False)
-        result = evaluate(self.model, self.val_loaders[size], self.device)
+        result = evaluate(models.for_resolution(self.model, size), self.val_loaders[size], self.device,
+                          AMP_DTYPES[self.config.amp], self.config.channels_last)
         self._record("eval", epoch=epoch, resolution=size, top1=result.top1, top5=result.top5,
                      loss=result.loss, images=result.images, **({"label": label} if label else {}))
         self.log(f"eval{' ' + label if label else ''} @{size}px: top-1 {result.top1:.2f} %, "
@@ -369,17 +466,76 @@ class Trainer:
         return result
 
     def _evaluate_before_finetune(self) -> None:
+        """Top-1 at the train resolution and, before finetuning, at the test resolution(s).
+
+        With ``--input-size auto`` the finetune resolution becomes the best of this sweep
+        (:func:`fixres_dist.sweep.best_resolution`).
+        """
         cfg = self.config
-        train_size = cfg.train_size or (self.weight_config or {}).get("input_size")
-        if train_size:
-            self._evaluate(0, train_size, "train-resolution")
-        self._evaluate(0, cfg.input_size, "before")
+        if self.train_size:
+            self._evaluate(0, self.train_size, "train-resolution")
+        sizes = list(cfg.test_sizes or ())
+        if cfg.input_size != "auto" and self.input_size not in sizes:
+            sizes.append(self.input_size)
+        self._sweep("before", sizes)
+        if cfg.input_size == "auto":
+            swept = sweep.by_stage(self.history)["before"]
+            self.input_size = sweep.best_resolution([swept[size] for size in cfg.test_sizes])
+            self._record("input_size", resolution=self.input_size, rule="best top-1 of the sweep before finetuning, "
+                         "smallest within one standard error")
+            self.log(f"--input-size auto: finetuning at {self.input_size} px, the best test resolution before finetuning")
+
+    def _evaluate_only(self) -> dict:
+        """``--eval-only``: evaluate the weights at every test size, report, extract; no training."""
+        sizes = self.config.test_sizes or (self.eval_size,)
+        self._sweep("sweep", sizes)
+        final = [e for e in self.history if e["event"] == "eval"][-1]
+        return self._finish(final)
+
+    def _sweep(self, stage: str, sizes=None) -> None:
+        for size in sizes or self.config.test_sizes:
+            self._evaluate(self.epoch, size, stage)
+
+    def _report_sweep(self) -> None:
+        """Table and plot of the sweeps so far (resolution_sweep.md/.png); names the best resolution."""
+        cfg = self.config
+        stages = sweep.by_stage(self.history)
+        latest = [s for s in ("sweep", "before", "trained", "after") if s in stages][-1]
+        best = sweep.best_resolution(list(stages[latest].values()))
+        estimate = fixres.apparent_size_test_resolution(self.train_size) if self.train_size else None
+        images = next(iter(stages[latest].values()))["images"]
+        title = (f"{cfg.architecture} ({cfg.mode}, job {cfg.job_id}): top-1 against test resolution, "
+                 f"{images} validation images")
+        text = sweep.table(stages, best, self.train_size, estimate, title)
+        self._record("sweep", stage=latest, best_resolution=best, train_resolution=self.train_size,
+                     apparent_size_estimate=estimate)
+        if self.rank0:
+            _write_private(cfg.job_folder / sweep.TABLE_FILE, text + "\n")
+            sweep.plot(cfg.job_folder / sweep.PLOT_FILE, stages, best, self.train_size, estimate, title)
+        self.log("\n" + text + f"\nplot: {cfg.job_folder / sweep.PLOT_FILE}")
+
+    def _extract_features(self) -> None:
+        """Logits, embeddings and labels of ``--extract-split`` at the test resolution (extraction.py)."""
+        cfg, size = self.config, self.eval_size
+        dataset = self.val_set if cfg.extract_split == "val" else self.train_set
+        loader = self._loader(dataset, data.test_transform(size), shuffle=False)
+        model = models.for_resolution(self.model, size)
+        head, _ = fixres.find_head_and_last_norm(model, size)
+        info = extraction.extract(model, head, loader, self.device, cfg.extract_features, size,
+                                  {"split": cfg.extract_split, "architecture": cfg.architecture,
+                                   "weights": cfg.weight_path if cfg.eval_only else str(cfg.job_folder / checkpoint.CHECKPOINT_FILE),
+                                   "classes": self.classes}, self.rank0,
+                                  AMP_DTYPES[cfg.amp], cfg.channels_last)
+        self._record("features", folder=str(cfg.extract_features), **{k: v for k, v in info.items() if k != "classes"})
+        self.log(f"features of {info['images']} {cfg.extract_split} images at {size} px: logits {info['num_classes']}, "
+                 f"embeddings {info['embedding_dim']} wide, in {cfg.extract_features}")
 
     def _print_finetune_table(self) -> None:
         evals = [e for e in self.history if e["event"] == "eval"]
         names = {"train-resolution": "train resolution, no finetuning", "before": "test resolution, no finetuning"}
-        before = [e for e in evals if e.get("label") in names]
-        after = [e for e in evals if not e.get("label")][-1]
+        before = [e for e in evals if e.get("label") == "train-resolution"] + \
+                 [e for e in evals if e.get("label") == "before" and e["resolution"] == self.input_size][-1:]
+        after = [e for e in evals if not e.get("label") and e["resolution"] == self.eval_size][-1]
         rows = [(names[e["label"]], e) for e in before] + [("test resolution, FixRes finetuned", after)]
         lines = ["", f"FixRes finetune of {self.config.architecture} ({self.config.num_tasks} rank(s), "
                      f"{after['images']} validation images)",
@@ -409,7 +565,8 @@ class Trainer:
                 checkpoint.save_checkpoint(cfg.job_folder, {
                     "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "schedule": {"base_lr": self.base_lr, "progress": self.epoch + self.images_in_epoch / len(self.train_set)},
-                    "scaler": None, "epoch": self.epoch, "images_in_epoch": self.images_in_epoch,
+                    "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                    "input_size": self.input_size, "epoch": self.epoch, "images_in_epoch": self.images_in_epoch,
                     "global_step": self.global_step, "ranks": ranks, "config": cfg.to_dict(),
                     "metrics": self.history}, self.global_step, cfg.keep_checkpoints, self.faults.checkpoint_write)
             except FixresError as exc:

@@ -74,3 +74,13 @@ def run_script(script: str, *args, timeout: float = 240, env: dict | None = None
 def start_script(script: str, *args, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / f"main_{script}.py"), *map(str, args)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or clean_env())
+
+
+def pytest_collection_modifyitems(config, items):
+    """``slow`` tests (minutes on 2 CPU cores) run only with FIXRES_RUN_SLOW=1."""
+    if os.environ.get("FIXRES_RUN_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow on a 2-core CPU; run with FIXRES_RUN_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -18,7 +18,8 @@ from fixres_dist.launch import main
 def weights(tmp_path_factory):
     folder = tmp_path_factory.mktemp("weights")
     files = {"resnet18_10": models.build_model("resnet18", 10).state_dict(),
-             "resnet18_7": models.build_model("resnet18", 7).state_dict(),
+             "resnet18_headless": {k: v for k, v in models.build_model("resnet18", 10).state_dict().items()
+                                   if not k.startswith("fc.")},
              "resnet34_10": models.build_model("resnet34", 10).state_dict()}
     for name, state in files.items():
         torch.save(state, folder / f"{name}.pth")
@@ -76,7 +77,8 @@ CASES = {
     "shared folder is a file": (["--shared-folder-path", "{weights}/empty.pth"], "is not a writable folder"),
     "resume a plain state_dict": (["--resume", "{weights}/resnet18_10.pth"], "not a fixres_dist checkpoint"),
     "other architecture": (["--weight-path", "{weights}/resnet34_10.pth"], "unexpected keys e.g. layer1.2"),
-    "other class count": (["--weight-path", "{weights}/resnet18_7.pth"], "fc.weight (7, 512) vs model (10, 512)"),
+    "weights without a head": (["--weight-path", "{weights}/resnet18_headless.pth"],
+                               "has no classifier head (missing fc.weight, fc.bias)"),
 }
 
 

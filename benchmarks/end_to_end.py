@@ -104,16 +104,17 @@ def main() -> None:
     parser.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND")
     parser.add_argument("--raw-steps", type=int, default=20, help="steps per epoch of the raw loop")
     parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "fixres_dist_jpeg_e2e"))
+    parser.add_argument("--source-dir", help="folder of foolbox's imagenet_*_*.jpg (default: foolbox's own data folder)")
     parser.add_argument("--json", metavar="FILE", help="write the figures here")
     args = parser.parse_args()
     preset = PRESETS[args.preset or ("gpu" if args.device == "cuda" else "cpu")]
-    for key, value in preset.items():
+    for key, value in preset.items():  # flags given win over the preset
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("end_to_end: --device cuda but no CUDA GPU is visible")
 
-    data = make_jpeg_folder(args.data_dir, args.train_images, 100)
+    data = make_jpeg_folder(args.data_dir, args.train_images, 100, args.source_dir)
     print(f"end to end: {args.architecture} @ {args.size} px, batch {args.batch}, {args.device}, amp {args.amp}, "
           f"channels_last {args.channels_last}, compile {args.compile or 'off'}; {args.train_images} JPEGs, "
           f"{args.workers} loader worker(s); load average {os.getloadavg()[0]:.2f} on "

@@ -20,7 +20,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fixres_dist import fixres  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from fixres_dist import fixres, models  # noqa: E402
+from fixres_dist.errors import FixresError  # noqa: E402
 
 SOURCE = Path("/usr/share/datasets/fashion-mnist")
 IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
@@ -133,10 +137,13 @@ def read_events(job_folder: Path) -> list[dict]:
     return events
 
 
-def finished(events: list[dict], epochs: int) -> bool:
-    """The job trained all its epochs and reported its resolution sweep (its last act)."""
+def finished(events: list[dict], epochs: int, sweep: bool = True) -> bool:
+    """The job trained all its epochs and made its last evaluation: the resolution sweep if ``sweep``."""
     trained = {e["epoch"] for e in events if e.get("event") == "train"}
-    return len(trained) >= epochs and any(e.get("event") == "sweep" for e in events)
+    if sweep:
+        return len(trained) >= epochs and any(e.get("event") == "sweep" for e in events)
+    return len(trained) >= epochs and any(e.get("event") == "eval" and not e.get("label") and e["epoch"] == epochs
+                                          for e in events)
 
 
 def job_id(stage: str, seed: int, args: list[str]) -> str:
@@ -146,19 +153,20 @@ def job_id(stage: str, seed: int, args: list[str]) -> str:
 
 
 def run_job(script: str, stage: str, seed: int, args: list[str], epochs: int, runs: Path,
-            num_tasks: int, workers: int) -> list[dict]:
+            num_tasks: int, workers: int, sweep: bool = True) -> tuple[list[dict], float | None]:
     """Run ``script`` (main_scratch.py / main_finetune.py) as a subprocess unless its job finished.
 
-    Returns the job's ``metrics.jsonl`` events. The output goes to ``<runs>/<job id>.log``; lines
+    Returns the job's ``metrics.jsonl`` events and the wall seconds of the run that finished it
+    (``<runs>/<job id>.wall_s``; None if unknown). The output goes to ``<runs>/<job id>.log``; lines
     about epochs and evaluations are echoed. A job interrupted earlier resumes from its checkpoint.
     """
     jid = job_id(stage, seed, [str(num_tasks), *args])
-    folder = runs / jid
+    folder, wall_file = runs / jid, runs / f"{jid}.wall_s"
     tag = f"[{stage} seed {seed}]"
     events = read_events(folder)
-    if finished(events, epochs):
+    if finished(events, epochs, sweep):
         print(f"{tag} reusing the finished job {folder}", flush=True)
-        return events
+        return events, float(wall_file.read_text()) if wall_file.is_file() else None
     cmd = [sys.executable, str(REPO / script), "--num-tasks", str(num_tasks), "--workers", str(workers),
            "--shared-folder-path", str(runs), "--job-id", jid, "--no-progress", *args]
     log = runs / f"{jid}.log"
@@ -181,11 +189,13 @@ def run_job(script: str, stage: str, seed: int, args: list[str], epochs: int, ru
         hint = "; run the same command again to resume" if status == 3 else ""
         raise BenchmarkError(f"{script} (job {jid}) exited with status {status}{hint}; log {log}")
     events = read_events(folder)
-    if not finished(events, epochs):
+    if not finished(events, epochs, sweep):
         raise BenchmarkError(f"{script} (job {jid}) exited 0 but {folder / 'metrics.jsonl'} lacks its "
-                             f"{epochs} epochs or its sweep")
-    print(f"{tag} done in {time.perf_counter() - start:.0f} s", flush=True)
-    return events
+                             f"{epochs} epochs or its final evaluation")
+    wall = time.perf_counter() - start
+    wall_file.write_text(f"{wall:.1f}\n")
+    print(f"{tag} done in {wall:.0f} s", flush=True)
+    return events, wall
 
 
 def evals(events: list[dict], label: str | None = None) -> dict[int, dict]:
@@ -194,93 +204,151 @@ def evals(events: list[dict], label: str | None = None) -> dict[int, dict]:
 
 
 def run_seed(args, seed: int, data_path: Path, runs: Path) -> dict:
-    """Scratch training then FixRes finetune for one seed; the numbers of the table."""
+    """Scratch training then FixRes finetune (and the optional control) for one seed: the table's numbers."""
     sizes = ",".join(map(str, args.test_sizes))
     common = ["--data-path", str(data_path), "--architecture", args.architecture, "--batch", str(args.batch),
-              "--seed", str(seed), "--test-sizes", sizes]
-    scratch_args = [*common, "--input-size", str(args.train_size), "--epochs", str(args.epochs),
-                    "--learning-rate", str(args.lr), "--warmup-epochs", str(args.warmup_epochs)]
-    scratch = run_job("main_scratch.py", "scratch", seed, scratch_args, args.epochs, runs, args.num_tasks,
-                      args.workers)
+              "--seed", str(seed)]
+    scratch_args = [*common, "--test-sizes", sizes, "--input-size", str(args.train_size),
+                    "--epochs", str(args.epochs), "--learning-rate", str(args.lr),
+                    "--warmup-epochs", str(args.warmup_epochs)]
+    scratch, scratch_s = run_job("main_scratch.py", "scratch", seed, scratch_args, args.epochs, runs,
+                                 args.num_tasks, args.workers)
     weights = runs / job_id("scratch", seed, [str(args.num_tasks), *scratch_args]) / "checkpoint.pth"
-    finetune_args = [*common, "--weight-path", str(weights), "--input-size", "auto",
-                     "--epochs", str(args.finetune_epochs), "--learning-rate", str(args.finetune_lr),
-                     "--warmup-epochs", "0"]
-    finetune = run_job("main_finetune.py", "finetune", seed, finetune_args, args.finetune_epochs, runs,
-                       args.num_tasks, args.workers)
+    tune = ["--weight-path", str(weights), "--epochs", str(args.finetune_epochs),
+            "--learning-rate", str(args.finetune_lr), "--warmup-epochs", "0"]
+    finetune, finetune_s = run_job("main_finetune.py", "finetune", seed,
+                                   [*common, *tune, "--test-sizes", sizes, "--input-size", "auto"],
+                                   args.finetune_epochs, runs, args.num_tasks, args.workers)
     last = max(e["epoch"] for e in scratch if e.get("event") == "train")
     baseline = [e for e in scratch if e.get("event") == "eval" and not e.get("label")
                 and e["resolution"] == args.train_size and e["epoch"] == last][-1]
     chosen = [e for e in finetune if e.get("event") == "input_size"][-1]["resolution"]
     before, after = evals(finetune, "before"), evals(finetune, "after")
-    return {
+    result = {
         "seed": seed, "train_resolution": args.train_size, "chosen_resolution": chosen,
         "baseline": baseline["top1"], "images": baseline["images"],
         "no_finetune": before[chosen]["top1"], "finetuned": after[chosen]["top1"],
+        "baseline_loss": baseline["loss"], "finetuned_loss": after[chosen]["loss"],
         "trained_sweep": {r: e["top1"] for r, e in sorted(evals(scratch, "trained").items())},
         "before_sweep": {r: e["top1"] for r, e in sorted(before.items())},
         "after_sweep": {r: e["top1"] for r, e in sorted(after.items())},
-        "train_loss": [e["loss"] for e in scratch if e.get("event") == "train"],
-        "finetune_train_resolution_top1": next((e["top1"] for e in finetune if e.get("event") == "eval"
-                                               and e.get("label") == "train-resolution"), None),
+        "scratch_train_loss": [round(e["loss"], 4) for e in scratch if e.get("event") == "train"],
+        "scratch_img_per_s": [round(e["img_per_s"], 1) for e in scratch if e.get("event") == "train"],
+        "finetune_train_loss": [round(e["loss"], 4) for e in finetune if e.get("event") == "train"],
+        "wall_s": {"scratch": scratch_s, "finetune": finetune_s},
     }
+    if args.control:  # the same finetune at the train resolution: what finetuning buys without a resolution change
+        control, control_s = run_job("main_finetune.py", "control", seed,
+                                     [*common, *tune, "--input-size", str(args.train_size)],
+                                     args.finetune_epochs, runs, args.num_tasks, args.workers, sweep=False)
+        result["control"] = evals(control)[args.train_size]["top1"]
+        result["wall_s"]["control"] = control_s
+    return result
+
+
+# ---------------------------------------------------------------------------------------- geometry
+def tap_usage(architecture: str, size: int) -> dict[str, torch.Tensor]:
+    """``{conv name: bool (kh, kw) mask of the kernel taps that get a gradient}`` at ``size`` x ``size``.
+
+    Convolutions with kernels larger than 1 x 1 only. On feature maps of 1 x 1 (or 2 x 2 with stride
+    2) pixels, zero padding hides some taps from every output: they never train at that resolution.
+    Found by one backward pass of random images through the randomly initialised model (eval mode).
+    """
+    torch.manual_seed(0)
+    model = models.build_model(architecture, 10, image_size=size).eval()
+    model(torch.randn(8, 3, size, size)).sum().backward()
+    return {name: m.weight.grad.abs().sum(dim=(0, 1)) > 0 for name, m in model.named_modules()
+            if isinstance(m, nn.Conv2d) and m.weight.grad is not None and max(m.kernel_size) > 1}
+
+
+def untrained_taps(architecture: str, train_size: int, test_sizes: list[int]) -> dict[int, int]:
+    """``{test size: number of convs that use, at that size, kernel taps that never train at train_size}``."""
+    trained = tap_usage(architecture, train_size)
+    counts = {}
+    for size in test_sizes:
+        used = tap_usage(architecture, size)
+        counts[size] = sum(1 for name, mask in used.items() if (mask & ~trained[name]).any())
+    return counts
 
 
 # ---------------------------------------------------------------------------------------- report
 def mean_std(values: list[float]) -> str:
-    std = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.fmean(values):.2f} ± {std:.2f}" if len(values) > 1 else f"{values[0]:.2f}"
+    """``mean ± sample standard deviation`` (2 decimals); the value alone for one seed."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
-def report(args, results: list[dict], wall_s: float) -> str:
-    seeds = [r["seed"] for r in results]
-    n = len(results)
-    train = args.train_size
+def per_seed(values: list[float], sign: bool = False) -> str:
+    return ", ".join(f"{v:+.2f}" if sign else f"{v:.2f}" for v in values)
+
+
+def report(args, results: list[dict], taps: dict[int, int], wall_s: float) -> str:
+    """The markdown report: the paper-shaped table, the gain and the goal, the sweep, timings."""
+    n, train = len(results), args.train_size
     chosen = [r["chosen_resolution"] for r in results]
     chosen_text = str(chosen[0]) if len(set(chosen)) == 1 else "/".join(map(str, chosen))
     rows = [("train resolution (baseline), no finetuning", str(train), [r["baseline"] for r in results]),
             ("best test resolution, no finetuning", chosen_text, [r["no_finetune"] for r in results]),
             ("best test resolution, FixRes finetuned", chosen_text, [r["finetuned"] for r in results])]
-    lines = [f"FixRes effect on Fashion-MNIST: {args.architecture}, {n} seed(s) ({', '.join(map(str, seeds))}), "
-             f"{args.num_tasks} rank(s), {results[0]['images']} test images",
-             f"scratch: {args.epochs} epochs at {train} px, RandomResizedCrop + flip, lr {args.lr:g} per 256, "
-             f"batch {args.batch} x {args.num_tasks}; finetune (head + last BatchNorm, test preprocessing): "
-             f"{args.finetune_epochs} epoch(s), lr {args.finetune_lr:g} per 256, at the test resolution picked "
-             "by --input-size auto", "",
-             "| evaluation | train res | test res | top-1 % (mean ± std) | per seed |",
+    if args.control:
+        rows.append(("train resolution, same finetune (control)", str(train), [r["control"] for r in results]))
+    lines = [f"FixRes effect on Fashion-MNIST: {args.architecture}, {n} seed(s) "
+             f"({', '.join(str(r['seed']) for r in results)}), {args.num_tasks} rank(s), "
+             f"{results[0]['images']} test images",
+             f"scratch: {args.epochs} epoch(s) at {train} px, RandomResizedCrop + flip, lr {args.lr:g} per 256, "
+             f"batch {args.batch} x {args.num_tasks}; FixRes finetune (classifier + last BatchNorm, test "
+             f"preprocessing): {args.finetune_epochs} epoch(s), lr {args.finetune_lr:g} per 256, at the test "
+             "resolution picked by --input-size auto", "",
+             "| evaluation | train res | test res | top-1 % (mean ± std) | top-1 % per seed |",
              "|---|---:|---:|---:|---|"]
-    for name, test, values in rows:
-        lines.append(f"| {name} | {train} px | {test} px | {mean_std(values)} | "
-                     + ", ".join(f"{v:.2f}" for v in values) + " |")
+    lines += [f"| {name} | {train} px | {test} px | {mean_std(v)} | {per_seed(v)} |" for name, test, v in rows]
     gains = [r["finetuned"] - r["baseline"] for r in results]
     gains_nf = [r["no_finetune"] - r["baseline"] for r in results]
     met = statistics.fmean(gains) >= GOAL_POINTS
     lines += ["",
-              f"gain of FixRes-finetuned over the train-resolution baseline: {mean_std(gains)} top-1 points "
-              f"(per seed {', '.join(f'{g:+.2f}' for g in gains)}); goal >= {GOAL_POINTS:.1f} point: "
+              f"gain, FixRes finetuned at the test resolution over the train-resolution baseline: {mean_std(gains)} "
+              f"top-1 points (per seed {per_seed(gains, True)}); goal >= {GOAL_POINTS:.1f} point (mean): "
               f"{'MET' if met else 'NOT MET'}",
-              f"gain of the best test resolution without finetuning: {mean_std(gains_nf)} points "
-              f"(per seed {', '.join(f'{g:+.2f}' for g in gains_nf)})",
-              f"paper (FixRes, ResNet-50 on ImageNet): 77.0 at 224 px -> 79.0 at 384 px after finetuning (+2.0)"]
+              f"gain, best test resolution without finetuning over the baseline: {mean_std(gains_nf)} points "
+              f"(per seed {per_seed(gains_nf, True)})"]
+    if args.control:
+        gc = [r["finetuned"] - r["control"] for r in results]
+        lines.append(f"gain, FixRes finetuned over the same finetune at the train resolution: {mean_std(gc)} points "
+                     f"(per seed {per_seed(gc, True)}): the part due to the resolution")
+    lines.append("paper (FixRes Table 2, ResNet-50 on ImageNet): 77.0 at 224 px -> 79.0 at 384 px after finetuning (+2.0)")
     sizes = sorted(results[0]["before_sweep"])
     mean_before = {s: statistics.fmean(r["before_sweep"][s] for r in results) for s in sizes}
     best_mean = max(sizes, key=lambda s: mean_before[s])
     estimate = fixres.apparent_size_test_resolution(train)
-    lines += [f"best test resolution: picked per seed by --input-size auto {chosen_text} px "
-              "(highest top-1 before finetuning, smallest within one standard error); highest mean top-1 "
-              f"without finetuning at {best_mean} px; apparent-object-size estimate (FixRes section 3.1, "
+    lines += [f"best test resolution: {chosen_text} px picked by --input-size auto (per seed; highest top-1 before "
+              f"finetuning, the smallest within one standard error); highest mean top-1 without finetuning at "
+              f"{best_mean} px; apparent-object-size estimate (FixRes section 3.1, "
               f"fixres_dist.fixres.apparent_size_test_resolution({train})): {estimate:.1f} px", "",
-              "top-1 % against test resolution (mean ± std over seeds; 'finetuned' = the model finetuned at "
-              "its seed's picked resolution, evaluated at each resolution):", "",
-              "| test res | no finetuning | finetuned | per seed, no finetuning | per seed, finetuned |",
-              "|---:|---:|---:|---|---|"]
+              "top-1 % against test resolution, mean ± std over seeds ('finetuned': the model finetuned at its "
+              "seed's picked resolution, evaluated at each resolution; 'untrained taps': convolutions that use, "
+              f"at that size, kernel taps which get no gradient at {train} px):", "",
+              "| test res | no finetuning | finetuned | untrained taps | per seed, no finetuning | per seed, finetuned |",
+              "|---:|---:|---:|---:|---|---|"]
     for s in sizes:
         b = [r["before_sweep"][s] for r in results]
         a = [r["after_sweep"][s] for r in results]
         mark = " (train)" if s == train else ""
-        lines.append(f"| {s} px{mark} | {mean_std(b)} | {mean_std(a)} | {', '.join(f'{v:.2f}' for v in b)} | "
-                     f"{', '.join(f'{v:.2f}' for v in a)} |")
-    lines += ["", f"wall time {wall_s / 60:.1f} min (this invocation; reused jobs cost nothing)"]
+        lines.append(f"| {s} px{mark} | {mean_std(b)} | {mean_std(a)} | {taps.get(s, '')} | {per_seed(b)} | "
+                     f"{per_seed(a)} |")
+    worst = max(results, key=lambda r: max(r["baseline_loss"], r["finetuned_loss"]))
+    if max(worst["baseline_loss"], worst["finetuned_loss"]) > 10:
+        lines += ["", f"warning: seed {worst['seed']} has a mean test cross-entropy of {worst['baseline_loss']:.3g} "
+                      f"(baseline) / {worst['finetuned_loss']:.3g} (finetuned) nats: BatchNorm channels with a "
+                      "running variance near 0 (dead channels) amplify a few inputs enormously in eval mode, and "
+                      "such outliers also poison the running statistics the FixRes finetune re-estimates; lower "
+                      "--lr is the usual cure"]
+    job_walls = [w for r in results for w in r["wall_s"].values()]
+    known = [w for w in job_walls if w is not None]
+    lines += ["", f"wall time: {wall_s / 60:.1f} min for this invocation; the runs that completed the "
+                  f"{len(job_walls)} jobs took {sum(known) / 60:.1f} min"
+                  + (f" ({len(job_walls) - len(known)} job(s) of unknown duration)" if len(known) < len(job_walls) else "")
+                  + f"; load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}"]
     return "\n".join(lines)
 
 
@@ -311,18 +379,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, default=Path("runs") / "fixres_effect",
                    help="job folders (the shared folder of the runs), logs, and the report")
     p.add_argument("--seeds", type=_positive, default=3, help="number of seeds (0, 1, ...)")
-    p.add_argument("--architecture", default="resnet18")
-    p.add_argument("--train-size", type=_positive, default=16, help="training resolution (pixels)")
-    p.add_argument("--test-sizes", type=_sizes, default=_sizes("16,20,24,28,32"),
+    p.add_argument("--architecture", default="shufflenet_v2_x0_5")
+    p.add_argument("--train-size", type=_positive, default=20, help="training resolution (pixels)")
+    p.add_argument("--test-sizes", type=_sizes, default=_sizes("20,24,28,32"),
                    help="test resolutions swept before and after finetuning (pixels)")
-    p.add_argument("--epochs", type=_positive, default=8, help="scratch training epochs")
-    p.add_argument("--batch", type=_positive, default=64, help="images per rank per step")
-    p.add_argument("--lr", type=float, default=0.2, help="scratch learning rate per 256 images")
-    p.add_argument("--warmup-epochs", type=float, default=1.0)
+    p.add_argument("--epochs", type=_positive, default=3, help="scratch training epochs")
+    p.add_argument("--batch", type=_positive, default=128, help="images per rank per step")
+    p.add_argument("--lr", type=float, default=0.1, help="scratch learning rate per 256 images")
+    p.add_argument("--warmup-epochs", type=float, default=0.5)
     p.add_argument("--finetune-epochs", type=_positive, default=1)
     p.add_argument("--finetune-lr", type=float, default=0.05, help="finetune learning rate per 256 images")
     p.add_argument("--num-tasks", type=_positive, default=2, help="ranks per run")
     p.add_argument("--workers", type=int, default=1, help="data loader workers per rank")
+    p.add_argument("--control", action="store_true",
+                   help="also finetune at the train resolution (same epochs and lr): separates what the "
+                        "resolution buys from what finetuning with test preprocessing buys")
     p.add_argument("--train-images-per-class", type=_positive, default=None,
                    help="train on the first N images per class only (smoke runs; default: all 6,000)")
     p.add_argument("--val-images-per-class", type=_positive, default=None,
@@ -330,18 +401,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     start = time.perf_counter()
     try:
+        taps = untrained_taps(args.architecture, args.train_size, args.test_sizes)
+        crossing = {size: count for size, count in taps.items() if count}
+        if crossing:
+            print(f"warning: at test sizes {', '.join(f'{s} px ({c} conv(s))' for s, c in crossing.items())} "
+                  f"{args.architecture} uses kernel taps that get no gradient when training at {args.train_size} px "
+                  "(feature maps of 1 x 1 pixel): expect a collapse there that finetuning the head cannot fix",
+                  flush=True)
         root = prepare_full_dataset(args.data_root.expanduser().absolute(), args.source)
         data_path = subset(root, args.train_images_per_class, args.val_images_per_class)
         runs = args.output.absolute()
         runs.mkdir(parents=True, exist_ok=True)
         results = [run_seed(args, seed, data_path, runs) for seed in range(args.seeds)]
-    except BenchmarkError as exc:
+    except (BenchmarkError, FixresError) as exc:
         print(f"fixres_effect: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("fixres_effect: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
-    text = report(args, results, time.perf_counter() - start)
+    text = report(args, results, taps, time.perf_counter() - start)
     (runs / REPORT_FILE).write_text(text + "\n")
     (runs / RESULTS_FILE).write_text(json.dumps({"arguments": {k: str(v) for k, v in vars(args).items()},
                                                  "data_path": str(data_path), "seeds": results}, indent=2) + "\n")

@@ -62,8 +62,14 @@ FOOLBOX_HINT = "pip install --no-deps foolbox==3.3.4"
 
 
 # ------------------------------------------------------------------------------- the data set
-def foolbox_jpegs() -> list[Path]:
-    """foolbox's ImageNet sample photos (``imagenet_<idx>_<label>.jpg``); SystemExit if not installed."""
+def foolbox_jpegs(source_dir: str | Path | None = None) -> list[Path]:
+    """foolbox's ImageNet sample photos (``imagenet_<idx>_<label>.jpg``), from ``source_dir`` if given
+    (a copy of foolbox's data folder, e.g. on a machine without foolbox); SystemExit if none."""
+    if source_dir is not None:
+        files = sorted(Path(source_dir).glob("imagenet_*_*.jpg"))
+        if not files:
+            raise SystemExit(f"benchmarks: no imagenet_*_*.jpg in {source_dir}")
+        return files
     spec = importlib.util.find_spec("foolbox")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit(f"benchmarks: foolbox's sample JPEGs are needed; install them with `{FOOLBOX_HINT}`")
@@ -73,14 +79,15 @@ def foolbox_jpegs() -> list[Path]:
     return files
 
 
-def make_jpeg_folder(root: str | Path, train_images: int = 1000, val_images: int = 200) -> Path:
+def make_jpeg_folder(root: str | Path, train_images: int = 1000, val_images: int = 200,
+                     source_dir: str | Path | None = None) -> Path:
     """An ImageFolder (``train/``, ``val/``) of copies of foolbox's JPEGs; made once, then reused.
 
     One class folder per ImageNet label (``class_<label>``); copy k of the whole set is the source
     photo ``k % 20``, so every class holds images in both splits.
     """
     root = Path(root)
-    sources = foolbox_jpegs()
+    sources = foolbox_jpegs(source_dir)
     recipe = {"train": train_images, "val": val_images, "sources": [p.name for p in sources],
               "bytes": sum(p.stat().st_size for p in sources)}
     marker = root / "jpeg_folder.json"
@@ -288,6 +295,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "fixres_dist_jpeg_bench"),
                         help="where the JPEG ImageFolder is made (reused when present)")
+    parser.add_argument("--source-dir", help="folder of foolbox's imagenet_*_*.jpg (default: foolbox's own data folder)")
     parser.add_argument("--train-images", type=int, default=1000)
     parser.add_argument("--val-images", type=int, default=200)
     parser.add_argument("--size", type=int, default=224, help="crop size K in pixels")
@@ -302,7 +310,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    root = make_jpeg_folder(args.data_dir, args.train_images, args.val_images)
+    root = make_jpeg_folder(args.data_dir, args.train_images, args.val_images, args.source_dir)
     images = args.images
     load = os.getloadavg()[0]
     print(f"input pipeline at {args.size} px, batch {args.batch}: {images} JPEGs per pass from {root} "

@@ -7,7 +7,8 @@ partial one, whatever kills the writer (full disk, SIGKILL, lost node).
 
 Contents (a plain dict, readable with ``torch.load(weights_only=True)``): ``format_version``,
 ``model`` (the unwrapped module's state), ``optimizer``, ``schedule`` (base LR and progress in
-epochs), ``scaler`` (AMP GradScaler state or None), ``epoch`` and ``images_in_epoch`` (where the
+epochs), ``scaler`` (the fp16 GradScaler state or None), ``input_size`` (the training resolution,
+chosen by ``--input-size auto`` or given), ``epoch`` and ``images_in_epoch`` (where the
 sampler resumes), ``global_step``, ``ranks`` (per rank: RNG states of torch, CUDA, numpy, random and
 the rank's BatchNorm buffers), ``config`` (a plain dict) and ``metrics`` (the events so far).
 """

@@ -16,6 +16,7 @@ Files in the destination folder (which must be reachable by every rank):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -27,6 +28,7 @@ from torch import nn
 from . import distributed
 from .data import to_device
 from .errors import FixresError
+from .fixres import eval_mode
 
 FILES = {"logits": np.float32, "embeddings": np.float32, "labels": np.int64}
 INFO_FILE = "features.json"
@@ -67,9 +69,9 @@ def extract(model: nn.Module, head: str, loader, device: torch.device, folder: s
     captured = {}
     hook = dict(model.named_modules())[head].register_forward_hook(
         lambda module, args, out: captured.__setitem__("embedding", args[0].flatten(1)))
-    was_training = model.training
-    model.eval()
-    try:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(hook.remove)
+        cleanup.enter_context(eval_mode(model))
         probe = model(torch.zeros(1, 3, size, size, device=device))  # the output widths
         widths = {"logits": probe.shape[1], "embeddings": captured["embedding"].shape[1]}
         temporary = {name: folder / f".{name}.npy.partial" for name in FILES}
@@ -82,29 +84,22 @@ def extract(model: nn.Module, head: str, loader, device: torch.device, folder: s
                 del array  # closes the map: the rows are written through file descriptors below
         distributed.barrier()
         writers = {name: _row_writer(temporary[name]) for name in FILES}
-        try:
-            sampler = loader.batch_sampler
-            for (images, labels, skipped), keys in zip(loader, sampler):
-                if skipped:
-                    raise FixresError(f"{skipped} unreadable images in the split; features need every image")
-                with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
-                    logits = model(to_device(images, device, channels_last)).float().cpu().numpy()
-                rows = {"logits": logits, "embeddings": captured["embedding"].float().cpu().numpy(),
-                        "labels": labels.numpy().astype(np.int64)}
-                for name, (fd, offset) in writers.items():
-                    array = rows[name]
-                    row_bytes = array[0].nbytes
-                    for key, row in zip(keys, array):
-                        os.pwrite(fd, np.ascontiguousarray(row).tobytes(), offset + key.index * row_bytes)
-            for fd, _ in writers.values():
-                os.fsync(fd)
-        finally:
-            for fd, _ in writers.values():
-                os.close(fd)
-        distributed.barrier()
-    finally:
-        hook.remove()
-        model.train(was_training)
+        for fd, _ in writers.values():
+            cleanup.callback(os.close, fd)
+        for (images, labels, skipped), keys in zip(loader, loader.batch_sampler):
+            if skipped:
+                raise FixresError(f"{skipped} unreadable images in the split; features need every image")
+            with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+                logits = model(to_device(images, device, channels_last)).float().cpu().numpy()
+            rows = {"logits": logits, "embeddings": captured["embedding"].float().cpu().numpy(),
+                    "labels": labels.numpy().astype(np.int64)}
+            for name, (fd, offset) in writers.items():
+                row_bytes = rows[name][0].nbytes
+                for key, row in zip(keys, rows[name]):
+                    os.pwrite(fd, np.ascontiguousarray(row).tobytes(), offset + key.index * row_bytes)
+        for fd, _ in writers.values():
+            os.fsync(fd)
+    distributed.barrier()
     result = {"resolution": size, "images": num_images, "embedding_dim": widths["embeddings"],
               "num_classes": widths["logits"], **info}
     if rank0:

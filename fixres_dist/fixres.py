@@ -15,6 +15,7 @@ statistics are those of the union of all ranks' images.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -37,17 +38,30 @@ def execution_order(model: nn.Module, input_size: int) -> list[str]:
     order: list[str] = []
     hooks = [m.register_forward_hook(lambda mod, args, out, name=name: order.append(name))
              for name, m in model.named_modules() if isinstance(m, (nn.Linear, *NORM_TYPES))]
-    was_training = model.training
     try:
-        model.eval()
-        with torch.no_grad():
+        with eval_mode(model), torch.no_grad():
             device = next(model.parameters()).device
             model(torch.zeros(2, 3, input_size, input_size, device=device))
     finally:
         for h in hooks:
             h.remove()
-        model.train(was_training)
     return order
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """``model.eval()`` inside the block; afterwards every module gets back its *own* mode.
+
+    ``model.train(was_training)`` would instead put the frozen part of a finetune (eval mode, see
+    :func:`set_train_mode`) back in training mode.
+    """
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def find_head_and_last_norm(model: nn.Module, input_size: int) -> tuple[str, str | None]:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from . import distributed
 from .data import to_device
+from .fixres import eval_mode
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -39,20 +40,18 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, amp: torch.dt
 
     ``amp``: autocast dtype (``torch.bfloat16``/``torch.float16``) or None; the sums are float64.
     """
-    was_training = model.training
-    model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # top1 hits, top5 hits, loss sum, count
-    for images, labels, _skipped in loader:
-        images = to_device(images, device, channels_last)
-        labels = labels.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
-            logits = model(images).float()
-        k = min(5, logits.shape[1])
-        hits = logits.topk(k, dim=1).indices.eq(labels[:, None])
-        sums += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(),
-                             F.cross_entropy(logits, labels, reduction="sum"),
-                             torch.tensor(labels.numel(), device=device)]).double()
-    model.train(was_training)
+    with eval_mode(model):
+        for images, labels, _skipped in loader:
+            images = to_device(images, device, channels_last)
+            labels = labels.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+                logits = model(images).float()
+            k = min(5, logits.shape[1])
+            hits = logits.topk(k, dim=1).indices.eq(labels[:, None])
+            sums += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(),
+                                 F.cross_entropy(logits, labels, reduction="sum"),
+                                 torch.tensor(labels.numel(), device=device)]).double()
     top1, top5, loss, count = distributed.all_reduce_sum(sums).tolist()
     count = max(count, 1)
     return EvalResult(100 * top1 / count, 100 * top5 / count, loss / count, int(count))

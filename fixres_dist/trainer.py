@@ -504,8 +504,7 @@ class Trainer:
         best = sweep.best_resolution(list(stages[latest].values()))
         estimate = fixres.apparent_size_test_resolution(self.train_size) if self.train_size else None
         images = next(iter(stages[latest].values()))["images"]
-        title = (f"{cfg.architecture} ({cfg.mode}, job {cfg.job_id}): top-1 against test resolution, "
-                 f"{images} validation images")
+        title = f"top-1 against test resolution: {cfg.architecture}, {cfg.mode}\njob {cfg.job_id}, {images} validation images"
         text = sweep.table(stages, best, self.train_size, estimate, title)
         self._record("sweep", stage=latest, best_resolution=best, train_resolution=self.train_size,
                      apparent_size_estimate=estimate)

@@ -47,18 +47,27 @@ def test_channels_last_gives_the_same_evaluation(tiny_data, tmp_path):
 
 
 def test_sync_bn_two_ranks_equal_one_process_on_the_union(tiny_data, tmp_path):
-    """Scratch training, every BatchNorm synchronised: 2 ranks x 8 images == 1 process x 16 images."""
+    """Scratch training, every BatchNorm synchronised: a step of 2 ranks x 8 images == 1 process x 16.
+
+    Compared after the first optimizer step (checkpoint-00000001.pth): later, training from a random
+    initialisation amplifies float rounding (sums in another order) to differences of 1e-3, as
+    between two 1-process runs with different thread counts.
+    """
     common = ["--data-path", tiny_data, "--input-size", 32, "--epochs", 1, "--workers", 0, "--no-progress",
-              "--shared-folder-path", tmp_path, "--sync-bn"]
+              "--shared-folder-path", tmp_path, "--sync-bn", "--warmup-epochs", 0, "--ckpt-every", 1,
+              "--keep-checkpoints", 5]
     two = run_script("scratch", "--num-tasks", 2, "--batch", 8, "--job-id", "two", *common)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "--sync-bn: 20 BatchNorm layers synchronised over 2 ranks" in two.stdout
     one = run_script("scratch", "--batch", 16, "--job-id", "one", *common)
     assert one.returncode == 0, one.stderr[-3000:]
-    a = load_checkpoint(tmp_path / "two" / "checkpoint.pth")["model"]
-    b = load_checkpoint(tmp_path / "one" / "checkpoint.pth")["model"]
-    for key in b:
-        torch.testing.assert_close(a[key], b[key], rtol=2e-3, atol=2e-4, msg=key)
+    a = load_checkpoint(tmp_path / "two" / "checkpoint-00000001.pth")
+    b = load_checkpoint(tmp_path / "one" / "checkpoint-00000001.pth")
+    for key in b["model"]:
+        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-4, atol=1e-6)
+    for rank in a["ranks"]:  # both ranks hold the union's BatchNorm statistics
+        torch.testing.assert_close(rank["buffers"]["bn1.running_var"], b["model"]["bn1.running_var"],
+                                   rtol=1e-4, atol=1e-6)
 
 
 def test_compile_runs_the_step_through_torch_compile(tiny_data, tmp_path):

@@ -1,6 +1,65 @@
 """The FixRes effect on the full Fashion-MNIST: train low, test higher, finetune there (3 seeds).
 
-DOCSTRING_PLACEHOLDER
+What it measures. FixRes (Touvron et al., NeurIPS 2019): a classifier trained with RandomResizedCrop
+(RRC) at K_train sees objects larger than the test preprocessing shows them, so it is often more
+accurate at a higher test resolution K_test, and more so after finetuning the classifier and the last
+BatchNorm at K_test with the test preprocessing (ResNet-50 on ImageNet: 77.0 % at 224 px -> 79.0 % at
+384 px). Here, per seed: top-1 at the train resolution (the baseline), at the best test resolution
+without finetuning, and FixRes-finetuned there; the gain of the last over the baseline, mean ± sample
+std over seeds, against the goal of >= 1.0 point (the check is fixed; it is not tuned to pass).
+
+How. The full Fashion-MNIST of Debian's ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``,
+IDX files; MIT licence, Zalando SE) is converted once to a PNG ImageFolder (60,000 train/, 10,000
+val/ = the official test split, plus the licence) under ``--data-root`` with the reader and writer
+of ``scripts/make_embedded_dataset.py``. Each seed runs the real command-line scripts as
+subprocesses in ``--output`` (the shared folder; job ids ``<stage>-s<seed>-<hash of the arguments>``,
+logs ``<job id>.log``): (1) ``main_scratch.py --num-tasks 2`` at ``--train-size`` with
+``--test-sizes`` (the sweep after training, eval events labelled ``trained``); (2) ``main_finetune.py
+--weight-path <(1)/checkpoint.pth> --input-size auto --test-sizes <same>``: evaluates before
+finetuning (``before``), picks the best size (the smallest within one standard error of the
+highest top-1; event ``input_size``), finetunes there and sweeps again (``after``); (3) for each of
+``--finetune-sizes`` (default: the test size nearest the apparent-object-size estimate,
+``fixres_dist.fixres.apparent_size_test_resolution``) the same finetune at that fixed size, since
+``auto`` never tries a size that is worse before finetuning; (4) with ``--control``, the same
+finetune at the train resolution (what finetuning with the test preprocessing buys without a change
+of resolution). Numbers come from each job's ``metrics.jsonl``. Resume-safe: a finished job (its
+epochs and final evaluation in ``metrics.jsonl``) is reused, an interrupted one resumes from its
+checkpoint when the same command runs again. The report (paper-style table, gains, the sweep, a
+tap-geometry check, wall times) is printed and written to ``<output>/fixres_effect.md``, the
+per-seed numbers to ``<output>/fixres_effect.json``.
+
+Defaults, and why (2 CPU cores shared with other work): ``shufflenet_v2_x0_5`` (0.35 M parameters;
+its training step at 16-28 px costs ~6x less CPU time than resnet18's, measured; resnet18 would need
+about 10 CPU-minutes per epoch of 60,000 images here, too slow for 3 seeds); train at 20 px, test at 20,24,28,32 px; 3 scratch epochs (batch 128
+per rank x 2 ranks, lr 0.1 per 256 images, 0.5 warmup epochs, cosine); 1 finetune epoch (lr 0.05
+per 256, classifier + last BatchNorm); seeds 0, 1, 2. Measured choices:
+
+* ImageNet-style CNNs divide the side by 32. At 16 px training the last two stages run on 1 x 1
+  maps, so the 8 off-centre taps of their 3 x 3 kernels never get a gradient (12 of 20 such convs in
+  this ShuffleNet, 7 of 16 in resnet18); any test size above 16 px uses those random taps and
+  top-1 collapses (measured: 60 % at 16 px -> 17 % at 20 px). From 17 to 32 px the geometry of the
+  deepest stages is the same, so ``--test-sizes`` stays within 32 px for 20 px training; the report
+  counts, per test size, the convolutions that would use taps never trained (column "untrained taps";
+  a warning is printed before anything runs). The same check flags the README demo (resnet18 trained
+  at 32 px, tested at 48 px: 4 convolutions).
+* lr 0.4 per 256 left BatchNorm channels with a running variance of ~1e-32 (dead depthwise
+  channels): in eval mode a few images then reach logits of 1e7-1e11 (test losses of millions of
+  nats; top-1 still looks normal), and in the FixRes finetune those outliers poison the re-estimated
+  statistics of the last BatchNorm: every image got the same prediction (top-1 10.00 %). lr 0.1
+  trains without that (smallest running variance ~1e-4). The report warns when a test loss exceeds
+  10 nats.
+
+RESULTS_PLACEHOLDER
+
+Caveats. On these 28 px images a test resolution above the train resolution (below 28 px) also
+shows the network real pixels that training never saw (training downsamples most crops), so a
+gain would not be the apparent-size effect alone; above 28 px every test image is upscaled and adds
+no information. ``--input-size auto`` and "best" pick on the test split itself, so those rows are
+optimistic. Feature maps of a few pixels make these networks far more sensitive to the input size
+than at ImageNet resolutions. Smoke run: ``--seeds 1 --epochs 1 --train-images-per-class 30
+--val-images-per-class 20`` (about 3 minutes).
+
+Run from the repository root:  nice -n 19 .venv/bin/python benchmarks/fixres_effect.py [--seeds 3 ...]
 """
 from __future__ import annotations
 
@@ -243,6 +302,17 @@ def run_seed(args, seed: int, data_path: Path, runs: Path) -> dict:
                                      args.finetune_epochs, runs, args.num_tasks, args.workers, sweep=False)
         result["control"] = evals(control)[args.train_size]["top1"]
         result["wall_s"]["control"] = control_s
+    result["fixed"] = {}
+    for size in args.finetune_sizes:  # FixRes at a given test resolution, whatever the sweep before finetuning says
+        if size == chosen:  # the same job as the auto one (same data, seed, schedule): reuse it
+            result["fixed"][size] = {"no_finetune": before[size]["top1"], "finetuned": after[size]["top1"]}
+            continue
+        fixed, fixed_s = run_job("main_finetune.py", f"finetune{size}", seed,
+                                 [*common, *tune, "--input-size", str(size)],
+                                 args.finetune_epochs, runs, args.num_tasks, args.workers, sweep=False)
+        result["fixed"][size] = {"no_finetune": evals(fixed, "before")[size]["top1"],
+                                 "finetuned": evals(fixed)[size]["top1"]}
+        result["wall_s"][f"finetune{size}"] = fixed_s
     return result
 
 
@@ -293,6 +363,11 @@ def report(args, results: list[dict], taps: dict[int, int], wall_s: float) -> st
             ("best test resolution, FixRes finetuned", chosen_text, [r["finetuned"] for r in results])]
     if args.control:
         rows.append(("train resolution, same finetune (control)", str(train), [r["control"] for r in results]))
+    for size in args.finetune_sizes:
+        rows.append((f"test resolution {size} px, no finetuning", str(size),
+                     [r["fixed"][size]["no_finetune"] for r in results]))
+        rows.append((f"test resolution {size} px, FixRes finetuned", str(size),
+                     [r["fixed"][size]["finetuned"] for r in results]))
     lines = [f"FixRes effect on Fashion-MNIST: {args.architecture}, {n} seed(s) "
              f"({', '.join(str(r['seed']) for r in results)}), {args.num_tasks} rank(s), "
              f"{results[0]['images']} test images",
@@ -312,6 +387,10 @@ def report(args, results: list[dict], taps: dict[int, int], wall_s: float) -> st
               f"{'MET' if met else 'NOT MET'}",
               f"gain, best test resolution without finetuning over the baseline: {mean_std(gains_nf)} points "
               f"(per seed {per_seed(gains_nf, True)})"]
+    for size in args.finetune_sizes:
+        gf = [r["fixed"][size]["finetuned"] - r["baseline"] for r in results]
+        lines.append(f"gain, FixRes finetuned at {size} px (given by --finetune-sizes) over the baseline: "
+                     f"{mean_std(gf)} points (per seed {per_seed(gf, True)})")
     if args.control:
         gc = [r["finetuned"] - r["control"] for r in results]
         lines.append(f"gain, FixRes finetuned over the same finetune at the train resolution: {mean_std(gc)} points "
@@ -391,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--finetune-lr", type=float, default=0.05, help="finetune learning rate per 256 images")
     p.add_argument("--num-tasks", type=_positive, default=2, help="ranks per run")
     p.add_argument("--workers", type=int, default=1, help="data loader workers per rank")
+    p.add_argument("--finetune-sizes", default="estimate",
+                   help="also FixRes-finetune at these test resolutions (pixels, comma-separated), whatever the "
+                        "sweep before finetuning prefers; 'estimate': the test size nearest the apparent-object-size "
+                        "estimate; 'none'")
     p.add_argument("--control", action="store_true",
                    help="also finetune at the train resolution (same epochs and lr): separates what the "
                         "resolution buys from what finetuning with test preprocessing buys")
@@ -399,6 +482,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-images-per-class", type=_positive, default=None,
                    help="evaluate on the first N test images per class only (smoke runs; default: all 1,000)")
     args = p.parse_args(argv)
+    if args.finetune_sizes == "none":
+        args.finetune_sizes = []
+    elif args.finetune_sizes == "estimate":
+        estimate = fixres.apparent_size_test_resolution(args.train_size)
+        args.finetune_sizes = [min(args.test_sizes, key=lambda size: (abs(size - estimate), size))]
+    else:
+        try:
+            args.finetune_sizes = _sizes(args.finetune_sizes)
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"--finetune-sizes: {exc}")
     start = time.perf_counter()
     try:
         taps = untrained_taps(args.architecture, args.train_size, args.test_sizes)

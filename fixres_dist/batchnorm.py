@@ -51,6 +51,7 @@ class AllRanksBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
+    @torch.compiler.disable  # collectives inside an autograd Function: run eagerly under torch.compile
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         synchronise = self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if not synchronise:

@@ -67,9 +67,28 @@ def _dist_url(instance, attribute, value):
         raise FixresError(f"--dist-url {value!r}: give file:///ABSOLUTE/PATH/FILE (three slashes)")
 
 
+# Larger test resolutions are typos (FixEfficientNet-L2 tested at 800 px): refused before memory runs out.
+MAX_RESOLUTION = 4096
+
+
+def _check_resolution(flag: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise FixresError(f"{flag} must be a positive number of pixels, got {value!r}")
+    if value > MAX_RESOLUTION:
+        raise FixresError(f"{flag} {value} px is above {MAX_RESOLUTION} px; a typo? (one such image alone "
+                          f"needs {3 * 4 * value * value / 2**30:.1f} GiB as float32)")
+
+
+def _resolution(instance, attribute, value):
+    if value is not None:
+        _check_resolution(f"--{attribute.name.replace('_', '-')}", value)
+
+
 def _input_size(instance, attribute, value):
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
         raise FixresError(f"--input-size must be a positive integer or 'auto', got {value!r}")
+    if value != "auto":
+        _check_resolution("--input-size", value)
 
 
 def _sizes(value):
@@ -80,8 +99,10 @@ def _sizes(value):
 def _test_sizes(instance, attribute, value):
     if value is None:
         return
-    if not value or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in value):
-        raise FixresError(f"--test-sizes must be positive integers (pixels), got {list(value)}")
+    if not value:
+        raise FixresError("--test-sizes must list at least one resolution")
+    for v in value:
+        _check_resolution("--test-sizes", v)
     if len(set(value)) != len(value):
         raise FixresError(f"--test-sizes lists a resolution twice: {list(value)}")
 
@@ -116,9 +137,9 @@ class TrainerConfig:
     data_path: str | None = None
     architecture: str = "resnet18"
     weight_path: str | None = None
-    train_size: int | None = attrs.field(default=None, validator=_positive)
+    train_size: int | None = attrs.field(default=None, validator=_resolution)
     input_size: int | str = attrs.field(default=32, validator=_input_size)
-    test_size: int | None = attrs.field(default=None, validator=_positive)
+    test_size: int | None = attrs.field(default=None, validator=_resolution)
     test_sizes: tuple[int, ...] | None = attrs.field(default=None, converter=_sizes, validator=_test_sizes)
 
     # The FixRes finetune (fixres.py) and what a run produces besides training.

@@ -112,6 +112,7 @@ class Trainer:
         # The training resolution; with --input-size auto, the first test size until the sweep picks one.
         self.input_size = config.input_size if config.input_size != "auto" else config.test_sizes[0]
         self._stop_signal = None
+        self._epoch_sums, self._resumed_sums = None, [0.0, 0.0, 0.0]
 
     # ----------------------------------------------------------------- the story
     def __call__(self) -> dict:
@@ -160,8 +161,10 @@ class Trainer:
             self._save_checkpoint()
             self._stop_if_asked()
         final = [e for e in self.history if e["event"] == "eval" and e["resolution"] == self.eval_size][-1]
-        if cfg.test_sizes:
-            self._sweep("after" if cfg.mode == "finetune" else "trained")
+        if cfg.test_sizes and cfg.mode == "finetune":
+            self._sweep("after", self._finetune_sweep_sizes())
+        elif cfg.test_sizes:
+            self._sweep("trained")
         if cfg.mode == "finetune":
             self._print_finetune_table()
         return self._finish(final)
@@ -335,6 +338,7 @@ class Trainer:
         if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.images_in_epoch, self.global_step = state["epoch"], state["images_in_epoch"], state["global_step"]
+        self._resumed_sums = state.get("epoch_sums") or [0.0, 0.0, 0.0]  # the epoch's loss so far
         ranks = state["ranks"]
         if len(ranks) == cfg.num_tasks:
             mine = ranks[cfg.global_rank]
@@ -362,16 +366,23 @@ class Trainer:
         sampler = self.train_loader.batch_sampler
         sampler.set_epoch(epoch, skip=self.images_in_epoch)
         global_batches = sampler.global_batch_sizes()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per step
-        images_seen, skipped_images = 0, 0
+        # This rank's summed loss, images and unreadable images of the epoch, on the device (no host
+        # sync per step); after a mid-epoch resume, rank 0 starts from the totals before the stop.
+        self._epoch_sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        self._epoch_counts = [0, 0]  # images, unreadable images: host integers, no device copy per step
+        if self.rank0 and self.images_in_epoch:
+            self._epoch_sums += torch.tensor(self._resumed_sums, dtype=torch.float64, device=self.device)
+        images_seen = 0
         bar = tqdm(total=len(self.train_set), initial=self.images_in_epoch, unit="img", unit_scale=True,
                    leave=False, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not (self.rank0 and cfg.progress))
         start = time.perf_counter()
         for step, (images, labels, skipped) in enumerate(self.train_loader):
             self._set_learning_rate(epoch + self.images_in_epoch / len(self.train_set))
             loss = self._train_step(images, labels, global_batches[step])
-            loss_sum += loss.double()
-            images_seen, skipped_images = images_seen + labels.numel(), skipped_images + skipped
+            self._epoch_sums[0] += loss.double()
+            self._epoch_counts[0] += labels.numel()
+            self._epoch_counts[1] += skipped
+            images_seen += labels.numel()
             done = sampler.images_done(step + 1)
             bar.update(done - self.images_in_epoch)
             self.images_in_epoch, self.global_step = done, self.global_step + 1
@@ -383,14 +394,20 @@ class Trainer:
             self._stop_if_asked()
         bar.close()
         seconds = time.perf_counter() - start
-        sums = torch.stack([loss_sum, torch.tensor(float(images_seen), dtype=torch.float64, device=self.device),
-                            torch.tensor(float(skipped_images), dtype=torch.float64, device=self.device)])
-        loss_sum, images, skipped = distributed.all_reduce_sum(sums).tolist()
+        seen = torch.tensor([float(images_seen)], dtype=torch.float64, device=self.device)  # by this process
+        loss_sum, images, skipped, seen = distributed.all_reduce_sum(torch.cat([self._epoch_totals(), seen])).tolist()
+        self._epoch_sums = None
+        img_per_s = seen / seconds
         lr = self.optimizer.param_groups[0]["lr"]
         self._record("train", epoch=epoch + 1, loss=loss_sum / max(images, 1), lr=lr,
-                     img_per_s=images / seconds, **({"skipped_images": int(skipped)} if skipped else {}))
+                     img_per_s=img_per_s, **({"skipped_images": int(skipped)} if skipped else {}))
         self.log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {loss_sum / max(images, 1):.4f}, lr {lr:.4g}, "
-                 f"{images / seconds:,.0f} img/s" + (f", {int(skipped)} unreadable images skipped" if skipped else ""))
+                 f"{img_per_s:,.0f} img/s" + (f", {int(skipped)} unreadable images skipped" if skipped else ""))
+
+    def _epoch_totals(self) -> torch.Tensor:
+        """This rank's (summed loss, images, unreadable images) of the epoch so far, float64 on the device."""
+        counts = torch.tensor(self._epoch_counts, dtype=torch.float64, device=self.device)
+        return self._epoch_sums + torch.cat([torch.zeros(1, dtype=torch.float64, device=self.device), counts])
 
     def _set_learning_rate(self, progress: float) -> None:
         lr = self.base_lr * warmup_cosine(progress, self.config.epochs, self.config.warmup_epochs)
@@ -474,10 +491,7 @@ class Trainer:
         cfg = self.config
         if self.train_size:
             self._evaluate(0, self.train_size, "train-resolution")
-        sizes = list(cfg.test_sizes or ())
-        if cfg.input_size != "auto" and self.input_size not in sizes:
-            sizes.append(self.input_size)
-        self._sweep("before", sizes)
+        self._sweep("before", self._finetune_sweep_sizes())
         if cfg.input_size == "auto":
             swept = sweep.by_stage(self.history)["before"]
             self.input_size = sweep.best_resolution([swept[size] for size in cfg.test_sizes])
@@ -491,6 +505,11 @@ class Trainer:
         self._sweep("sweep", sizes)
         final = [e for e in self.history if e["event"] == "eval"][-1]
         return self._finish(final)
+
+    def _finetune_sweep_sizes(self) -> list[int]:
+        """``--test-sizes`` and the finetune resolution: what is measured before and after finetuning."""
+        sizes = list(self.config.test_sizes or ())
+        return sizes if self.input_size in sizes else [*sizes, self.input_size]
 
     def _sweep(self, stage: str, sizes=None) -> None:
         for size in sizes or self.config.test_sizes:
@@ -558,6 +577,9 @@ class Trainer:
             dist.gather_object(mine, ranks if self.rank0 else None, dst=0, group=self._control_group)
         else:
             ranks = [mine]
+        sums = self._epoch_totals() if self._epoch_sums is not None and self.images_in_epoch else \
+            torch.zeros(3, dtype=torch.float64, device=self.device)
+        epoch_sums = distributed.all_reduce_sum(sums).tolist()  # all ranks: a collective
         error = None
         if self.rank0:
             try:
@@ -565,7 +587,7 @@ class Trainer:
                     "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "schedule": {"base_lr": self.base_lr, "progress": self.epoch + self.images_in_epoch / len(self.train_set)},
                     "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-                    "input_size": self.input_size, "epoch": self.epoch, "images_in_epoch": self.images_in_epoch,
+                    "input_size": self.input_size, "epoch_sums": epoch_sums, "epoch": self.epoch, "images_in_epoch": self.images_in_epoch,
                     "global_step": self.global_step, "ranks": ranks, "config": cfg.to_dict(),
                     "metrics": self.history}, self.global_step, cfg.keep_checkpoints, self.faults.checkpoint_write)
             except FixresError as exc:

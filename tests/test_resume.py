@@ -58,6 +58,9 @@ def test_preempted_mid_epoch_then_resumed_is_bit_identical(straight, tiny_data, 
     events = [json.loads(line) for line in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
     assert [(e["event"], e["epoch"]) for e in events if e["event"] in ("train", "eval")] == \
         [("train", 1), ("eval", 1), ("train", 2), ("eval", 2)]
+    # the interrupted epoch's loss covers all its images, before and after the stop
+    straight_losses = [e["loss"] for e in straight["metrics"] if e["event"] == "train"]
+    assert [e["loss"] for e in events if e["event"] == "train"] == pytest.approx(straight_losses, rel=1e-9)
 
 
 def test_killed_rank_then_rerun_resumes_from_periodic_checkpoint_bit_identical(straight, tiny_data, tmp_path):

@@ -25,19 +25,23 @@ finetune at the train resolution (what finetuning with the test preprocessing bu
 of resolution). Numbers come from each job's ``metrics.jsonl``. Resume-safe: a finished job (its
 epochs and final evaluation in ``metrics.jsonl``) is reused, an interrupted one resumes from its
 checkpoint when the same command runs again. The report (paper-style table, gains, the sweep, a
-tap-geometry check, wall times) is printed and written to ``<output>/fixres_effect.md``, the
-per-seed numbers to ``<output>/fixres_effect.json``.
+tap-geometry check, the zoom check below, wall times) is printed and written to
+``<output>/fixres_effect.md``, the per-seed numbers to ``<output>/fixres_effect.json``. The zoom
+check (``--no-zoom-check`` skips it) evaluates each scratch model in this process on 2,000 test
+images for every pair (input size K, object size O) of the test sizes: it separates the apparent
+object size, which FixRes corrects, from the input size itself.
 
 Defaults, and why (2 CPU cores shared with other work): ``shufflenet_v2_x0_5`` (0.35 M parameters;
 its training step at 16-28 px costs ~6x less CPU time than resnet18's, measured; resnet18 would need
-about 10 CPU-minutes per epoch of 60,000 images here, too slow for 3 seeds); train at 20 px, test at 20,24,28,32 px; 3 scratch epochs (batch 128
-per rank x 2 ranks, lr 0.1 per 256 images, 0.5 warmup epochs, cosine); 1 finetune epoch (lr 0.05
-per 256, classifier + last BatchNorm); seeds 0, 1, 2. Measured choices:
+about 10 CPU-minutes per epoch of 60,000 images here, too slow for 3 seeds); train at 20 px, test at
+20,24,28,32 px; 3 scratch epochs (batch 128 per rank x 2 ranks, lr 0.1 per 256 images, 0.5 warmup
+epochs, cosine); 1 finetune epoch (lr 0.05 per 256, classifier + last BatchNorm), by ``auto`` and at
+28 px (``--finetune-sizes estimate``); seeds 0, 1, 2. Measured choices:
 
 * ImageNet-style CNNs divide the side by 32. At 16 px training the last two stages run on 1 x 1
   maps, so the 8 off-centre taps of their 3 x 3 kernels never get a gradient (12 of 20 such convs in
   this ShuffleNet, 7 of 16 in resnet18); any test size above 16 px uses those random taps and
-  top-1 collapses (measured: 60 % at 16 px -> 17 % at 20 px). From 17 to 32 px the geometry of the
+  top-1 collapses (measured after 1 epoch: 60 % at 16 px -> 17 % at 20 px). From 17 to 32 px the geometry of the
   deepest stages is the same, so ``--test-sizes`` stays within 32 px for 20 px training; the report
   counts, per test size, the convolutions that would use taps never trained (column "untrained taps";
   a warning is printed before anything runs). The same check flags the README demo (resnet18 trained
@@ -49,10 +53,29 @@ per 256, classifier + last BatchNorm); seeds 0, 1, 2. Measured choices:
   trains without that (smallest running variance ~1e-4). The report warns when a test loss exceeds
   10 nats.
 
-RESULTS_PLACEHOLDER
+Measured (defaults, 2026-11-30, this 2-core machine shared with other people's test runs, load
+average 5-17, ``nice -n 19``): the 9 jobs took 56 min (the 3 x 2 scratch + auto-finetune jobs 52 min,
+the 3 finetunes at 28 px 4 min once the load had dropped; a scratch epoch ran at 150-470 img/s).
+Baseline at 20 px 74.67 ± 3.42 % (75.20, 77.79, 71.02); ``auto`` picked 20 px for every seed
+(without finetuning: 62.9 % at 24 px, 30.2 % at 28 px, 27.0 % at 32 px); finetuned at 20 px
+75.56 ± 2.39 %, a gain of +0.89 ± 1.18 points: goal NOT met, and that gain is the finetune with
+the test preprocessing at an unchanged resolution, not the FixRes effect. FixRes-finetuned at 28 px
+(the size nearest the 27.3 px estimate): 65.40 ± 15.29 % (73.32, 75.11, 47.78), -9.27 ± 12.11
+points. Why, from the zoom check (top-1 for every input size K x object size O): at a fixed 20 px
+input, larger objects lower top-1 (75.1 % at the standard size, 72.7 / 67.4 / 59.7 % for the
+objects of the 24 / 28 / 32 px tests), so the model does not prefer the larger apparent size that
+FixRes' argument predicts from RRC; at a fixed object size, a larger input alone collapses it
+(75.1 % at 20 px, 57.1 / 22.8 / 15.1 % at 24 / 28 / 32 px with black margins). With 20-32 px inputs
+the middle stages' feature maps are 3-8 px, so a change of input size changes their padding and
+stride alignment almost everywhere: every layer's features shift, and a new classifier and last
+BatchNorm recover most of it (28 px: 30 -> 65 %) but not the baseline. Seeing the effect needs
+feature maps large enough for convolutions to be roughly size-agnostic, i.e. training on upscaled
+images at 64 px or more, about 10x this compute (e.g. ``--num-tasks 1 --train-size 64 --test-sizes
+64,80,96`` on a GPU).
 
 Caveats. On these 28 px images a test resolution above the train resolution (below 28 px) also
-shows the network real pixels that training never saw (training downsamples most crops), so a
+shows the network detail that training at 20 px never saw (RRC downsamples every crop larger than
+half the image), so a
 gain would not be the apparent-size effect alone; above 28 px every test image is upscaled and adds
 no information. ``--input-size auto`` and "best" pick on the test split itself, so those rows are
 optimistic. Feature maps of a few pixels make these networks far more sensitive to the input size
@@ -82,7 +105,9 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from fixres_dist import fixres, models  # noqa: E402
+from torchvision.transforms import v2  # noqa: E402
+
+from fixres_dist import checkpoint, data, fixres, models  # noqa: E402
 from fixres_dist.errors import FixresError  # noqa: E402
 
 SOURCE = Path("/usr/share/datasets/fashion-mnist")
@@ -296,6 +321,8 @@ def run_seed(args, seed: int, data_path: Path, runs: Path) -> dict:
         "finetune_train_loss": [round(e["loss"], 4) for e in finetune if e.get("event") == "train"],
         "wall_s": {"scratch": scratch_s, "finetune": finetune_s},
     }
+    if args.zoom_check:
+        result["zoom"] = zoom_check(weights, data_path, args.architecture, sorted(args.test_sizes))
     if args.control:  # the same finetune at the train resolution: what finetuning buys without a resolution change
         control, control_s = run_job("main_finetune.py", "control", seed,
                                      [*common, *tune, "--input-size", str(args.train_size)],
@@ -339,6 +366,41 @@ def untrained_taps(architecture: str, train_size: int, test_sizes: list[int]) ->
         used = tap_usage(architecture, size)
         counts[size] = sum(1 for name, mask in used.items() if (mask & ~trained[name]).any())
     return counts
+
+
+# ---------------------------------------------------------------------------------------- apparent size
+ZOOM_STRIDE = 5  # the zoom check evaluates every 5th test image (2,000 of 10,000)
+
+
+def zoom_check(weights: Path, data_path: Path, architecture: str, sizes: list[int]) -> dict[int, dict[int, float]]:
+    """Top-1 (%) of the scratch model for every (input size K, object size O) pair of ``sizes``.
+
+    Separates the two things a higher test resolution changes. ``{K: {O: top-1}}``: the image's
+    shorter side is resized to ``round(O / 0.875)`` pixels (the object size of the standard test at
+    O), then centre-cropped (or padded with black, Fashion-MNIST's background) to K x K. K == O is
+    the standard sweep; along a row only the apparent object size changes, along a column only the
+    input size. One process, eval mode, on every :data:`ZOOM_STRIDE`-th test image.
+    """
+    state = checkpoint.load_checkpoint(weights)
+    val = data.image_folder(data_path, "val")
+    model = models.build_model(architecture, len(val.classes), image_size=min(sizes))
+    model.load_state_dict(state["model"])
+    model.eval()
+    images = [val[i] for i in range(0, len(val), ZOOM_STRIDE)]
+    table: dict[int, dict[int, float]] = {}
+    for k in sizes:
+        net = models.for_resolution(model, k)
+        for o in sizes:
+            transform = v2.Compose([v2.Resize(round(o / data.CROP_RATIO), antialias=True), v2.CenterCrop(k),
+                                    v2.PILToTensor()])
+            correct = 0
+            for start in range(0, len(images), 250):
+                chunk = images[start:start + 250]
+                x = data.normalize(torch.stack([transform(image) for image, _ in chunk]))
+                with torch.no_grad():
+                    correct += int((net(x).argmax(1) == torch.tensor([label for _, label in chunk])).sum())
+            table.setdefault(k, {})[o] = 100 * correct / len(images)
+    return table
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -395,7 +457,8 @@ def report(args, results: list[dict], taps: dict[int, int], wall_s: float) -> st
         gc = [r["finetuned"] - r["control"] for r in results]
         lines.append(f"gain, FixRes finetuned over the same finetune at the train resolution: {mean_std(gc)} points "
                      f"(per seed {per_seed(gc, True)}): the part due to the resolution")
-    lines.append("paper (FixRes Table 2, ResNet-50 on ImageNet): 77.0 at 224 px -> 79.0 at 384 px after finetuning (+2.0)")
+    lines.append("paper (FixRes Table 2, ResNet-50 on ImageNet): 77.0 at 224 px -> 79.0 at 384 px after "
+                 "finetuning (+2.0)")
     sizes = sorted(results[0]["before_sweep"])
     mean_before = {s: statistics.fmean(r["before_sweep"][s] for r in results) for s in sizes}
     best_mean = max(sizes, key=lambda s: mean_before[s])
@@ -407,7 +470,8 @@ def report(args, results: list[dict], taps: dict[int, int], wall_s: float) -> st
               "top-1 % against test resolution, mean ± std over seeds ('finetuned': the model finetuned at its "
               "seed's picked resolution, evaluated at each resolution; 'untrained taps': convolutions that use, "
               f"at that size, kernel taps which get no gradient at {train} px):", "",
-              "| test res | no finetuning | finetuned | untrained taps | per seed, no finetuning | per seed, finetuned |",
+              "| test res | no finetuning | finetuned | untrained taps | per seed, no finetuning "
+              "| per seed, finetuned |",
               "|---:|---:|---:|---:|---|---|"]
     for s in sizes:
         b = [r["before_sweep"][s] for r in results]
@@ -422,11 +486,24 @@ def report(args, results: list[dict], taps: dict[int, int], wall_s: float) -> st
                       "running variance near 0 (dead channels) amplify a few inputs enormously in eval mode, and "
                       "such outliers also poison the running statistics the FixRes finetune re-estimates; lower "
                       "--lr is the usual cure"]
+    if args.zoom_check:
+        sizes_z = sorted(args.test_sizes)
+        images = (results[0]["images"] + ZOOM_STRIDE - 1) // ZOOM_STRIDE
+        lines += ["", f"apparent object size against input size (scratch model, no finetuning, {images} test images; "
+                      "top-1 % mean over seeds): the image is resized so the object is as large as in the "
+                      "standard test at O px, then centre-cropped or padded with black to K px; the diagonal is "
+                      "the standard test", "",
+                      "| input K \\ object as at O | " + " | ".join(f"{o} px" for o in sizes_z) + " |",
+                      "|---:|" + "---:|" * len(sizes_z)]
+        for k in sizes_z:
+            cells = [statistics.fmean(r["zoom"][k][o] for r in results) for o in sizes_z]
+            lines.append(f"| {k} px | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     job_walls = [w for r in results for w in r["wall_s"].values()]
     known = [w for w in job_walls if w is not None]
     lines += ["", f"wall time: {wall_s / 60:.1f} min for this invocation; the runs that completed the "
                   f"{len(job_walls)} jobs took {sum(known) / 60:.1f} min"
-                  + (f" ({len(job_walls) - len(known)} job(s) of unknown duration)" if len(known) < len(job_walls) else "")
+                  + (f" ({len(job_walls) - len(known)} job(s) of unknown duration)"
+                     if len(known) < len(job_walls) else "")
                   + f"; load average at the end {', '.join(f'{x:.1f}' for x in os.getloadavg())}"]
     return "\n".join(lines)
 
@@ -474,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also FixRes-finetune at these test resolutions (pixels, comma-separated), whatever the "
                         "sweep before finetuning prefers; 'estimate': the test size nearest the apparent-object-size "
                         "estimate; 'none'")
+    p.add_argument("--no-zoom-check", dest="zoom_check", action="store_false",
+                   help="skip the apparent-size / input-size check of the scratch models")
     p.add_argument("--control", action="store_true",
                    help="also finetune at the train resolution (same epochs and lr): separates what the "
                         "resolution buys from what finetuning with test preprocessing buys")

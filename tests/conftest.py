@@ -71,6 +71,16 @@ def run_script(script: str, *args, timeout: float = 240, env: dict | None = None
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=cwd)
 
 
+def run_two_ranks_and_one(script: str, *args):
+    """Run ``main_<script>.py`` as 2 ranks x 8 images per step (job ``two``) and as 1 process x 16
+    (job ``one``), same other ``args``; both must succeed. Returns ``(two, one)`` CompletedProcesses."""
+    two = run_script(script, "--num-tasks", 2, "--batch", 8, "--job-id", "two", *args)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = run_script(script, "--batch", 16, "--job-id", "one", *args)
+    assert one.returncode == 0, one.stderr[-3000:]
+    return two, one
+
+
 def start_script(script: str, *args, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / f"main_{script}.py"), *map(str, args)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or clean_env())

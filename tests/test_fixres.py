@@ -14,7 +14,7 @@ from PIL import Image
 from torch import nn
 from torchvision import transforms as v1
 
-from conftest import FAST, free_port, run_script
+from conftest import FAST, free_port, run_script, run_two_ranks_and_one
 from fixres_dist import FixresError, batchnorm, data, distributed, extraction, fixres, models, sweep
 from fixres_dist.checkpoint import load_checkpoint
 
@@ -112,11 +112,8 @@ def test_two_rank_finetune_equals_one_process_on_the_union(tiny_data, scratch_ch
     common = ["--data-path", tiny_data, "--weight-path", scratch_checkpoint, "--input-size", 40,
               "--epochs", 1, "--workers", 0, "--no-progress", "--shared-folder-path", tmp_path,
               "--learning-rate", 0.5]
-    two = run_script("finetune", "--num-tasks", 2, "--batch", 8, "--job-id", "two", *common)
-    assert two.returncode == 0, two.stderr[-3000:]
+    two, _ = run_two_ranks_and_one("finetune", *common)
     assert "BatchNorm statistics over all 2 ranks' images: layer4.1.bn2" in two.stdout
-    one = run_script("finetune", "--batch", 16, "--job-id", "one", *common)
-    assert one.returncode == 0, one.stderr[-3000:]
     a, b = load_checkpoint(tmp_path / "two" / "checkpoint.pth"), load_checkpoint(tmp_path / "one" / "checkpoint.pth")
     start = load_checkpoint(scratch_checkpoint)["model"]
     moved = [k for k in start if not torch.equal(start[k], b["model"][k])]

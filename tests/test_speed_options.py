@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import FAST, run_script
+from conftest import FAST, run_script, run_two_ranks_and_one
 from fixres_dist import FixresError, distributed
 from fixres_dist.checkpoint import load_checkpoint
 
@@ -56,11 +56,8 @@ def test_sync_bn_two_ranks_equal_one_process_on_the_union(tiny_data, tmp_path):
     common = ["--data-path", tiny_data, "--input-size", 32, "--epochs", 1, "--workers", 0, "--no-progress",
               "--shared-folder-path", tmp_path, "--sync-bn", "--warmup-epochs", 0, "--ckpt-every", 1,
               "--keep-checkpoints", 5]
-    two = run_script("scratch", "--num-tasks", 2, "--batch", 8, "--job-id", "two", *common)
-    assert two.returncode == 0, two.stderr[-3000:]
+    two, _ = run_two_ranks_and_one("scratch", *common)
     assert "--sync-bn: 20 BatchNorm layers synchronised over 2 ranks" in two.stdout
-    one = run_script("scratch", "--batch", 16, "--job-id", "one", *common)
-    assert one.returncode == 0, one.stderr[-3000:]
     a = load_checkpoint(tmp_path / "two" / "checkpoint-00000001.pth")
     b = load_checkpoint(tmp_path / "one" / "checkpoint-00000001.pth")
     for key in b["model"]:

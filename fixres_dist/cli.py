@@ -56,6 +56,9 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     t.add_argument("--data-path", "--imnet-path", dest="data_path",
                    help="ImageFolder root with train/ and val/ (default: embedded Fashion-MNIST subset)")
     t.add_argument("--architecture", help="torchvision model name (default resnet18)")
+    t.add_argument("--low-res-stem", action="store_true", default=None,
+                   help="torchvision ResNets: 3x3 stride-1 first convolution and no max-pool (total stride 8 "
+                        "instead of 32), for inputs of about 64 px and below; or use resnet20 ... resnet110")
     t.add_argument("--weight-path", help="checkpoint.pth or state_dict file to start from")
     t.add_argument("--input-size", type=_input_size, help=f"training resolution in pixels "
                    f"(default {MODE_DEFAULTS[mode]['input_size']}; finetune: the test resolution, or 'auto': "
@@ -80,6 +83,9 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     f = p.add_argument_group("FixRes finetune, evaluation and feature extraction")
     f.add_argument("--finetune-scope", choices=["head+last-norm", "head", "norms+head", "all"],
                    help="what main_finetune.py trains (default head+last-norm, FixRes section 4)")
+    f.add_argument("--last-norm", metavar="NAME",
+                   help="the normalisation module that head+last-norm trains (default: the last one on the "
+                        "main path, found by data flow; e.g. layer4.1.bn2)")
     f.add_argument("--finetune-augmentation", choices=["test", "fixres"],
                    help="finetune preprocessing: the test transform (default) or FixRes' lighter augmentation "
                         "(flip, mild colour jitter, small random shift of the centre crop)")

@@ -107,6 +107,15 @@ def _test_sizes(instance, attribute, value):
         raise FixresError(f"--test-sizes lists a resolution twice: {list(value)}")
 
 
+def _last_norm(instance, attribute, value):
+    if value is None:
+        return
+    if not isinstance(value, str) or not value:
+        raise FixresError(f"--last-norm must name a normalisation module (e.g. layer4.1.bn2), got {value!r}")
+    if instance.mode != "finetune":
+        raise FixresError("--last-norm only applies to main_finetune.py (the norm that the FixRes finetune trains)")
+
+
 def _seed(instance, attribute, value):
     if not 0 <= value < 2 ** 63:
         raise FixresError(f"--seed must be in [0, 2**63), got {value}")
@@ -136,6 +145,7 @@ class TrainerConfig:
     mode: str = attrs.field(default="scratch", validator=_one_of("scratch", "finetune"))
     data_path: str | None = None
     architecture: str = "resnet18"
+    low_res_stem: bool = False  # torchvision ResNets: 3x3 stride-1 conv1, no max-pool (models.build_model)
     weight_path: str | None = None
     train_size: int | None = attrs.field(default=None, validator=_resolution)
     input_size: int | str = attrs.field(default=32, validator=_input_size)
@@ -145,6 +155,7 @@ class TrainerConfig:
     # The FixRes finetune (fixres.py) and what a run produces besides training.
     finetune_scope: str = attrs.field(default="head+last-norm", validator=_one_of(*SCOPES))
     finetune_augmentation: str = attrs.field(default="test", validator=_one_of("test", "fixres"))
+    last_norm: str | None = attrs.field(default=None, validator=_last_norm)  # None: found by data flow (fixres.py)
     eval_only: bool = False
     extract_features: str | None = None
     extract_split: str = attrs.field(default="val", validator=_one_of("val", "train"))

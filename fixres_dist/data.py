@@ -53,9 +53,21 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 CROP_RATIO = 0.875  # test-time centre crop keeps 87.5 % of the resized shorter side
 
 
-def embedded_data_path() -> Path:
-    """The Fashion-MNIST subset inside the package (10 classes, 300 train + 100 val per class)."""
-    return Path(str(resources.files("fixres_dist") / "embedded_data" / "fashion_mnist"))
+EMBEDDED_DATASETS = ("fashion_mnist", "fashion_mnist_canvas")
+
+
+def embedded_data_path(name: str = "fashion_mnist") -> Path:
+    """An ImageFolder root shipped inside the package (``scripts/make_embedded_dataset.py``; MIT, Zalando SE).
+
+    ``fashion_mnist``: 10 classes, 300 train + 100 val images per class, 28 x 28 grey PNG, garments
+    filling the frame (the default ``--data-path``). ``fashion_mnist_canvas``: 1,000 train + 200 val
+    other garments per class, each composed at a random scale (45-100 % of the side) and position on
+    a black 48 x 48 canvas (:mod:`fixres_dist.canvas`), objects at varied scales as in photos (the
+    demo's data). Raises ValueError for another name.
+    """
+    if name not in EMBEDDED_DATASETS:
+        raise ValueError(f"no embedded dataset {name!r}; there are {', '.join(EMBEDDED_DATASETS)}")
+    return Path(str(resources.files("fixres_dist") / "embedded_data" / name))
 
 
 def _class_folders(split: Path) -> dict[str, int]:

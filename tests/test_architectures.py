@@ -54,6 +54,9 @@ EXPECTED = {
     "vit_b_16": ("heads.head", "encoder.ln"),
     "efficientnet_lite0": ("_fc", "_bn1"),
 }
+# architecture -> the whole head (modules with parameters between the last norm and the logits), if more
+# than the classifier alone
+WHOLE_HEAD = {"mobilenet_v3_large": ("classifier.0", "classifier.3")}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +79,7 @@ def test_builds_runs_at_two_resolutions_and_has_head_and_last_norm(name):
     assert head == linears[-1] and modules[head].out_features == 10
     assert isinstance(modules[norm], fixres.NORM_TYPES)
     assert (head, norm) == EXPECTED[name]
+    assert fixres.find_finetune_layers(model, 32) == fixres.FinetuneLayers(head, WHOLE_HEAD.get(name, (head,)), norm)
 
 
 def test_vit_for_resolution_shares_parameters_and_leaves_the_original_alone(vit):
@@ -143,7 +147,7 @@ def test_head_for_another_class_count_is_replaced_other_mismatches_refused():
 
 
 def test_unknown_names_get_suggestions():
-    with pytest.raises(FixresError, match="did you mean resnet50"):
+    with pytest.raises(FixresError, match="did you mean resnet56, resnet50"):
         models.check_architecture("resnet5")
     assert "efficientnet_lite0" in models.available_architectures()
 

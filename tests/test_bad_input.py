@@ -20,7 +20,8 @@ def weights(tmp_path_factory):
     files = {"resnet18_10": models.build_model("resnet18", 10).state_dict(),
              "resnet18_headless": {k: v for k, v in models.build_model("resnet18", 10).state_dict().items()
                                    if not k.startswith("fc.")},
-             "resnet34_10": models.build_model("resnet34", 10).state_dict()}
+             "resnet34_10": models.build_model("resnet34", 10).state_dict(),
+             "resnet18_low_stem": models.build_model("resnet18", 10, low_res_stem=True).state_dict()}
     for name, state in files.items():
         torch.save(state, folder / f"{name}.pth")
     (folder / "empty.pth").write_bytes(b"")
@@ -79,6 +80,20 @@ CASES = {
     "other architecture": (["--weight-path", "{weights}/resnet34_10.pth"], "unexpected keys e.g. layer1.2"),
     "weights without a head": (["--weight-path", "{weights}/resnet18_headless.pth"],
                                "has no classifier head (missing fc.weight, fc.bias)"),
+    "low-res stem of a ViT": (["--architecture", "vit_b_16", "--low-res-stem"],
+                              "--low-res-stem: vit_b_16 has no ResNet stem to replace; it applies to torchvision "
+                              "ResNets (resnet18, "),
+    "low-res stem of a CIFAR ResNet": (["--architecture", "resnet20", "--low-res-stem"],
+                                       "resnet20 already has a low-resolution stem"),
+    "low-res stem weights without the flag": (["--weight-path", "{weights}/resnet18_low_stem.pth"],
+                                              "conv1.weight (64, 3, 3, 3) vs model (64, 3, 7, 7)"),
+    "last norm that is no norm": (["--weight-path", "{weights}/resnet18_10.pth", "--last-norm", "layer4.1.conv2"],
+                                  "is a Conv2d, not a normalisation layer of ResNet; closest normalisation layers: "
+                                  "layer4.1.bn2"),
+    "last norm on a shortcut": (["--weight-path", "{weights}/resnet18_10.pth", "--last-norm", "layer4.0.downsample.1"],
+                                "is off the main path of ResNet (a shortcut, a shorter parallel branch, or not between "
+                                "the input and the classifier fc); the main-path last norm is layer4.1.bn2"),
+    "last norm when training from scratch": (["--last-norm", "bn1"], "--last-norm only applies to main_finetune.py"),
 }
 
 

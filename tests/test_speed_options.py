@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import FAST, run_script, run_two_ranks_and_one
-from fixres_dist import FixresError, distributed
+from fixres_dist import FixresError, placement
 from fixres_dist.checkpoint import load_checkpoint
 
 
@@ -104,10 +104,10 @@ def test_cuda_without_a_gpu_is_refused(tmp_path):
 def test_gpu_choice_respects_a_launcher_narrowing_cuda_visible_devices():
     if torch.cuda.device_count() == 0:
         with pytest.raises(FixresError, match="no CUDA GPU is visible"):
-            distributed.cuda_device(1, {"CUDA_VISIBLE_DEVICES": "3"})
+            placement.cuda_device(1, {"CUDA_VISIBLE_DEVICES": "3"})
         return
-    assert distributed.cuda_device(0, {}) == torch.device("cuda", 0)
+    assert placement.cuda_device(0, {}) == torch.device("cuda", 0)
     if torch.cuda.device_count() == 1:
-        assert distributed.cuda_device(3, {"CUDA_VISIBLE_DEVICES": "5"}) == torch.device("cuda", 0)
+        assert placement.cuda_device(3, {"CUDA_VISIBLE_DEVICES": "5"}) == torch.device("cuda", 0)
         with pytest.raises(FixresError, match="local rank 1 has no GPU: 1 visible"):
-            distributed.cuda_device(1, {})
+            placement.cuda_device(1, {})

@@ -1,6 +1,6 @@
 """Where a process sits in a job: its ranks, its node's share of the CPU, its GPU.
 
-Rank resolution follows one precedence, highest first (DESIGN.md):
+Rank resolution follows one precedence, highest first (README: "where a process learns its rank"):
 
 1. explicit flags ``--global-rank/--local-rank`` with ``--num-tasks``;
 2. torchrun's ``RANK / LOCAL_RANK / WORLD_SIZE`` (and ``MASTER_ADDR / MASTER_PORT``);

@@ -23,6 +23,7 @@ import fcntl
 import math
 import os
 import warnings
+from typing import Callable
 
 import attrs
 import torch
@@ -88,12 +89,14 @@ class Trainer:
 
     ``checked``: the launcher's preflight (:func:`fixres_dist.launch.preflight`) already checked the
     data folder, the features folder and the checkpoint's configuration in this process or its
-    parent; the Trainer does not repeat those checks.
+    parent; the Trainer does not repeat those checks. ``log``: where rank 0's messages go (default
+    the console, above the progress bar).
     """
 
-    def __init__(self, config: TrainerConfig, *, checked: bool = False):
+    def __init__(self, config: TrainerConfig, *, checked: bool = False, log: Callable[[str], None] | None = None):
         self.config = config
         self.checked = checked
+        self._log = log or tqdm.write
         self.rank0 = config.global_rank == 0
         self.device = torch.device("cpu")
         self.stops = StopSignals(config.preempt_signal)
@@ -142,9 +145,15 @@ class Trainer:
             finally:
                 self.close()
 
-    def build(self) -> None:
-        """Everything before the first training step (see the module's story)."""
+    def build(self, train_loader=None) -> None:
+        """Everything before the first training step (see the module's story).
+
+        ``train_loader``: train from this loader (yielding ``(images, labels, unreadable count)``,
+        with an :class:`~fixres_dist.samplers.ExactBatchSampler`) instead of the data folder's
+        (benchmarks: one fixed in-memory batch).
+        """
         cfg = self.config
+        self.train_loader = train_loader
         self._setup_process_group()
         self._open_job_folder()
         self._build_data()
@@ -316,7 +325,8 @@ class Trainer:
             self.log(f"--sync-bn: {len(synchronised)} BatchNorm layers synchronised over {cfg.num_tasks} ranks")
         transform = data.train_transform(self.input_size) if cfg.mode == "scratch" else \
             data.finetune_transform(self.input_size, cfg.finetune_augmentation)
-        self.train_loader = self._loader(self.train_set, transform, shuffle=True)
+        if self.train_loader is None:
+            self.train_loader = self._loader(self.train_set, transform, shuffle=True)
         self.optimizer = torch.optim.SGD(engine.parameter_groups(self.model, cfg.weight_decay, cfg.norm_weight_decay),
                                          lr=self.base_lr, momentum=cfg.momentum)
         self.log(f"lr {self.base_lr:g} = {cfg.learning_rate:g} x {cfg.batch} x {cfg.num_tasks} / {REFERENCE_BATCH} "
@@ -530,4 +540,4 @@ class Trainer:
 
     def log(self, message: str) -> None:
         if self.rank0:
-            tqdm.write(message)
+            self._log(message)

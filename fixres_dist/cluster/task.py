@@ -18,8 +18,8 @@ One protocol for both ways of launching, submitit (``slurm/submit.py``) and plai
    restart count + 1, and the Trainer resumes from the job folder's checkpoint. After SIGTERM
    (``scancel``, SLURM's own preemption) nothing is requeued here: SLURM decides.
 
-:class:`SlurmTask` is the callable submitit runs once per task; ``python -m fixres_dist.cluster.task
-main_scratch.py [options]`` is what ``slurm/job.sbatch`` starts in every task with srun.
+:class:`SlurmTask` is the callable submitit runs once per task; ``python -m fixres_dist.cluster
+main_scratch.py [options]`` (:func:`main`) is what ``slurm/job.sbatch`` starts in every task with srun.
 """
 from __future__ import annotations
 
@@ -66,10 +66,11 @@ def restart_count(environ=None) -> int:
 
 
 def current_place() -> TaskPlace:
-    """This task's place, from SLURM's variables (through submitit's JobEnvironment)."""
-    import submitit
+    """This task's place, from SLURM's variables, read by submitit's SLURM job environment (also
+    outside a submitit job, where ``submitit.JobEnvironment()`` would not know the cluster)."""
+    from submitit.slurm.slurm import SlurmJobEnvironment
 
-    env = submitit.JobEnvironment()
+    env = SlurmJobEnvironment()
     return TaskPlace(env.job_id, env.global_rank, env.local_rank, env.num_tasks, restart_count())
 
 
@@ -92,8 +93,9 @@ def task_config(template: TrainerConfig, place: TaskPlace) -> TrainerConfig:
 class _StopSignals:
     """SIGTERM and the warning signal around the Trainer.
 
-    The Trainer installs its own handlers while it runs and calls these ones (the previous handlers)
-    after its preemption checkpoint; that is how this module learns which signal stopped the job.
+    The Trainer installs its own handlers while it runs and calls these ones (the previous handlers,
+    with no frame) after its preemption checkpoint; that is how this module learns which signal
+    stopped the job.
     A signal before the Trainer starts stops the task at once (nothing to checkpoint); after it has
     finished, it is ignored.
     """
@@ -114,11 +116,13 @@ class _StopSignals:
     def on_signal(self, signum, frame) -> None:
         if self.signum != self.preempt:  # the warning signal wins (submitit's _interrupt sends TERM, then USR2)
             self.signum = signal.Signals(signum)
+        if frame is None:  # called by the Trainer after its checkpoint (a signal delivery has a frame)
+            return
         if self.finished:
             print(f"fixres_dist: rank {self.rank}: {self.signum.name} after the run finished; ignored",
                   file=sys.stderr, flush=True)
             return
-        raise Preempted(f"stopped by {self.signum.name}")
+        raise Preempted(f"stopped by {self.signum.name} before training started; nothing to checkpoint")
 
 
 def _after_preemption(config: TrainerConfig, stops: _StopSignals, restart: int, max_requeues: int) -> None:
@@ -129,7 +133,7 @@ def _after_preemption(config: TrainerConfig, stops: _StopSignals, restart: int, 
               "preemption)", file=sys.stderr, flush=True)
         raise SystemExit(PREEMPTED_EXIT_STATUS)
     if rank != 0:
-        print(f"fixres_dist: rank {rank}: checkpoint written; waiting for rank 0 to requeue the job",
+        print(f"fixres_dist: rank {rank}: waiting for rank 0 to requeue the job",
               file=sys.stderr, flush=True)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the requeue stops this task with SIGTERM
         time.sleep(FOLLOWER_WAIT_S)
@@ -206,7 +210,7 @@ class SlurmTask:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``srun python -m fixres_dist.cluster.task {main_scratch.py,main_finetune.py} [options]``.
+    """``srun python -m fixres_dist.cluster {main_scratch.py,main_finetune.py} [options]``.
 
     What ``slurm/job.sbatch`` runs in every task: the same options as the main script (without the
     rank flags), the same protocol as a submitit job. ``FIXRES_MAX_REQUEUES`` (default 3) bounds the
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     mode = MODES.get(Path(argv[0]).name) if argv else None
     if mode is None:
-        print("usage: python -m fixres_dist.cluster.task {main_scratch.py,main_finetune.py} [options]",
+        print("usage: python -m fixres_dist.cluster {main_scratch.py,main_finetune.py} [options]",
               file=sys.stderr)
         return 2
     from .cli import config_from_argv
@@ -238,7 +242,3 @@ def main(argv: list[str] | None = None) -> int:
     except TaskFailed:
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -135,7 +135,7 @@ class TrainerConfig:
 
     Sizes are in pixels, ``batch`` is images per process, ``dist_timeout`` is in seconds,
     ``learning_rate`` is the rate for a global batch of 256 images (scaled linearly, see
-    :func:`fixres_dist.trainer.scaled_learning_rate`). Raises :class:`FixresError` on an invalid
+    :func:`fixres_dist.engine.scaled_learning_rate`). Raises :class:`FixresError` on an invalid
     value. ``to_json``/``from_json`` give a lossless round trip through ``config.json``.
     """
 

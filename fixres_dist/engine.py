@@ -4,7 +4,8 @@
 * :func:`train_one_epoch`: the steps of one epoch (or of its rest, after a mid-epoch resume),
   with the caller's hooks for the learning rate and for what happens after each step;
 * :func:`evaluate`: exact top-1/top-5 over every validation image once, whatever the world size;
-* :func:`parameter_groups`: weight decay for weights, ``norm_weight_decay`` for norms and biases.
+* :func:`parameter_groups`: weight decay for weights, ``norm_weight_decay`` for norms and biases;
+* :func:`scaled_learning_rate`, :func:`warmup_cosine`: the learning rate and its schedule.
 
 Evaluation counts every validation image exactly once: each rank runs the *unwrapped* model on its
 share (an :class:`~fixres_dist.samplers.ExactBatchSampler` without shuffling; no padding
@@ -14,6 +15,7 @@ all-reduced in float64. Top-1/top-5 are percentages of the images counted.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Callable
 
@@ -27,6 +29,27 @@ from .data import to_device
 from .fixres import NORM_TYPES, eval_mode
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
+REFERENCE_BATCH = 256  # --learning-rate is per this many images
+
+
+def scaled_learning_rate(base_lr: float, batch_per_rank: int, num_tasks: int) -> float:
+    """Linear scaling rule: ``base_lr x (batch_per_rank x num_tasks) / 256``.
+
+    ``base_lr`` is the rate for a global batch of 256 images (Goyal et al., "Accurate, Large
+    Minibatch SGD: Training ImageNet in 1 Hour", arXiv 1706.02677, section 2.1).
+    """
+    return base_lr * batch_per_rank * num_tasks / REFERENCE_BATCH
+
+
+def warmup_cosine(progress: float, epochs: int, warmup_epochs: float) -> float:
+    """LR factor at ``progress`` epochs: linear warmup (Goyal et al., section 2.2), then half a cosine.
+
+    A function of progress in epochs (not of a step count), so that it is unchanged when a run
+    resumes on another world size.
+    """
+    if progress < warmup_epochs:
+        return progress / warmup_epochs
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup_epochs) / max(1e-12, epochs - warmup_epochs))))
 
 
 def autocast(device: torch.device, amp: torch.dtype | None):

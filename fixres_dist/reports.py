@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
 from . import fixres
 from .io import write_private
 from .sweep import STAGE_NAMES, best_resolution, by_stage, standard_error
@@ -88,6 +86,7 @@ def table(stages: dict[str, dict[int, dict]], best: int, train_size: int | None,
 def plot(path: Path, stages: dict[str, dict[int, dict]], best: int, train_size: int | None,
          estimate: float | None, title: str) -> None:
     """Write a PNG of top-1 (percent) against test resolution (pixels), one line per stage."""
+    from matplotlib.figure import Figure  # imported here: a second of start-up every rank would pay
     fig = Figure(figsize=(6.4, 4.2), dpi=110)
     ax = fig.add_subplot()
     for stage in (s for s in STAGE_NAMES if s in stages):

@@ -20,7 +20,6 @@ write one checkpoint after their current step and stop with :class:`~fixres_dist
 from __future__ import annotations
 
 import fcntl
-import math
 import os
 import warnings
 from typing import Callable
@@ -40,9 +39,6 @@ from .metrics import METRICS_FILE, MetricsLog
 from .preemption import Preempted, StopSignals
 from .rendezvous import RendezvousInterrupted
 
-REFERENCE_BATCH = 256
-
-
 @attrs.frozen
 class RunResult:
     """What ``Trainer(config)()`` returns on every rank: the final evaluation of the run.
@@ -57,26 +53,6 @@ class RunResult:
     top5: float
     loss: float
     images: int
-
-
-def scaled_learning_rate(base_lr: float, batch_per_rank: int, num_tasks: int) -> float:
-    """Linear scaling rule: ``base_lr x (batch_per_rank x num_tasks) / 256``.
-
-    ``base_lr`` is the rate for a global batch of 256 images (Goyal et al., "Accurate, Large
-    Minibatch SGD: Training ImageNet in 1 Hour", arXiv 1706.02677, section 2.1).
-    """
-    return base_lr * batch_per_rank * num_tasks / REFERENCE_BATCH
-
-
-def warmup_cosine(progress: float, epochs: int, warmup_epochs: float) -> float:
-    """LR factor at ``progress`` epochs: linear warmup (Goyal et al., section 2.2), then half a cosine.
-
-    A function of progress in epochs (not of a step count), so that it is unchanged when a run
-    resumes on another world size.
-    """
-    if progress < warmup_epochs:
-        return progress / warmup_epochs
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup_epochs) / max(1e-12, epochs - warmup_epochs))))
 
 
 class Trainer:
@@ -116,7 +92,7 @@ class Trainer:
         self.train_size: int | None = None
         self.model = self.ddp = self.forward = None  # unwrapped, DDP-wrapped, maybe compiled
         self.optimizer = self.scaler = None
-        self.base_lr = scaled_learning_rate(config.learning_rate, config.batch, config.num_tasks)
+        self.base_lr = engine.scaled_learning_rate(config.learning_rate, config.batch, config.num_tasks)
         self.amp = AMP_DTYPES[config.amp]
         self._compile_checked = not config.compile
         # Where the run is, and the checkpoint it resumes from.
@@ -329,7 +305,7 @@ class Trainer:
             self.train_loader = self._loader(self.train_set, transform, shuffle=True)
         self.optimizer = torch.optim.SGD(engine.parameter_groups(self.model, cfg.weight_decay, cfg.norm_weight_decay),
                                          lr=self.base_lr, momentum=cfg.momentum)
-        self.log(f"lr {self.base_lr:g} = {cfg.learning_rate:g} x {cfg.batch} x {cfg.num_tasks} / {REFERENCE_BATCH} "
+        self.log(f"lr {self.base_lr:g} = {cfg.learning_rate:g} x {cfg.batch} x {cfg.num_tasks} / {engine.REFERENCE_BATCH} "
                  f"(linear scaling rule), {len(self.train_loader)} steps per epoch")
         self.ddp = self.model if cfg.num_tasks == 1 else DistributedDataParallel(
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -402,7 +378,7 @@ class Trainer:
                                  channels_last=cfg.channels_last, label_smoothing=cfg.label_smoothing)
 
     def _set_learning_rate(self, progress: float) -> None:
-        lr = self.base_lr * warmup_cosine(progress, self.config.epochs, self.config.warmup_epochs)
+        lr = self.base_lr * engine.warmup_cosine(progress, self.config.epochs, self.config.warmup_epochs)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 

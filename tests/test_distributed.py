@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from conftest import FAST, clean_env, free_port, run_script, start_script
 from fixres_dist import TrainerConfig, Trainer, data, distributed, engine, models
+from fixres_dist.launch import start_method
 
 
 def _identical_after_step(rank, world, port, data_path, out):
@@ -34,7 +35,7 @@ def _identical_after_step(rank, world, port, data_path, out):
 
 def test_ranks_hold_identical_parameters_after_one_ddp_step(tiny_data, tmp_path):
     mp.start_processes(_identical_after_step, args=(2, free_port(), tiny_data, tmp_path), nprocs=2,
-                       start_method="spawn")
+                       start_method=start_method())
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"identical": True, "moved": True}
 
@@ -59,7 +60,7 @@ def test_exact_evaluation_is_independent_of_world_size(odd_val_data, tmp_path):
             _evaluate_rank(0, 1, 0, odd_val_data, tmp_path)
         else:
             mp.start_processes(_evaluate_rank, args=(world, free_port(), odd_val_data, tmp_path), nprocs=world,
-                               start_method="spawn")
+                               start_method=start_method())
         results[world] = [json.loads((tmp_path / f"w{world}r{r}.json").read_text()) for r in range(world)]
     reference = results[1][0]
     assert reference["images"] == 35
@@ -103,6 +104,7 @@ def test_a_rank_whose_peers_never_arrive_times_out(tiny_data, tmp_path, rank, me
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.slow
 def test_torchrun_launch_agrees_on_one_job_folder(tiny_data, tmp_path):
     import subprocess, sys
     from conftest import ROOT

@@ -104,7 +104,6 @@ def test_a_rank_whose_peers_never_arrive_times_out(tiny_data, tmp_path, rank, me
     assert time.monotonic() - start < 30
 
 
-@pytest.mark.slow
 def test_torchrun_launch_agrees_on_one_job_folder(tiny_data, tmp_path):
     import subprocess, sys
     from conftest import ROOT

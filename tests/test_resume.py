@@ -216,7 +216,6 @@ def test_ckpt_every_must_be_positive(tmp_path, value, capsys):
     assert not (tmp_path / "s").exists()
 
 
-@pytest.mark.slow
 def test_eight_ranks_on_two_cores_complete(tiny_data, tmp_path):
     proc = run_script("scratch", "--num-tasks", 8, "--job-id", "eight", "--shared-folder-path", tmp_path,
                       "--data-path", tiny_data, "--input-size", 32, "--batch", 4, "--epochs", 1, "--workers", 0,

@@ -116,6 +116,7 @@ def check_resumable(config, saved: dict, path) -> None:
     """
     changed = config.changed_since(saved)
     if changed:
-        diff = ", ".join(f"{k}: {saved.get(k)!r} -> {getattr(config, k)!r}" for k in changed[:3])
+        diff = ", ".join(f"{k}: {saved[k]!r} -> {getattr(config, k)!r}" if k in saved else
+                         f"{k}: absent (an older fixres_dist) -> {getattr(config, k)!r}" for k in changed[:3])
         raise FixresError(f"{path} holds a checkpoint of another configuration ({diff}); "
                           "use another --job-id, or --resume with a matching checkpoint")

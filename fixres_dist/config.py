@@ -244,11 +244,12 @@ class TrainerConfig:
     def changed_since(self, saved: dict) -> list[str]:
         """Names of the non-resumable fields whose value differs from ``saved`` (a :meth:`to_dict`).
 
-        A field that ``saved`` lacks (written before the field existed) counts as its default.
+        A field that ``saved`` lacks (a checkpoint from before the field existed) counts as changed:
+        the run that wrote it trained without that option, e.g. decaying norms and biases like weights.
         """
         mine = self.to_dict()
         return sorted(f.name for f in attrs.fields(type(self)) if not f.metadata.get("resumable")
-                      and saved.get(f.name, f.default) != mine[f.name])
+                      and (f.name not in saved or saved[f.name] != mine[f.name]))
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)

@@ -106,9 +106,11 @@ def test_resumable_fields_come_from_the_configuration():
     saved = TrainerConfig(job_id="a", workers=0).to_dict()
     assert TrainerConfig(job_id="b", workers=3, num_tasks=2).changed_since(saved) == []
     assert TrainerConfig(label_smoothing=0.1).changed_since(saved) == ["label_smoothing"]
-    # a checkpoint written before a field existed counts as that field's default
+    # a checkpoint written before a field existed is of another recipe: refused in one line
     older = {k: v for k, v in saved.items() if k != "norm_weight_decay"}
-    assert TrainerConfig().changed_since(older) == []
+    assert TrainerConfig().changed_since(older) == ["norm_weight_decay"]
+    with pytest.raises(FixresError, match=r"norm_weight_decay: absent \(an older fixres_dist\) -> 0.0"):
+        check_resumable(TrainerConfig(), older, "old.pth")
     with pytest.raises(FixresError, match=r"another configuration \(learning_rate: 0.1 -> 0.3\)"):
         check_resumable(TrainerConfig(learning_rate=0.3), saved, "ckpt.pth")
 

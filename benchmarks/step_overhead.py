@@ -5,14 +5,15 @@ Both loops train the same architecture on the same in-memory batch: a fixed uint
 so neither loop decodes, augments or loads anything. The Trainer side is the real code path: a
 ``Trainer(TrainerConfig(...))`` runs its own setup (device, process group, job folder, data, model
 with ``--channels-last``, finetune/sync-BN logic, DDP wrapper, optimizer, AMP and GradScaler,
-``torch.compile``), then only its ``train_loader`` is swapped for one that yields the fixed batch
-``--steps`` times per epoch, and ``Trainer._train_one_epoch`` runs as is: ``_train_step`` (device
-copy, normalisation, autocast, compiled forward, GradScaler) plus the per-step LR schedule, loss
+``torch.compile``), given through ``Trainer.build(train_loader=...)`` a loader that yields the
+fixed batch ``--steps`` times per epoch, and ``Trainer.train_epoch`` runs as is: the engine's
+``train_step`` (device copy, normalisation, autocast, compiled forward, GradScaler) plus the
+per-step LR schedule, loss
 bookkeeping, progress bar, fault/checkpoint hooks and stop-signal check, and the epoch's loss
 all-reduce and metrics line (no evaluation; no checkpoint, ``ckpt_every`` is off). The raw side is
 plain PyTorch written out here: ``torchvision.models.get_model`` (in DDP with
 ``forward_sync_buffers=False`` for 2+ ranks, as the Trainer's default ``--dist-bn reduce``), the
-same memory format, ``torch.compile`` backend and SGD settings; per step: normalize
+same memory format, ``torch.compile`` backend and SGD settings (parameter groups included); per step: normalize
 (``fixres_dist.data.normalize``), forward under ``torch.autocast`` (bf16/fp16), cross-entropy,
 zero_grad, backward and step (through ``torch.amp.GradScaler`` for fp16).
 
@@ -57,8 +58,9 @@ import torchvision
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
-from fixres_dist import Trainer, TrainerConfig, distributed  # noqa: E402
-from fixres_dist.data import normalize  # noqa: E402
+from fixres_dist import Trainer, TrainerConfig, distributed, placement  # noqa: E402
+from fixres_dist.data import check_image_folder, embedded_data_path, normalize  # noqa: E402
+from fixres_dist.engine import parameter_groups  # noqa: E402
 from fixres_dist.samplers import ExactBatchSampler  # noqa: E402
 
 TARGET = 0.97
@@ -116,13 +118,14 @@ class FixedBatchLoader:
 class RawLoop:
     """The plain PyTorch loop the Trainer is measured against (same model, AMP, memory format, compile)."""
 
-    def __init__(self, spec: dict, num_classes: int, optimizer_defaults: dict, device: torch.device, world: int):
+    def __init__(self, spec: dict, num_classes: int, cfg: TrainerConfig, lr: float, device: torch.device, world: int):
         arch, size = spec["architecture"], spec["size"]
         extra = {"image_size": size} if arch.startswith("vit_") else {}
         model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **extra)
         self.memory_format = torch.channels_last if spec["channels_last"] else torch.contiguous_format
         self.model = model.to(device, memory_format=self.memory_format)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), **optimizer_defaults)
+        self.optimizer = torch.optim.SGD(parameter_groups(self.model, cfg.weight_decay, cfg.norm_weight_decay),
+                                         lr=lr, momentum=cfg.momentum)
         if world > 1:
             self.model = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None,
                                                  forward_sync_buffers=False)
@@ -176,32 +179,29 @@ def trainer_config(spec: dict, rank: int, world: int, port: int, folder: str) ->
 
 def run_rank(rank: int, world: int, port: int, spec: dict, folder: str) -> None:
     cfg = trainer_config(spec, rank, world, port, folder)
-    trainer = Trainer(cfg)
-    trainer.log = lambda message: None  # keep the table readable (the Trainer logs once per epoch)
-    trainer._setup_process_group()
+    trainer = Trainer(cfg, log=lambda message: None)  # keep the table readable (the Trainer logs per epoch)
     result = {"name": spec["name"]}
     try:
-        device = trainer.device
+        device = placement.cuda_device(rank) if spec["device"] == "cuda" else torch.device("cpu")  # as the Trainer's
         threads = max(1, len(os.sched_getaffinity(0)) // world)
         if device.type == "cpu":
             torch.set_num_threads(threads)
-        trainer._prepare_job_folder()
-        trainer._build_data()
+        num_classes = len(check_image_folder(embedded_data_path()))
         generator = torch.Generator().manual_seed(rank)
         images = torch.randint(0, 256, (spec["batch"], 3, spec["size"], spec["size"]), dtype=torch.uint8,
                                generator=generator).to(device)
-        labels = torch.randint(0, len(trainer.classes), (spec["batch"],), generator=generator).to(device)
-        # world x batch x steps "images" make `steps` batches per rank and epoch; only len() is used.
-        trainer.train_set = range(world * spec["batch"] * spec["steps"])
-        trainer._build_model()
-        trainer._prepare_training()
-        loader = trainer.train_loader = FixedBatchLoader(images, labels, ExactBatchSampler(
-            len(trainer.train_set), world, rank, spec["batch"], shuffle=True, seed=cfg.seed))
-        raw = RawLoop(spec, len(trainer.classes), trainer.optimizer.defaults, device, world)
+        labels = torch.randint(0, num_classes, (spec["batch"],), generator=generator).to(device)
+        # world x batch x steps "images" make `steps` batches per rank and epoch.
+        loader = FixedBatchLoader(images, labels, ExactBatchSampler(
+            world * spec["batch"] * spec["steps"], world, rank, spec["batch"], shuffle=True, seed=cfg.seed))
+        trainer.build(train_loader=loader)
+        if device.type == "cpu":
+            torch.set_num_threads(threads)  # the Trainer set its own share; both loops get the same
+        raw = RawLoop(spec, num_classes, cfg, trainer.base_lr, device, world)
 
         def trainer_epoch(epoch: int) -> None:
-            trainer.epoch, trainer.images_in_epoch = epoch, 0  # as Trainer._run sets them
-            trainer._train_one_epoch()
+            trainer.epoch, trainer.images_in_epoch = epoch, 0
+            trainer.train_epoch()
 
         def sync() -> None:
             if device.type == "cuda":
@@ -248,7 +248,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict, folder: str) -> None:
     finally:
         if rank == 0:
             (Path(folder) / f"result-{spec['name']}.json").write_text(json.dumps(result))
-        distributed.destroy_process_group()
+        trainer.close()
 
 
 def free_port() -> int:

@@ -1,9 +1,13 @@
 """fixres_dist: DDP training and FixRes finetuning of image classifiers on clusters.
 
-``TrainerConfig`` holds a run's options; ``Trainer(config)()`` runs one rank's part of the job.
+``TrainerConfig`` holds a run's options; ``Trainer(config)()`` runs one rank's part of the job and
+returns a ``RunResult``. ``Preempted`` (exit status ``PREEMPTED_EXIT_STATUS``) follows a
+preemption checkpoint; ``FixresError`` is every user-facing error (one line).
 """
-from .config import TrainerConfig
+from .config import TrainerConfig, default_job_id
 from .errors import FixresError
-from .trainer import Trainer
+from .preemption import PREEMPTED_EXIT_STATUS, Preempted
+from .trainer import RunResult, Trainer
 
-__all__ = ["Trainer", "TrainerConfig", "FixresError"]
+__all__ = ["Trainer", "TrainerConfig", "RunResult", "FixresError", "Preempted", "PREEMPTED_EXIT_STATUS",
+           "default_job_id"]

@@ -1,8 +1,8 @@
 """Checkpoint files: complete, written atomically, the last K kept, read without executing code.
 
 Layout in the job folder: ``checkpoint-<global step>.pth`` files (the last ``keep`` of them) and
-``checkpoint.pth``, a hard link to the newest. Every file is written to a temporary name, fsynced
-and renamed, and the folder is fsynced, so a reader sees a complete old or new checkpoint, never a
+``checkpoint.pth``, a hard link to the newest. Every file is written by :func:`fixres_dist.io.write_private` (temporary name,
+fsync, rename, folder fsync), so a reader sees a complete old or new checkpoint, never a
 partial one, whatever kills the writer (full disk, SIGKILL, lost node).
 
 Contents (a plain dict, readable with ``torch.load(weights_only=True)``): ``format_version``,
@@ -23,17 +23,10 @@ import numpy as np
 import torch
 
 from .errors import FixresError
+from .io import fsync_folder, safe_load, write_private
 
 CHECKPOINT_FILE = "checkpoint.pth"
 FORMAT_VERSION = 1
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _replace_with_link(source: Path, target: Path) -> None:
@@ -55,20 +48,17 @@ def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int
     """
     folder = Path(folder)
     path = folder / f"checkpoint-{global_step:08d}.pth"
-    tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+
+    def write(f) -> None:
+        if fault_hook is not None:
+            fault_hook(global_step, f)
+        torch.save({"format_version": FORMAT_VERSION, **state}, f)
+
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            if fault_hook is not None:
-                fault_hook(global_step, f)
-            torch.save({"format_version": FORMAT_VERSION, **state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_private(path, write)
         _replace_with_link(path, folder / CHECKPOINT_FILE)
-        _fsync_dir(folder)
+        fsync_folder(folder)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise FixresError(f"cannot write checkpoint in {folder}: {exc.strerror or exc}; "
                           "the previous checkpoint is kept") from None
     for old in sorted(folder.glob("checkpoint-*.pth"))[:-keep]:
@@ -81,7 +71,6 @@ REQUIRED_KEYS = ("model", "optimizer", "epoch", "images_in_epoch", "global_step"
 
 def load_checkpoint(path: str | Path) -> dict:
     """Read a checkpoint with ``weights_only=True``; FixresError if unreadable, incomplete or too new."""
-    from .models import safe_load
     path = Path(path)
     state = safe_load(path, "checkpoint")
     if not isinstance(state, dict):
@@ -118,3 +107,16 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     version, internal, gauss = state["random"]
     random.setstate((version, tuple(internal), gauss))
+
+
+def check_resumable(config, saved: dict, path) -> None:
+    """Raise FixresError if the checkpoint at ``path`` (its config dict ``saved``) is of another run.
+
+    Only fields marked resumable on :class:`~fixres_dist.config.TrainerConfig` may differ.
+    """
+    changed = config.changed_since(saved)
+    if changed:
+        diff = ", ".join(f"{k}: {saved[k]!r} -> {getattr(config, k)!r}" if k in saved else
+                         f"{k}: absent (an older fixres_dist) -> {getattr(config, k)!r}" for k in changed[:3])
+        raise FixresError(f"{path} holds a checkpoint of another configuration ({diff}); "
+                          "use another --job-id, or --resume with a matching checkpoint")

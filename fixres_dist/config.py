@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import signal
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -14,6 +16,10 @@ from .errors import FixresError
 from .fixres import SCOPES
 
 CONFIG_FILE = "config.json"
+RENDEZVOUS_FILE = "rendezvous.json"
+# Field metadata: a checkpoint written under one value may be resumed under another (where the
+# job runs, how fast, what it reports), unlike everything that shapes the trained weights.
+RESUMABLE = {"resumable": True}
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -116,9 +122,20 @@ def _last_norm(instance, attribute, value):
         raise FixresError("--last-norm only applies to main_finetune.py (the norm that the FixRes finetune trains)")
 
 
+def _fraction(instance, attribute, value):
+    _finite(attribute, value)
+    if not 0 <= value < 1:
+        raise FixresError(f"--{attribute.name.replace('_', '-')} must be in [0, 1), got {value}")
+
+
 def _seed(instance, attribute, value):
     if not 0 <= value < 2 ** 63:
         raise FixresError(f"--seed must be in [0, 2**63), got {value}")
+
+
+def default_job_id() -> str:
+    """A fresh job id for runs that were given none: ``local-YYYYmmdd-HHMMSS-<pid>``."""
+    return time.strftime("local-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -127,19 +144,19 @@ class TrainerConfig:
 
     Sizes are in pixels, ``batch`` is images per process, ``dist_timeout`` is in seconds,
     ``learning_rate`` is the rate for a global batch of 256 images (scaled linearly, see
-    :func:`fixres_dist.trainer.scaled_learning_rate`). Raises :class:`FixresError` on an invalid
+    :func:`fixres_dist.engine.scaled_learning_rate`). Raises :class:`FixresError` on an invalid
     value. ``to_json``/``from_json`` give a lossless round trip through ``config.json``.
     """
 
-    # Where this process sits in the job (see fixres_dist.distributed.resolve_ranks).
-    num_tasks: int = attrs.field(default=1, validator=_positive)
-    global_rank: int = attrs.field(default=0, validator=_non_negative)
-    local_rank: int = attrs.field(default=0, validator=_non_negative)
-    job_id: str = attrs.field(default="local", validator=_job_id)
-    dist_backend: str = attrs.field(default="gloo", validator=_one_of("gloo", "nccl"))
-    dist_url: str = attrs.field(default="env://", validator=_dist_url)
-    dist_timeout: float = attrs.field(default=300.0, validator=_positive)
-    shared_folder_path: str = "runs"
+    # Where this process sits in the job (see fixres_dist.placement.resolve_placement).
+    num_tasks: int = attrs.field(default=1, validator=_positive, metadata=RESUMABLE)
+    global_rank: int = attrs.field(default=0, validator=_non_negative, metadata=RESUMABLE)
+    local_rank: int = attrs.field(default=0, validator=_non_negative, metadata=RESUMABLE)
+    job_id: str = attrs.field(default="local", validator=_job_id, metadata=RESUMABLE)
+    dist_backend: str = attrs.field(default="gloo", validator=_one_of("gloo", "nccl"), metadata=RESUMABLE)
+    dist_url: str = attrs.field(default="env://", validator=_dist_url, metadata=RESUMABLE)
+    dist_timeout: float = attrs.field(default=300.0, validator=_positive, metadata=RESUMABLE)
+    shared_folder_path: str = attrs.field(default="runs", metadata=RESUMABLE)
 
     # What to train, on what.
     mode: str = attrs.field(default="scratch", validator=_one_of("scratch", "finetune"))
@@ -150,41 +167,46 @@ class TrainerConfig:
     train_size: int | None = attrs.field(default=None, validator=_resolution)
     input_size: int | str = attrs.field(default=32, validator=_input_size)
     test_size: int | None = attrs.field(default=None, validator=_resolution)
-    test_sizes: tuple[int, ...] | None = attrs.field(default=None, converter=_sizes, validator=_test_sizes)
+    test_sizes: tuple[int, ...] | None = attrs.field(default=None, converter=_sizes, validator=_test_sizes,
+                                                    metadata=RESUMABLE)
 
     # The FixRes finetune (fixres.py) and what a run produces besides training.
     finetune_scope: str = attrs.field(default="head+last-norm", validator=_one_of(*SCOPES))
     finetune_augmentation: str = attrs.field(default="test", validator=_one_of("test", "fixres"))
     last_norm: str | None = attrs.field(default=None, validator=_last_norm)  # None: found by data flow (fixres.py)
     eval_only: bool = False
-    extract_features: str | None = None
-    extract_split: str = attrs.field(default="val", validator=_one_of("val", "train"))
-    overwrite: bool = False
+    extract_features: str | None = attrs.field(default=None, metadata=RESUMABLE)
+    extract_split: str = attrs.field(default="val", validator=_one_of("val", "train"), metadata=RESUMABLE)
+    overwrite: bool = attrs.field(default=False, metadata=RESUMABLE)
 
     # How.
     batch: int = attrs.field(default=64, validator=_positive)
     epochs: int = attrs.field(default=6, validator=_positive)
-    learning_rate: float = attrs.field(default=0.4, validator=_positive)
+    # Per 256 images (linear scaling rule); 0.1 is Goyal et al.'s ResNet rate for batch 256.
+    learning_rate: float = attrs.field(default=0.1, validator=_positive)
     momentum: float = attrs.field(default=0.9, validator=_non_negative)
     weight_decay: float = attrs.field(default=5e-5, validator=_non_negative)
+    # Weight decay of normalisation-layer parameters and of every bias (0: none, the usual choice).
+    norm_weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
+    label_smoothing: float = attrs.field(default=0.0, validator=_fraction)
     warmup_epochs: float = attrs.field(default=1.0, validator=_non_negative)
     dist_bn: str = attrs.field(default="reduce", validator=_one_of("reduce", "broadcast"))
-    workers: int = attrs.field(default=2, validator=_non_negative)
+    workers: int = attrs.field(default=2, validator=_non_negative, metadata=RESUMABLE)
     seed: int = attrs.field(default=0, validator=_seed)
-    device: str = attrs.field(default="cpu", validator=_one_of("cpu", "cuda"))
+    device: str = attrs.field(default="cpu", validator=_one_of("cpu", "cuda"), metadata=RESUMABLE)
     # Speed (issue 6): mixed precision, memory format, torch.compile backend, synchronised BatchNorm.
-    amp: str = attrs.field(default="off", validator=_one_of("bf16", "fp16", "off"))
-    channels_last: bool = False
-    compile: str | None = None
+    amp: str = attrs.field(default="off", validator=_one_of("bf16", "fp16", "off"), metadata=RESUMABLE)
+    channels_last: bool = attrs.field(default=False, metadata=RESUMABLE)
+    compile: str | None = attrs.field(default=None, metadata=RESUMABLE)
     sync_bn: bool = False
-    progress: bool = True
+    progress: bool = attrs.field(default=True, metadata=RESUMABLE)
 
     # Never lose work (checkpoint.py): periodic checkpoints, resume, preemption.
-    ckpt_every: int | None = attrs.field(default=None, validator=_positive)
-    keep_checkpoints: int = attrs.field(default=2, validator=_positive)
-    resume: str | None = None
-    preempt_signal: str = attrs.field(default="SIGUSR2", validator=_signal_name)
-    skip_bad_images: bool = False
+    ckpt_every: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
+    keep_checkpoints: int = attrs.field(default=2, validator=_positive, metadata=RESUMABLE)
+    resume: str | None = attrs.field(default=None, metadata=RESUMABLE)
+    preempt_signal: str = attrs.field(default="SIGUSR2", validator=_signal_name, metadata=RESUMABLE)
+    skip_bad_images: bool = attrs.field(default=False, metadata=RESUMABLE)
 
     def __attrs_post_init__(self):
         if self.global_rank >= self.num_tasks:
@@ -210,10 +232,35 @@ class TrainerConfig:
         """``<shared_folder_path>/<job_id>``: where config.json, metrics.jsonl and checkpoint.pth go."""
         return Path(self.shared_folder_path) / self.job_id
 
-    @property
-    def eval_size(self) -> int | None:
-        """The test resolution in pixels (``test_size``, or ``input_size``; None while that is 'auto')."""
-        return self.test_size or (None if self.input_size == "auto" else self.input_size)
+    def rendezvous_url(self, file_name: str = RENDEZVOUS_FILE) -> str:
+        """Where the ranks of this job meet by default: ``file://<job folder>/<file_name>`` (absolute)."""
+        return "file://" + str((self.job_folder / file_name).absolute())
+
+    def placed(self, *, num_tasks: int, global_rank: int, local_rank: int, job_id: str | None = None,
+               dist_url: str | None = None) -> "TrainerConfig":
+        """This configuration at one rank of a job: the one place that fills in job id and rendezvous.
+
+        ``job_id`` None: a fresh :func:`default_job_id`. ``dist_url`` None: the job folder's
+        :meth:`rendezvous_url` for several ranks, ``env://`` (unused) for one.
+        """
+        placed = attrs.evolve(self, num_tasks=num_tasks, global_rank=global_rank, local_rank=local_rank,
+                              job_id=job_id or default_job_id())
+        return attrs.evolve(placed, dist_url=dist_url or (placed.rendezvous_url() if num_tasks > 1 else "env://"))
+
+    @classmethod
+    def resumable_fields(cls) -> frozenset[str]:
+        """Fields a resumed run may change (``metadata=RESUMABLE``); every other one must match."""
+        return frozenset(f.name for f in attrs.fields(cls) if f.metadata.get("resumable"))
+
+    def changed_since(self, saved: dict) -> list[str]:
+        """Names of the non-resumable fields whose value differs from ``saved`` (a :meth:`to_dict`).
+
+        A field that ``saved`` lacks (a checkpoint from before the field existed) counts as changed:
+        the run that wrote it trained without that option, e.g. decaying norms and biases like weights.
+        """
+        mine = self.to_dict()
+        return sorted(f.name for f in attrs.fields(type(self)) if not f.metadata.get("resumable")
+                      and (f.name not in saved or saved[f.name] != mine[f.name]))
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)

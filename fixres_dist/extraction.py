@@ -27,8 +27,10 @@ from torch import nn
 
 from . import distributed
 from .data import to_device
+from .engine import autocast
 from .errors import FixresError
 from .fixres import eval_mode
+from .io import write_private
 
 FILES = {"logits": np.float32, "embeddings": np.float32, "labels": np.int64}
 INFO_FILE = "features.json"
@@ -89,7 +91,7 @@ def extract(model: nn.Module, head: str, loader, device: torch.device, folder: s
         for (images, labels, skipped), keys in zip(loader, loader.batch_sampler):
             if skipped:
                 raise FixresError(f"{skipped} unreadable images in the split; features need every image")
-            with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+            with autocast(device, amp):
                 logits = model(to_device(images, device, channels_last)).float().cpu().numpy()
             rows = {"logits": logits, "embeddings": captured["embedding"].float().cpu().numpy(),
                     "labels": labels.numpy().astype(np.int64)}
@@ -105,6 +107,6 @@ def extract(model: nn.Module, head: str, loader, device: torch.device, folder: s
     if rank0:
         for name in FILES:
             os.replace(temporary[name], folder / f"{name}.npy")
-        (folder / INFO_FILE).write_text(json.dumps(result, indent=2) + "\n")
+        write_private(folder / INFO_FILE, json.dumps(result, indent=2) + "\n")
     distributed.barrier()
     return result

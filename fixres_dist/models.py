@@ -51,8 +51,6 @@ import functools
 import importlib
 import importlib.util
 import math
-import pickle
-import warnings
 from pathlib import Path
 
 import torch
@@ -62,6 +60,7 @@ from torchvision.models.resnet import BasicBlock
 from torchvision.models.vision_transformer import VisionTransformer, interpolate_embeddings
 
 from .errors import FixresError
+from .io import safe_load
 from .fixres import find_head_and_last_norm
 
 # Our name -> the name efficientnet_lite_pytorch knows.
@@ -338,26 +337,6 @@ def _strip_prefixes(state_dict: dict) -> dict:
             key = key[len("module."):]
         out[key] = value
     return out
-
-
-def safe_load(path: Path, what: str):
-    """``torch.load(path, weights_only=True)`` with one-line FixresErrors; never runs code from the file."""
-    if not path.exists():
-        raise FixresError(f"{what} {path} does not exist")
-    if not path.is_file():
-        raise FixresError(f"{what} {path} is not a file")
-    if path.stat().st_size == 0:
-        raise FixresError(f"{what} {path} is empty (0 bytes)")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise FixresError(f"refused {what} {path}: it holds Python objects other than tensors and plain "
-                          "data (not loaded; nothing in it was executed)") from None
-    except Exception as exc:  # torch raises many types for corrupt files; we report them all the same way
-        raise FixresError(f"cannot read {what} {path}: not a complete PyTorch file ({type(exc).__name__}; "
-                          "truncated or corrupt?)") from None
 
 
 def read_weight_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:

@@ -1,9 +1,8 @@
-"""Resolution sweeps: top-1 against test resolution, as a table, a PNG plot, and the best resolution.
+"""Resolution sweeps: top-1 against test resolution by stage, and the choice of the best resolution.
 
 A sweep is a list of ``eval`` events (``metrics.jsonl``) at several test resolutions, each from an
 exact distributed evaluation, labelled by stage: ``before`` / ``after`` finetuning, ``trained`` (end of a scratch run),
-or ``sweep`` (``--eval-only``). The FixRes paper's Figure-style curve (top-1 against K_test, before
-and after finetuning) is drawn with matplotlib's object API (no global pyplot state).
+or ``sweep`` (``--eval-only``). Their table and plot are in :mod:`fixres_dist.reports`.
 
 Choosing the best resolution (:func:`best_resolution`, used by ``--input-size auto``): the highest
 top-1 wins, but resolutions within one binomial standard error of it, ``sqrt(p (100 - p) / n)``
@@ -15,15 +14,11 @@ training set as ``val/`` for an unbiased figure.
 from __future__ import annotations
 
 import math
-from pathlib import Path
-
-from matplotlib.figure import Figure
 
 from .errors import FixresError
 
 STAGE_NAMES = {"before": "before finetuning", "after": "after finetuning", "trained": "after training",
                "sweep": "checkpoint"}
-PLOT_FILE, TABLE_FILE = "resolution_sweep.png", "resolution_sweep.md"
 
 
 def standard_error(top1: float, images: int) -> float:
@@ -51,53 +46,3 @@ def by_stage(evals: list[dict]) -> dict[str, dict[int, dict]]:
         if e.get("event") == "eval" and e.get("label") in STAGE_NAMES:
             stages.setdefault(e["label"], {})[e["resolution"]] = e
     return stages
-
-
-def table(stages: dict[str, dict[int, dict]], best: int, train_size: int | None, estimate: float | None,
-          title: str) -> str:
-    """Markdown table: one row per resolution, top-1 (and top-5) per stage, the best marked."""
-    names = [s for s in STAGE_NAMES if s in stages]
-    sizes = sorted({r for s in names for r in stages[s]})
-    header = "| test resolution | " + " | ".join(f"top-1 % {STAGE_NAMES[s]} | top-5 % {STAGE_NAMES[s]}"
-                                                 for s in names) + " |"
-    lines = [title, "", header, "|---:|" + "---:|---:|" * len(names)]
-    for size in sizes:
-        cells = []
-        for s in names:
-            e = stages[s].get(size)
-            cells += [f"{e['top1']:.2f}", f"{e['top5']:.2f}"] if e else ["", ""]
-        mark = " (best)" if size == best else ""
-        lines.append(f"| {size} px{mark} | " + " | ".join(cells) + " |")
-    images = next(iter(stages[names[-1]].values()))["images"]
-    lines.append("")
-    lines.append(f"best measured test resolution: {best} px (highest top-1 of the {STAGE_NAMES[names[-1]]} "
-                 f"sweep; within one standard error, +-{standard_error(stages[names[-1]][best]['top1'], images):.2f} "
-                 f"points on {images} images, the smallest resolution is taken)")
-    if train_size:
-        lines.append(f"train resolution: {train_size} px; apparent-object-size estimate of the best test "
-                     f"resolution (FixRes section 3.1, RandomResizedCrop scale 0.08-1): {estimate:.0f} px")
-    return "\n".join(lines)
-
-
-def plot(path: Path, stages: dict[str, dict[int, dict]], best: int, train_size: int | None,
-         estimate: float | None, title: str) -> None:
-    """Write a PNG of top-1 (percent) against test resolution (pixels), one line per stage."""
-    fig = Figure(figsize=(6.4, 4.2), dpi=110)
-    ax = fig.add_subplot()
-    for stage in (s for s in STAGE_NAMES if s in stages):
-        points = sorted(stages[stage].items())
-        ax.plot([r for r, _ in points], [e["top1"] for _, e in points], marker="o", label=STAGE_NAMES[stage])
-    if train_size:
-        ax.axvline(train_size, color="grey", linestyle=":", label=f"train resolution {train_size} px")
-    if estimate:
-        ax.axvline(estimate, color="tab:green", linestyle="--", label=f"apparent-size estimate {estimate:.0f} px")
-    ax.axvline(best, color="tab:red", alpha=0.4, linewidth=6, label=f"best measured {best} px")
-    ax.set_xlabel("test resolution (pixels)")
-    ax.set_ylabel("top-1 (%)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    tmp.replace(path)

@@ -3,7 +3,8 @@
     python slurm/latency.py --tasks-per-node 2 --timeout-min 5 --signal-delay-s 10 --repeat 3 \
         -- --data-path DIR --shared-folder-path DIR --input-size 32 --batch 8 --epochs 2 --workers 0
 
-Each repetition submits one scratch job (``--ckpt-every 2`` is added), and times, from the moment
+States come from sacct every ``--poll-s`` seconds (default 5; pass ``--poll-s 0.5`` here for
+sub-second figures). Each repetition submits one scratch job (``--ckpt-every 2`` is added), and times, from the moment
 ``submit()`` returns: the job RUNNING in squeue, and rank 0's first Trainer line (the ranks have
 met). Once the first periodic checkpoint is on disk it sends the warning signal
 (``scancel --signal=USR2``) and times, from then: the preemption checkpoint, the job PENDING
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
 
-from fixres_dist import slurm  # noqa: E402
+from fixres_dist.cluster import cli, monitor, submission  # noqa: E402
 
 
 def first_time(predicate, started: float, timeout: float = 600, poll: float = 0.05) -> float:
@@ -42,17 +43,19 @@ def log_has(path: Path, pattern: str, run: int):
     return check
 
 
-def one(request, argv) -> dict:
-    job, config, _ = slurm.submit("scratch", request, argv + ["--ckpt-every", "2"])
+def one(request, argv, poll_s: float) -> dict:
+    config = cli.config_from_argv("scratch", argv + ["--ckpt-every", "2"], request.num_tasks,
+                                  device="cuda" if request.gpus_per_node else "cpu")
+    job, config, _ = submission.submit(config, request)
     submitted = time.time()
     states = {}
 
     def poll():
-        for t, _, state in slurm.watch(job.job_id, started=submitted, timeout=600)["events"]:
+        for t, _, state in monitor.watch([job.job_id], started=submitted, timeout=600, poll_s=poll_s).events:
             states.setdefault(state, []).append(t)
     watcher = threading.Thread(target=poll)
     watcher.start()
-    folder = slurm.job_folder(config, job.job_id)
+    folder = submission.job_folder(config, job.job_id)
     log = folder / "logs" / f"{job.job_id}_0_log.out"
     row = {"job": job.job_id}
     row["met"] = first_time(log_has(log, rf"job {job.job_id}: scratch", 0), submitted)
@@ -72,12 +75,12 @@ def one(request, argv) -> dict:
 
 
 def main() -> int:
-    own, argv = slurm.split_argv(sys.argv[1:])
-    parser = slurm.request_parser("Measure submit->running and requeue->resumed latencies.", None)
+    own, argv = cli.split_argv(sys.argv[1:])
+    parser = cli.request_parser("Measure submit->running and requeue->resumed latencies.", None)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(own)
-    request = slurm.request_from_args(args)
-    rows = [one(request, argv) for _ in range(args.repeat)]
+    request = cli.request_from_args(args)
+    rows = [one(request, argv, args.poll_s) for _ in range(args.repeat)]
     columns = [("running", "submit -> RUNNING"), ("met", "submit -> ranks met"),
                ("checkpointed", "USR2 -> checkpoint written"), ("requeued", "USR2 -> PENDING (requeued)"),
                ("running_again", "USR2 -> RUNNING again"), ("resumed", "USR2 -> resumed (log)")]

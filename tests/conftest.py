@@ -81,13 +81,23 @@ def run_two_ranks_and_one(script: str, *args):
     return two, one
 
 
+def run_main(capsys, script: str, *args) -> tuple[int, str]:
+    """``main_<script>.py`` in this process, for a run that must fail before any rank starts (argparse,
+    config or preflight): no interpreter to start. Returns ``(exit status, stderr)``."""
+    from fixres_dist.launch import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(script, [str(a) for a in args])
+    return exit_info.value.code, capsys.readouterr().err
+
+
 def start_script(script: str, *args, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / f"main_{script}.py"), *map(str, args)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or clean_env())
 
 
 def pytest_collection_modifyitems(config, items):
-    """``slow`` tests (minutes on 2 CPU cores) run only with FIXRES_RUN_SLOW=1."""
+    """``slow`` tests (minutes on 2 CPU cores) run only with FIXRES_RUN_SLOW=1 (``.ci/run`` runs them
+    after the README's command: ``FIXRES_RUN_SLOW=1 pytest -q -m slow``)."""
     if os.environ.get("FIXRES_RUN_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow on a 2-core CPU; run with FIXRES_RUN_SLOW=1")

@@ -10,7 +10,8 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import FAST, clean_env, free_port, run_script, start_script
-from fixres_dist import TrainerConfig, Trainer, data, distributed, metrics, models
+from fixres_dist import TrainerConfig, Trainer, data, distributed, engine, models
+from fixres_dist.launch import start_method
 
 
 def _identical_after_step(rank, world, port, data_path, out):
@@ -18,28 +19,23 @@ def _identical_after_step(rank, world, port, data_path, out):
                            dist_url=f"tcp://127.0.0.1:{port}", shared_folder_path=str(out), data_path=str(data_path),
                            batch=8, workers=0, progress=False, dist_timeout=60)
     trainer = Trainer(config)
-    trainer._setup_process_group()
-    trainer._prepare_job_folder()
-    trainer._build_data()
-    torch.manual_seed(1000 + rank)  # different init per rank: DDP must broadcast rank 0's weights
-    trainer._build_model()
-    trainer._prepare_training()
+    trainer.build()  # each rank initialises with seed + rank: DDP must broadcast rank 0's weights
     before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).clone()
     trainer.train_loader.batch_sampler.set_epoch(0)
     images, labels, _ = next(iter(trainer.train_loader))
-    trainer._train_step(images, labels)
+    trainer.train_step(images, labels)
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     gathered = [torch.empty_like(after) for _ in range(world)]
     torch.distributed.all_gather(gathered, after)
     (out / f"rank{rank}.json").write_text(json.dumps({
         "identical": all(torch.equal(g, gathered[0]) for g in gathered),
         "moved": not torch.equal(before, after)}))
-    distributed.destroy_process_group()
+    trainer.close()
 
 
 def test_ranks_hold_identical_parameters_after_one_ddp_step(tiny_data, tmp_path):
     mp.start_processes(_identical_after_step, args=(2, free_port(), tiny_data, tmp_path), nprocs=2,
-                       start_method="spawn")
+                       start_method=start_method())
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"identical": True, "moved": True}
 
@@ -52,7 +48,7 @@ def _evaluate_rank(rank, world, port, data_path, out):
     val = data.image_folder(data_path, "val")
     loader = data.make_loader(val, data.test_transform(32), batch_size=4, world_size=world, rank=rank,
                               shuffle=False, seed=0, workers=0)
-    result = metrics.evaluate(model, loader, torch.device("cpu"))
+    result = engine.evaluate(model, loader, torch.device("cpu"))
     (out / f"w{world}r{rank}.json").write_text(json.dumps(attrs.asdict(result)))
     distributed.destroy_process_group()
 
@@ -64,7 +60,7 @@ def test_exact_evaluation_is_independent_of_world_size(odd_val_data, tmp_path):
             _evaluate_rank(0, 1, 0, odd_val_data, tmp_path)
         else:
             mp.start_processes(_evaluate_rank, args=(world, free_port(), odd_val_data, tmp_path), nprocs=world,
-                               start_method="spawn")
+                               start_method=start_method())
         results[world] = [json.loads((tmp_path / f"w{world}r{r}.json").read_text()) for r in range(world)]
     reference = results[1][0]
     assert reference["images"] == 35

@@ -31,7 +31,7 @@ def test_finetune_trains_exactly_head_and_last_bn(tiny_data, tmp_path):
                            workers=0, progress=False, learning_rate=0.5)
     trainer = Trainer(config)
     result = trainer()
-    assert result["images"] == 30 and result["resolution"] == 48
+    assert result.images == 30 and result.resolution == 48
     after = trainer.model.state_dict()
     changed = {k for k, v in start.state_dict().items() if not torch.equal(v, after[k])}
     assert changed == {"fc.weight", "fc.bias", "layer4.1.bn2.weight", "layer4.1.bn2.bias",

@@ -14,8 +14,9 @@ from PIL import Image
 from torch import nn
 from torchvision import transforms as v1
 
-from conftest import FAST, free_port, run_script, run_two_ranks_and_one
+from conftest import FAST, free_port, run_main, run_script, run_two_ranks_and_one
 from fixres_dist import FixresError, batchnorm, data, distributed, extraction, fixres, models, sweep
+from fixres_dist.launch import main, start_method
 from fixres_dist.checkpoint import load_checkpoint
 
 
@@ -84,7 +85,7 @@ def _synchronised_bn_rank(rank, world, port, out):
 
 
 def test_all_ranks_batchnorm_equals_one_process_on_the_union(tmp_path):
-    mp.start_processes(_synchronised_bn_rank, args=(2, free_port(), tmp_path), nprocs=2, start_method="spawn")
+    mp.start_processes(_synchronised_bn_rank, args=(2, free_port(), tmp_path), nprocs=2, start_method=start_method())
     torch.manual_seed(0)
     x = (torch.randn(8, 3, 5, 5) * 3 + 2).requires_grad_()
     weights = torch.randn(8, 3, 5, 5)
@@ -191,33 +192,24 @@ def test_finetune_auto_sweeps_plots_and_finetunes_at_the_best(tiny_data, scratch
     assert "apparent-object-size estimate" in result.stdout and f"finetuning at {chosen} px" in result.stdout
 
 
-def test_eval_only_sweep_is_exact_on_any_world_size(tiny_data, scratch_checkpoint, tmp_path):
-    tops = {}
+def test_eval_only_sweep_and_features_are_exact_on_any_world_size(tiny_data, scratch_checkpoint, tmp_path):
+    """--eval-only on 1 and 2 ranks: the same sweep, and features in dataset order, each image once."""
+    tops, arrays = {}, {}
     for ranks in (1, 2):
+        out = tmp_path / f"features{ranks}"
         result = run_script("scratch", "--num-tasks", ranks, "--job-id", f"eval{ranks}", "--eval-only",
-                            "--weight-path", scratch_checkpoint, "--test-sizes", "32,48", "--shared-folder-path",
+                            "--weight-path", scratch_checkpoint, "--test-sizes", "32,48", "--test-size", 40,
+                            "--extract-features", out, "--extract-split", "train", "--shared-folder-path",
                             tmp_path, "--data-path", tiny_data, "--workers", 0, "--no-progress", "--batch", 7)
         assert result.returncode == 0, result.stderr[-3000:]
         events = _events(tmp_path / f"eval{ranks}")
         assert not [e for e in events if e["event"] == "train"]
         tops[ranks] = [(e["resolution"], e["top1"], e["images"]) for e in events if e["event"] == "eval"]
         assert not (tmp_path / f"eval{ranks}" / "checkpoint.pth").exists()
-    assert tops[1] == tops[2] and [t[0] for t in tops[1]] == [32, 48] and all(t[2] == 30 for t in tops[1])
-
-
-# ---------------------------------------------------------------------------------- extraction
-def test_features_are_in_dataset_order_once_each_on_any_world_size(tiny_data, scratch_checkpoint, tmp_path):
-    arrays = {}
-    for ranks in (1, 2):
-        out = tmp_path / f"features{ranks}"
-        result = run_script("scratch", "--num-tasks", ranks, "--job-id", f"x{ranks}", "--eval-only",
-                            "--weight-path", scratch_checkpoint, "--test-size", 40, "--extract-features", out,
-                            "--extract-split", "train", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
-                            "--workers", 0, "--no-progress", "--batch", 3)
-        assert result.returncode == 0, result.stderr[-3000:]
         arrays[ranks] = {name: np.load(out / f"{name}.npy") for name in ("logits", "embeddings", "labels")}
         info = json.loads((out / "features.json").read_text())
         assert info["images"] == 80 and info["resolution"] == 40 and info["split"] == "train"
+    assert tops[1] == tops[2] and [t[0] for t in tops[1]] == [32, 48] and all(t[2] == 30 for t in tops[1])
     targets = data.image_folder(tiny_data, "train").targets
     for ranks in (1, 2):
         assert arrays[ranks]["logits"].shape == (80, 10) and arrays[ranks]["embeddings"].shape == (80, 512)
@@ -234,15 +226,17 @@ def test_features_are_in_dataset_order_once_each_on_any_world_size(tiny_data, sc
     np.testing.assert_allclose(arrays[2]["logits"][17], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_extraction_refuses_existing_results_unless_overwrite(tiny_data, scratch_checkpoint, tmp_path):
+def test_extraction_refuses_existing_results_unless_overwrite(tiny_data, scratch_checkpoint, tmp_path, capsys):
     out = tmp_path / "features"
     out.mkdir()
     (out / "logits.npy").write_bytes(b"earlier results")
     args = ["--eval-only", "--weight-path", scratch_checkpoint, "--extract-features", out, "--shared-folder-path",
             tmp_path, "--data-path", tiny_data, "--workers", 0, "--no-progress"]
-    refused = run_script("scratch", "--job-id", "r", *args)
-    assert refused.returncode == 1 and "already holds logits.npy; pass --overwrite" in refused.stderr
-    assert len(refused.stderr.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as refused:  # in this process: preflight refuses before the run
+        main("scratch", ["--job-id", "r", *map(str, args)])
+    err = capsys.readouterr().err.strip()
+    assert refused.value.code == 1 and "already holds logits.npy; pass --overwrite" in err
+    assert len(err.splitlines()) == 1
     assert (out / "logits.npy").read_bytes() == b"earlier results"
     replaced = run_script("scratch", "--job-id", "r2", "--overwrite", *args)
     assert replaced.returncode == 0, replaced.stderr[-3000:]
@@ -278,9 +272,9 @@ def test_extraction_streams_rows_instead_of_gathering_them(tiny_data, tmp_path):
     ("48,6.5", "'6.5' in '48,6.5' is not an integer number of pixels"),
     ("48,,64", "'' in '48,,64' is not an integer number of pixels"),
 ])
-def test_bad_test_sizes_are_refused(sizes, message, tmp_path):
-    result = run_script("scratch", "--test-sizes", sizes, "--shared-folder-path", tmp_path, timeout=60)
-    assert result.returncode == 2 and message in result.stderr and not any(tmp_path.iterdir())
+def test_bad_test_sizes_are_refused(sizes, message, tmp_path, capsys):
+    code, err = run_main(capsys, "scratch", "--test-sizes", sizes, "--shared-folder-path", tmp_path)
+    assert code == 2 and message in err and not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("args, message", [
@@ -289,22 +283,22 @@ def test_bad_test_sizes_are_refused(sizes, message, tmp_path):
     (["--input-size", "auto"], "--input-size auto only applies to main_finetune.py"),
     (["--eval-only"], "--eval-only needs --weight-path"),
 ])
-def test_bad_fixres_options_fail_in_seconds_with_one_line(args, message, tmp_path):
-    result = run_script("scratch", *args, "--shared-folder-path", tmp_path, timeout=60)
-    assert result.returncode == 1 and message in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
+def test_bad_fixres_options_fail_in_seconds_with_one_line(args, message, tmp_path, capsys):
+    code, err = run_main(capsys, "scratch", *args, "--shared-folder-path", tmp_path)
+    assert code == 1 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
 
 
-def test_auto_without_candidates_and_checkpoint_without_head_are_refused(scratch_checkpoint, tmp_path):
-    auto = run_script("finetune", "--weight-path", scratch_checkpoint, "--input-size", "auto",
-                      "--shared-folder-path", tmp_path, timeout=60)
-    assert auto.returncode == 1 and "--input-size auto needs --test-sizes" in auto.stderr
+def test_auto_without_candidates_and_checkpoint_without_head_are_refused(scratch_checkpoint, tmp_path, capsys):
+    code, err = run_main(capsys, "finetune", "--weight-path", scratch_checkpoint, "--input-size", "auto",
+                         "--shared-folder-path", tmp_path)
+    assert code == 1 and "--input-size auto needs --test-sizes" in err
     headless = tmp_path / "headless.pth"
     torch.save({k: v for k, v in load_checkpoint(scratch_checkpoint)["model"].items() if not k.startswith("fc.")},
                headless)
-    result = run_script("finetune", "--weight-path", headless, "--shared-folder-path", tmp_path / "runs", timeout=60)
-    assert result.returncode == 1 and "has no classifier head" in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+    code, err = run_main(capsys, "finetune", "--weight-path", headless, "--shared-folder-path", tmp_path / "runs")
+    assert code == 1 and "has no classifier head" in err, err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_frozen_backbone_runs_as_at_test_time_during_the_finetune():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import time
@@ -12,6 +13,7 @@ import torch
 
 from conftest import clean_env, make_subset, run_script, start_script
 from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from fixres_dist.launch import main
 
 TRAIN = ["--input-size", "32", "--batch", "8", "--epochs", "2", "--workers", "1", "--no-progress"]
 
@@ -123,10 +125,18 @@ def test_sigterm_to_one_separately_started_rank_checkpoints_both(tiny_data, tmp_
     assert state["epoch"] >= 1 and len(state["ranks"]) == 2
 
 
+@pytest.fixture(scope="module")
+def preempted_at_step_2(tiny_data, tmp_path_factory):
+    """A 2-rank job folder preempted at step 2 (checkpoint inside), copied by each test that resumes it."""
+    folder = tmp_path_factory.mktemp("preempted")
+    first = train(folder, tiny_data, "w", fault="signal:rank=0:step=2")
+    assert first.returncode == 3, first.stderr[-3000:]
+    return folder / "w"
+
+
 @pytest.mark.parametrize("world", [1, 3])
-def test_resume_on_another_world_size(tiny_data, tmp_path, world):
-    first = train(tmp_path, tiny_data, "w", fault="signal:rank=0:step=2")
-    assert first.returncode == 3
+def test_resume_on_another_world_size(tiny_data, tmp_path, world, preempted_at_step_2):
+    shutil.copytree(preempted_at_step_2, tmp_path / "w")
     proc = run_script("scratch", "--num-tasks", world, "--job-id", "w", "--shared-folder-path", tmp_path,
                       "--data-path", tiny_data, *TRAIN, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -135,8 +145,10 @@ def test_resume_on_another_world_size(tiny_data, tmp_path, world):
     assert final_model(tmp_path, "w")["config"]["num_tasks"] == world
 
 
-def test_another_configuration_is_refused(tiny_data, tmp_path):
+def test_another_configuration_is_refused_and_files_are_owner_only(tiny_data, tmp_path):
     assert train(tmp_path, tiny_data, "c", "--epochs", 1).returncode == 0
+    assert stat.S_IMODE((tmp_path / "c").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "c" / CHECKPOINT_FILE).stat().st_mode) == 0o600
     files = ("checkpoint.pth", "config.json", "metrics.jsonl")
     before = {name: (tmp_path / "c" / name).read_bytes() for name in files}
     proc = train(tmp_path, tiny_data, "c", "--architecture", "resnet34")
@@ -145,19 +157,13 @@ def test_another_configuration_is_refused(tiny_data, tmp_path):
     assert {name: (tmp_path / "c" / name).read_bytes() for name in files} == before
 
 
-def test_job_folder_and_files_are_owner_only(tiny_data, tmp_path):
-    assert train(tmp_path, tiny_data, "o", "--epochs", 1).returncode == 0
-    assert stat.S_IMODE((tmp_path / "o").stat().st_mode) == 0o700
-    assert stat.S_IMODE((tmp_path / "o" / CHECKPOINT_FILE).stat().st_mode) == 0o600
-
-
 # ------------------------------------------------------------------ hostile inputs
 @pytest.mark.parametrize("content, message", [
     (b"", "is empty (0 bytes)"),
     ("truncated", "truncated or corrupt"),
     ("future", "checkpoint format 99, newer than this fixres_dist reads"),
 ])
-def test_bad_checkpoint_in_job_folder(tiny_data, tmp_path, content, message):
+def test_bad_checkpoint_in_job_folder(tiny_data, tmp_path, content, message, capsys):
     job = tmp_path / "h"
     job.mkdir()
     if content == "truncated":
@@ -168,9 +174,12 @@ def test_bad_checkpoint_in_job_folder(tiny_data, tmp_path, content, message):
         save_checkpoint(job, {"model": {}, "format_version": 99}, 1)
         content = (job / CHECKPOINT_FILE).read_bytes()
     (job / CHECKPOINT_FILE).write_bytes(content)
-    proc = train(tmp_path, tiny_data, "h")
-    assert proc.returncode == 1
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    with pytest.raises(SystemExit) as exit_info:  # in this process: preflight refuses before spawning
+        main("scratch", ["--num-tasks", "2", "--job-id", "h", "--shared-folder-path", str(tmp_path),
+                         "--data-path", str(tiny_data), *TRAIN])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 1 and len(err.splitlines()) == 1
+    assert message in err and err.startswith("fixres_dist: rank 0:")
     assert (job / CHECKPOINT_FILE).read_bytes() == content
 
 
@@ -200,9 +209,10 @@ def test_unreadable_image_is_named_or_skipped(tmp_path, bad):
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])
-def test_ckpt_every_must_be_positive(tmp_path, value):
-    proc = run_script("scratch", "--ckpt-every", value, "--shared-folder-path", tmp_path / "s", timeout=60)
-    assert proc.returncode == 1 and "--ckpt-every must be > 0" in proc.stderr
+def test_ckpt_every_must_be_positive(tmp_path, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main("scratch", ["--ckpt-every", value, "--shared-folder-path", str(tmp_path / "s")])
+    assert exit_info.value.code == 1 and "--ckpt-every must be > 0" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
 
 

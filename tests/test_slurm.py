@@ -1,12 +1,13 @@
 """Against a real SLURM (slurm/start-local-slurm.sh): submitit and sbatch jobs of 2 CPU tasks (gloo).
 
-A submitit job trains then finetunes and both ranks report; the sbatch + srun templates do the same;
+A submitit job trains then finetunes and both ranks report; the sbatch template does the same, with
+the same requeue protocol;
 SLURM's warning signal mid-training requeues a job that resumes to the same parameters as an
 uninterrupted run; a rank that raises fails the job at once, with its error in its log; the job-array
 sweep gives one row per resolution; bad requests are refused in seconds. Every test uses fresh
 folders (SLURM job ids restart at 1 when the cluster's state is wiped, and submitit would find an
-old result pickle), a small warning delay (``--signal-delay-s 10``) and polls states instead of
-asserting once (sacct lags the queue).
+old result pickle), a small warning delay (``--signal-delay-s 10``) and polls states (every second,
+``--poll-s 1``) instead of asserting once (sacct lags the queue).
 
 Skipped, with the reason, only where no SLURM can be started: no SLURM commands, not root, or the
 start script fails. When the cluster is not up, the tests start it with slurm/start-local-slurm.sh
@@ -21,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,10 +32,14 @@ import pytest
 import torch
 
 from conftest import ROOT
-from fixres_dist import slurm
+from fixres_dist import FixresError, TrainerConfig
 from fixres_dist.checkpoint import load_checkpoint
+from fixres_dist.cluster import cli, inventory, monitor, submission, task
+from fixres_dist.cluster.inventory import Node, Partition
+from fixres_dist.cluster.request import SlurmRequest
 
-CLUSTER = ["--tasks-per-node", "2", "--timeout-min", "5", "--signal-delay-s", "10"]
+CLUSTER = ["--tasks-per-node", "2", "--timeout-min", "5", "--signal-delay-s", "10", "--poll-s", "1"]
+POLL_S = 1.0
 START, STOP = ROOT / "slurm" / "start-local-slurm.sh", ROOT / "slurm" / "stop-local-slurm.sh"
 
 
@@ -87,10 +93,18 @@ def in_process(main, *args) -> tuple[int, str, str]:
 
 
 def wait_gone(job_id: str, timeout: float = 240) -> list:
-    """Poll squeue until the job has left the queue; returns the state changes (G3: poll, don't assert once)."""
-    watched = slurm.watch(job_id, timeout=timeout)
-    assert not slurm.squeue_states(job_id), f"job {job_id} still queued after {timeout} s: {watched['events']}"
-    return watched["events"]
+    """Follow the job's state until it has finished; returns the state changes (G3: poll, don't assert once)."""
+    watched = monitor.watch([job_id], timeout=timeout, poll_s=POLL_S)
+    state = watched.states.get(job_id, "UNKNOWN")
+    assert state.split()[0] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "UNKNOWN"), \
+        f"job {job_id} not finished after {timeout} s: {watched.events}"
+    return watched.events
+
+
+def submit_job(mode: str, request: SlurmRequest, argv: list) -> tuple:
+    """What slurm/submit.py does, from Python: a template from main_*.py options, then submit()."""
+    config = cli.config_from_argv(mode, [str(a) for a in argv], request.num_tasks)
+    return submission.submit(config, request)
 
 
 def sacct_states(job_id: str) -> list[str]:
@@ -129,7 +143,7 @@ def scratch_job(cluster, tiny_data, tmp_path_factory):
 
     Also the uninterrupted reference run of the requeue test (same flags)."""
     shared = tmp_path_factory.mktemp("slurm-shared")
-    status, stdout, stderr = in_process(slurm.submit_main, "scratch", *CLUSTER, "--wait", "--",
+    status, stdout, stderr = in_process(cli.submit_main, "scratch", *CLUSTER, "--wait", "--",
                                         *scratch_flags(tiny_data, shared))
     assert status == 0, stdout + stderr
     job_id = re.search(r"submitted SLURM job (\d+)", stdout).group(1)
@@ -145,10 +159,10 @@ def test_submitit_job_trains_then_finetunes_with_two_ranks(scratch_job, tiny_dat
     assert checkpoint["config"]["num_tasks"] == 2 and checkpoint["config"]["job_id"] == job_id
     assert checkpoint["config"]["dist_url"].endswith(f"/{job_id}/rendezvous-0.json")
 
-    request = slurm.SlurmRequest(tasks_per_node=2, timeout_min=5, signal_delay_s=10)
-    job, config, request = slurm.submit("finetune", request, [
-        "--data-path", str(tiny_data), "--shared-folder-path", str(shared),
-        "--weight-path", str(shared / job_id / "checkpoint.pth"), "--input-size", "48", "--batch", "8",
+    request = SlurmRequest(tasks_per_node=2, timeout_min=5, signal_delay_s=10)
+    job, config, request = submit_job("finetune", request, [
+        "--data-path", tiny_data, "--shared-folder-path", shared,
+        "--weight-path", shared / job_id / "checkpoint.pth", "--input-size", "48", "--batch", "8",
         "--epochs", "1", "--workers", "0", "--no-progress"])
     results = job.results()
     assert sorted(r["rank"] for r in results) == [0, 1]
@@ -160,9 +174,9 @@ def test_submitit_job_trains_then_finetunes_with_two_ranks(scratch_job, tiny_dat
     assert wait_for(lambda: sacct_states(job.job_id) == ["COMPLETED"], 15, "sacct COMPLETED")
 
 
-def test_sbatch_srun_templates_train_then_finetune_with_two_tasks_and_requeue(cluster, tiny_data, tmp_path):
-    """scratch.sbatch gets the warning signal mid-training: its ranks checkpoint and exit with status 3,
-    the script requeues the job, which resumes; finetune.sbatch then runs after it (afterok)."""
+def test_sbatch_template_trains_then_finetunes_with_two_tasks_and_requeues(cluster, tiny_data, tmp_path):
+    """job.sbatch main_scratch.py gets the warning signal mid-training: its ranks checkpoint, rank 0
+    requeues the job, which resumes; job.sbatch main_finetune.py then runs after it (afterok)."""
     shared = tmp_path / "shared"
     shared.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -174,11 +188,12 @@ def test_sbatch_srun_templates_train_then_finetune_with_two_tasks_and_requeue(cl
         assert out.returncode == 0, out.stderr
         return out.stdout.strip().split(";")[0]
 
-    scratch = sbatch(ROOT / "slurm" / "scratch.sbatch", "--data-path", tiny_data, "--shared-folder-path", shared,
+    template = ROOT / "slurm" / "job.sbatch"
+    scratch = sbatch("--job-name", "fixres-scratch", template, "main_scratch.py", "--data-path", tiny_data, "--shared-folder-path", shared,
                      "--input-size", "32", "--batch", "8", "--epochs", "2", "--ckpt-every", "2", "--workers", "0",
                      "--no-progress")
-    finetune = sbatch(f"--dependency=afterok:{scratch}", ROOT / "slurm" / "finetune.sbatch",
-                      "--data-path", tiny_data, "--shared-folder-path", shared,
+    finetune = sbatch("--job-name", "fixres-finetune", f"--dependency=afterok:{scratch}", template,
+                      "main_finetune.py", "--data-path", tiny_data, "--shared-folder-path", shared,
                       "--weight-path", shared / scratch / "checkpoint.pth", "--input-size", "48",
                       "--batch", "8", "--epochs", "1", "--workers", "0", "--no-progress")
     wait_for(lambda: list((shared / scratch).glob("checkpoint-*.pth")), 240, "the first periodic checkpoint")
@@ -189,13 +204,14 @@ def test_sbatch_srun_templates_train_then_finetune_with_two_tasks_and_requeue(cl
             for job_id, name in ((scratch, "scratch"), (finetune, "finetune"))}
     assert wait_for(lambda: sacct_states(scratch) == ["REQUEUED", "COMPLETED"], 15, "scratch requeued"), logs
     assert wait_for(lambda: sacct_states(finetune) == ["COMPLETED"], 15, "finetune COMPLETED"), logs
-    assert f"job {scratch} preempted, checkpoint written; requeueing" in logs["scratch"]
+    assert f"job {scratch} preempted, checkpoint written; requeueing (restart 1 of at most 3)" in logs["scratch"]
     assert re.search(rf"job {scratch} restart 1: .*\n(.*\n)*resumed from ", logs["scratch"]), logs["scratch"]
     node = os.uname().nodename.split(".")[0]
-    for job_id, name in ((scratch, "scratch"), (finetune, "finetune")):
-        assert f"2 task(s) on {node} --dist-url tcp://" in logs[name], logs[name]  # master from the node list
+    for job_id, name, restart in ((scratch, "scratch", 1), (finetune, "finetune", 0)):
+        assert f"2 task(s) on {node}: main_{name}.py" in logs[name], logs[name]
         config = json.loads((shared / job_id / "config.json").read_text())
-        assert config["num_tasks"] == 2 and config["job_id"] == job_id and config["dist_url"].startswith("tcp://")
+        assert config["num_tasks"] == 2 and config["job_id"] == job_id
+        assert config["dist_url"] == f"file://{shared}/{job_id}/rendezvous-{restart}.json"  # the published file
         evals = [e for e in read_events(shared / job_id) if e["event"] == "eval"]
         assert evals and evals[-1]["images"] == 30
     assert "test resolution, FixRes finetuned" in logs["finetune"]
@@ -206,8 +222,8 @@ def test_sbatch_srun_templates_train_then_finetune_with_two_tasks_and_requeue(cl
 
 def test_warning_signal_requeues_and_the_job_resumes_to_the_same_parameters(scratch_job, tiny_data):
     shared, reference, _ = scratch_job  # the same flags, never interrupted
-    request = slurm.SlurmRequest(tasks_per_node=2, timeout_min=5, signal_delay_s=10)
-    job, _, _ = slurm.submit("scratch", request, scratch_flags(tiny_data, shared))
+    request = SlurmRequest(tasks_per_node=2, timeout_min=5, signal_delay_s=10)
+    job, _, _ = submit_job("scratch", request, scratch_flags(tiny_data, shared))
     folder = shared / job.job_id
 
     # mid-epoch: once the first periodic checkpoint (step 2 of the 5 in an epoch) is on disk
@@ -222,11 +238,12 @@ def test_warning_signal_requeues_and_the_job_resumes_to_the_same_parameters(scra
         runs = log_file.read_text().split("Starting with JobEnvironment") if log_file.exists() else []
         return runs[2] if len(runs) >= 3 else ""
 
-    watcher = concurrent.futures.ThreadPoolExecutor(1).submit(slurm.watch, job.job_id, None, signalled, 300)
+    watcher = concurrent.futures.ThreadPoolExecutor(1).submit(monitor.watch, [job.job_id], None, signalled, 300,
+                                                              POLL_S)
     resumed = wait_for(lambda: re.search(r"resum", requeued_run_log(), re.I) or watcher.done(), 240,
                        "the requeued run")
     resumed_after = time.time() - signalled
-    events = watcher.result(timeout=300)["events"]
+    events = watcher.result(timeout=300).events
     results = job.results()
     assert all(r["restart"] == 1 for r in results), results  # the result comes from the requeued run
     assert wait_for(lambda: sacct_states(job.job_id)[-2:] == ["REQUEUED", "COMPLETED"], 15, "sacct REQUEUED")
@@ -260,14 +277,18 @@ def test_a_rank_that_raises_fails_the_job_quickly_with_the_error_in_its_log(clus
     assert f"rank 1: RuntimeError: injected fault at step 2 (log: {shared}/{job_id}/logs/{job_id}_1_log.err)" in line
     err = (shared / job_id / "logs" / f"{job_id}_1_log.err").read_text()
     assert "fixres_dist: rank 1: RuntimeError: injected fault" in err
-    assert elapsed < 120, f"took {elapsed:.0f} s (time limit 300 s, distributed timeout 300 s)"
+    # from submission to the report (not counting this second Python's start-up, which load slows)
+    after_submission = time.time() - (shared / job_id / "logs" / f"{job_id}_submitted.pkl").stat().st_mtime
+    assert after_submission < 120, \
+        f"took {after_submission:.0f} s after submission, {elapsed:.0f} s in all (time limit and distributed timeout 300 s)"
     assert sacct_states(job_id)[-1] == "FAILED"
 
 
 def test_job_array_sweep_gives_one_result_per_resolution(scratch_job, tiny_data):
     shared, job_id, _ = scratch_job
     status, stdout, stderr = in_process(
-        slurm.sweep_main, "--resolutions", "32,40,48", "--timeout-min", "5", "--signal-delay-s", "10", "--",
+        cli.sweep_main, "--resolutions", "32,40,48", "--timeout-min", "5", "--signal-delay-s", "10", "--poll-s", "1",
+        "--",
         "--weight-path", shared / job_id / "checkpoint.pth", "--data-path", tiny_data,
         "--shared-folder-path", shared, "--batch", "8", "--workers", "0", "--no-progress")
     assert status == 0, stdout + stderr
@@ -318,7 +339,7 @@ def test_bad_requests_are_refused_in_seconds(cluster, tiny_data, tmp_path, reque
     if "--shared-folder-path" not in main_args:
         main_args += ["--shared-folder-path", str(tmp_path)]
     started = time.time()
-    status = slurm.submit_main(["scratch", *cluster_args, "--", "--data-path", str(tiny_data), *main_args])
+    status = cli.submit_main(["scratch", *cluster_args, "--", "--data-path", str(tiny_data), *main_args])
     elapsed = time.time() - started
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 1 and len(err) == 1 and err[0].startswith("fixres_dist: submit: "), err
@@ -332,26 +353,26 @@ def test_bad_requests_are_refused_in_seconds(cluster, tiny_data, tmp_path, reque
                                            ("2:00:00", 120), ("1-00:00:00", 1440), ("2-12", 3600),
                                            ("1-01:30", 1530)])
 def test_slurm_time_limits_parse(text, minutes):
-    assert slurm.parse_time_limit(text) == minutes
+    assert inventory.parse_time_limit(text) == minutes
 
 
 @pytest.mark.parametrize("gres, gpus", [("(null)", 0), ("gpu:8", 8), ("gpu:a100:4(S:0-1)", 4),
                                         ("gpu:a100:4,gpu:v100:2", 6), ("shard:8,gpu:2", 2)])
 def test_sinfo_gres_gives_the_gpu_count(gres, gpus):
-    assert slurm.parse_gpus(gres) == gpus
+    assert inventory.parse_gpus(gres) == gpus
 
 
 GPU_CLUSTER = {
-    "gpu": slurm.Partition("gpu", True, True, 72 * 60, (
-        slurm.Node("g1", 80, 512000, 8, "idle"), slurm.Node("g2", 80, 512000, 8, "mixed"),
-        slurm.Node("g3", 80, 512000, 8, "drained"))),
-    "cpu": slurm.Partition("cpu", False, True, None, (slurm.Node("c1", 32, 64000, 0, "idle"),)),
+    "gpu": Partition("gpu", True, True, 72 * 60, (
+        Node("g1", 80, 512000, 8, "idle"), Node("g2", 80, 512000, 8, "mixed"),
+        Node("g3", 80, 512000, 8, "drained"))),
+    "cpu": Partition("cpu", False, True, None, (Node("c1", 32, 64000, 0, "idle"),)),
 }
 
 
 def test_a_gpu_request_gets_one_task_per_gpu_and_the_cpus_shared_out():
-    checked = slurm.check_request(slurm.SlurmRequest(nodes=2, gpus_per_node=8, timeout_min=60), GPU_CLUSTER)
-    assert (checked.partition, checked.tasks, checked.cpus_per_task) == ("gpu", 8, 10)
+    checked = inventory.check_request(SlurmRequest(nodes=2, gpus_per_node=8, timeout_min=60), GPU_CLUSTER)
+    assert (checked.partition, checked.tasks, checked.cpus_per_task, checked.num_tasks) == ("gpu", 8, 10, 16)
 
 
 @pytest.mark.parametrize("request_fields, message", [
@@ -361,20 +382,68 @@ def test_a_gpu_request_gets_one_task_per_gpu_and_the_cpus_shared_out():
     ({"timeout_min": 73 * 60}, "exceeds the time limit of partition 'gpu' (4320 minutes)"),
     ({"timeout_min": 2, "signal_delay_s": 120}, "use --timeout-min >= 3 or a smaller --signal-delay-s"),
     ({"partition": "a100"}, "partition 'a100' does not exist (partitions: gpu, cpu)"),
+    ({"nodes": 0}, "--nodes must be >= 1, got 0"),
+    ({"gpus_per_node": -1}, "--gpus-per-node must be >= 0, got -1"),
+    ({"mem_gb": 0}, "--mem-gb must be > 0, got 0"),
+    ({"max_requeues": -1}, "--max-requeues must be >= 0, got -1"),
 ])
 def test_impossible_requests_are_refused_against_the_partition(request_fields, message):
-    with pytest.raises(slurm.FixresError, match=re.escape(message)):
-        slurm.check_request(slurm.SlurmRequest(**{"timeout_min": 60, **request_fields}), GPU_CLUSTER)
+    with pytest.raises(FixresError, match=re.escape(message)) as raised:
+        inventory.check_request(SlurmRequest(**{"timeout_min": 60, **request_fields}), GPU_CLUSTER)
+    assert "\n" not in str(raised.value)
 
 
 def test_each_restart_of_a_job_meets_at_its_own_rendezvous_file(tmp_path):
-    from fixres_dist import TrainerConfig
-
     template = TrainerConfig(num_tasks=4, shared_folder_path=str(tmp_path))
-    first = slurm.task_config(template, "1234", 3, 1, 4, restart=0)
-    again = slurm.task_config(template, "1234", 3, 1, 4, restart=1)
+    first = task.task_config(template, task.TaskPlace("1234", 3, 1, 4, restart=0))
+    again = task.task_config(template, task.TaskPlace("1234", 3, 1, 4, restart=1))
     assert (again.global_rank, again.local_rank, again.num_tasks, again.job_id) == (3, 1, 4, "1234")
     assert first.dist_url == f"file://{tmp_path}/1234/rendezvous-0.json"
     assert again.dist_url == f"file://{tmp_path}/1234/rendezvous-1.json"
-    with pytest.raises(slurm.FixresError, match="SLURM started 2 tasks but the job was submitted for 4"):
-        slurm.task_config(template, "1234", 0, 0, 2, restart=0)
+    with pytest.raises(FixresError, match="SLURM started 2 tasks but the job was submitted for 4"):
+        task.task_config(template, task.TaskPlace("1234", 0, 0, 2, restart=0))
+
+
+def test_the_job_template_takes_device_defaults_from_the_configuration(tmp_path):
+    """The submitter only says where the job runs; backend, precision and layout follow from the config."""
+    gpu = cli.config_from_argv("scratch", ["--shared-folder-path", str(tmp_path)], 16, device="cuda")
+    cpu = cli.config_from_argv("scratch", ["--shared-folder-path", str(tmp_path)], 2, device="cpu")
+    assert (gpu.device, gpu.dist_backend, gpu.amp, gpu.channels_last) == ("cuda", "nccl", "bf16", True)
+    assert (cpu.device, cpu.dist_backend, cpu.amp, cpu.channels_last) == ("cpu", "gloo", "off", False)
+    assert gpu.preempt_signal == "SIGUSR2" and gpu.num_tasks == 16
+    with pytest.raises(FixresError, match="--job-id, --dist-url: SLURM sets the ranks"):
+        cli.config_from_argv("scratch", ["--job-id", "x", "--dist-url", "env://"], 2)
+
+
+def test_a_failed_task_is_reported_by_its_one_line_cause():
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    trace = ("Traceback (most recent call last):\n  ...\nRuntimeError: injected fault at step 2\n\nThe above "
+             "exception was the direct cause of the following exception:\n\n  ...\n"
+             "fixres_dist.cluster.task.TaskFailed: RuntimeError: injected fault at step 2\n")
+    assert monitor.failure_cause(FailedJobError(f"Job failed with trace:\n{trace}see the logs")) == \
+        (True, "RuntimeError: injected fault at step 2")
+    raised, cause = monitor.failure_cause(UncompletedJobError("Job 7 (task: 1) with path x\nhas not produced any output"))
+    assert not raised and cause.startswith("ended without a result")
+
+
+@pytest.mark.parametrize("signum, restart, expected", [
+    (signal.SIGUSR2, 3, "not requeued: requeued 3 time(s) already (max 3); run the job again to resume"),
+    (signal.SIGTERM, 0, 3),  # scancel or SLURM's own preemption: stop with status 3, SLURM decides
+    (signal.SIGUSR2, 0, ["scontrol", "requeue", "77"]),
+])
+def test_after_a_preemption_checkpoint_rank_0_requeues_only_on_the_warning_signal(monkeypatch, signum, restart,
+                                                                                  expected):
+    ran = []
+    monkeypatch.setattr(task, "run_command", lambda cmd, timeout=15: ran.append(cmd))
+    stops = task._StopSignals(0, signal.SIGUSR2)
+    stops.on_signal(signum, None)  # what the Trainer does after its checkpoint: records, does not raise
+    config = TrainerConfig(num_tasks=2, job_id="77")
+    if isinstance(expected, str):
+        with pytest.raises(task.TaskFailed, match=re.escape(expected)):
+            task._after_preemption(config, stops, restart, max_requeues=3)
+    else:
+        with pytest.raises(SystemExit) as exited:
+            task._after_preemption(config, stops, restart, max_requeues=3)
+        assert exited.value.code == 3
+    assert ran == ([expected] if isinstance(expected, list) else [])

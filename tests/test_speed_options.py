@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from conftest import FAST, run_script, run_two_ranks_and_one
-from fixres_dist import FixresError, distributed
+from conftest import FAST, run_main, run_script, run_two_ranks_and_one
+from fixres_dist import FixresError, placement
 from fixres_dist.checkpoint import load_checkpoint
 
 
@@ -88,26 +88,26 @@ def test_compile_with_inductor_on_cpu(tiny_data, tmp_path):
     (["--amp", "fp16", "--device", "cpu"], "--amp fp16 needs --device cuda"),
     (["--compile", "no_such_backend"], "--compile 'no_such_backend' is not a torch.compile backend; known: "),
 ])
-def test_bad_speed_options_fail_in_seconds_with_one_line(args, message, tmp_path):
-    result = run_script("scratch", *args, "--shared-folder-path", tmp_path, timeout=60)
-    assert result.returncode == 1 and message in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
+def test_bad_speed_options_fail_in_seconds_with_one_line(args, message, tmp_path, capsys):
+    code, err = run_main(capsys, "scratch", *args, "--shared-folder-path", tmp_path)
+    assert code == 1 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and not any(tmp_path.iterdir())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
-def test_cuda_without_a_gpu_is_refused(tmp_path):
-    result = run_script("scratch", "--device", "cuda", "--shared-folder-path", tmp_path, timeout=60)
-    assert result.returncode == 1 and "--device cuda but no CUDA GPU is visible" in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+def test_cuda_without_a_gpu_is_refused(tmp_path, capsys):
+    code, err = run_main(capsys, "scratch", "--device", "cuda", "--shared-folder-path", tmp_path)
+    assert code == 1 and "--device cuda but no CUDA GPU is visible" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_gpu_choice_respects_a_launcher_narrowing_cuda_visible_devices():
     if torch.cuda.device_count() == 0:
         with pytest.raises(FixresError, match="no CUDA GPU is visible"):
-            distributed.cuda_device(1, {"CUDA_VISIBLE_DEVICES": "3"})
+            placement.cuda_device(1, {"CUDA_VISIBLE_DEVICES": "3"})
         return
-    assert distributed.cuda_device(0, {}) == torch.device("cuda", 0)
+    assert placement.cuda_device(0, {}) == torch.device("cuda", 0)
     if torch.cuda.device_count() == 1:
-        assert distributed.cuda_device(3, {"CUDA_VISIBLE_DEVICES": "5"}) == torch.device("cuda", 0)
+        assert placement.cuda_device(3, {"CUDA_VISIBLE_DEVICES": "5"}) == torch.device("cuda", 0)
         with pytest.raises(FixresError, match="local rank 1 has no GPU: 1 visible"):
-            distributed.cuda_device(1, {})
+            placement.cuda_device(1, {})

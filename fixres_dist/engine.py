@@ -1,0 +1,205 @@
+"""The training and evaluation loops, as functions of explicit arguments (no Trainer state).
+
+* :func:`train_step`: one optimizer step on this rank's share of a global batch;
+* :func:`train_one_epoch`: the steps of one epoch (or of its rest, after a mid-epoch resume),
+  with the caller's hooks for the learning rate and for what happens after each step;
+* :func:`evaluate`: exact top-1/top-5 over every validation image once, whatever the world size;
+* :func:`parameter_groups`: weight decay for weights, ``norm_weight_decay`` for norms and biases;
+* :func:`scaled_learning_rate`, :func:`warmup_cosine`: the learning rate and its schedule.
+
+Evaluation counts every validation image exactly once: each rank runs the *unwrapped* model on its
+share (an :class:`~fixres_dist.samplers.ExactBatchSampler` without shuffling; no padding
+duplicates), then per-rank sums (top-1 hits, top-5 hits, summed loss, image count) are
+all-reduced in float64. Top-1/top-5 are percentages of the images counted.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import distributed
+from .data import to_device
+from .fixres import NORM_TYPES, eval_mode
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
+REFERENCE_BATCH = 256  # --learning-rate is per this many images
+
+
+def scaled_learning_rate(base_lr: float, batch_per_rank: int, num_tasks: int) -> float:
+    """Linear scaling rule: ``base_lr x (batch_per_rank x num_tasks) / 256``.
+
+    ``base_lr`` is the rate for a global batch of 256 images (Goyal et al., "Accurate, Large
+    Minibatch SGD: Training ImageNet in 1 Hour", arXiv 1706.02677, section 2.1).
+    """
+    return base_lr * batch_per_rank * num_tasks / REFERENCE_BATCH
+
+
+def warmup_cosine(progress: float, epochs: int, warmup_epochs: float) -> float:
+    """LR factor at ``progress`` epochs: linear warmup (Goyal et al., section 2.2), then half a cosine.
+
+    A function of progress in epochs (not of a step count), so that it is unchanged when a run
+    resumes on another world size.
+    """
+    if progress < warmup_epochs:
+        return progress / warmup_epochs
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup_epochs) / max(1e-12, epochs - warmup_epochs))))
+
+
+def autocast(device: torch.device, amp: torch.dtype | None):
+    """Mixed precision for ``amp`` (``torch.bfloat16``/``torch.float16``) on ``device``; a no-op for None."""
+    if amp is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=amp)
+
+
+def parameter_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float) -> list[dict]:
+    """The trainable parameters of ``model`` as SGD groups: weights get ``weight_decay``, the
+    parameters of normalisation layers and every bias get ``norm_weight_decay``.
+
+    Decaying a BatchNorm scale or a bias towards zero does not regularise the function a network
+    computes the way a decayed weight does (the next normalisation undoes the scale), so common
+    recipes exempt them (``--norm-weight-decay 0``). Groups without parameters are left out.
+    """
+    norm_params = {id(p) for m in model.modules() if isinstance(m, NORM_TYPES) for p in m.parameters(recurse=False)}
+    weights, others = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            exempt = id(param) in norm_params or name.rsplit(".", 1)[-1] == "bias"
+            (others if exempt else weights).append(param)
+    groups = [{"params": weights, "weight_decay": weight_decay},
+              {"params": others, "weight_decay": norm_weight_decay}]
+    return [g for g in groups if g["params"]]
+
+
+def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               images: torch.Tensor, labels: torch.Tensor, *, device: torch.device, world: int,
+               global_batch: int | None = None, amp: torch.dtype | None = None, channels_last: bool = False,
+               label_smoothing: float = 0.0) -> torch.Tensor:
+    """One optimizer step on this rank's uint8 (B, 3, H, W) share of a global batch.
+
+    The loss is the mean over the *global* batch (``global_batch`` images on all ``world`` ranks;
+    default B x world): this rank's summed cross-entropy x world / global batch, which DDP's gradient
+    averaging turns into exactly the gradient of one process on the whole batch, even when the last
+    batch is split unevenly. ``forward`` is the (DDP-wrapped, maybe compiled) model. Returns the
+    detached *summed* loss of this rank's images.
+    """
+    images = to_device(images, device, channels_last)
+    labels = labels.to(device, non_blocking=True)
+    with autocast(device, amp):
+        logits = forward(images)
+    loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum", label_smoothing=label_smoothing)
+    loss = loss_sum * (world / (global_batch or labels.numel() * world))
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()  # fp16: scaled against underflow; otherwise as is
+    scaler.step(optimizer)
+    scaler.update()
+    return loss_sum.detach()
+
+
+class EpochMeter:
+    """This rank's summed loss, images and unreadable images of the epoch so far.
+
+    The loss sum stays on the device (no host sync per step); the counts are host integers.
+    ``start`` holds the totals before a mid-epoch stop (rank 0 carries them across a resume).
+    """
+
+    def __init__(self, device: torch.device, start=(0.0, 0.0, 0.0)):
+        self.device = device
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device) + \
+            torch.tensor(start, dtype=torch.float64, device=device)
+        self.counts = [0, 0]  # images, unreadable images
+
+    def add(self, loss_sum: torch.Tensor, images: int, skipped: int) -> None:
+        self.sums[0] += loss_sum.double()
+        self.counts[0] += images
+        self.counts[1] += skipped
+
+    def totals(self) -> torch.Tensor:
+        """(summed loss, images, unreadable images), float64 on the device."""
+        counts = torch.tensor(self.counts, dtype=torch.float64, device=self.device)
+        return self.sums + torch.cat([torch.zeros(1, dtype=torch.float64, device=self.device), counts])
+
+
+@attrs.frozen
+class EpochResult:
+    """An epoch over all ranks: mean loss (nats), images trained on, unreadable images skipped, speed."""
+
+    loss: float
+    images: int
+    skipped: int
+    img_per_s: float
+
+
+def train_one_epoch(step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], loader,
+                    meter: EpochMeter, *, epoch: int, start_image: int,
+                    set_progress: Callable[[float], None], after_step: Callable[[int], None],
+                    progress_bar=None) -> EpochResult:
+    """Train over ``loader`` (an ExactBatchSampler loader) from image ``start_image`` of ``epoch``.
+
+    Before each step ``set_progress(epochs done, as a float)`` (the LR schedule); ``step(images,
+    labels, global batch)`` returns the summed loss; then ``after_step(images done in the epoch)``
+    (periodic checkpoints, stop agreement). Returns the epoch's totals over all ranks.
+    """
+    sampler = loader.batch_sampler
+    sampler.set_epoch(epoch, skip=start_image)
+    global_batches = sampler.global_batch_sizes()
+    dataset_size = sampler.dataset_size
+    done, images_seen = start_image, 0
+    start = time.perf_counter()
+    for index, (images, labels, skipped) in enumerate(loader):
+        set_progress(epoch + done / dataset_size)
+        loss = step(images, labels, global_batches[index])
+        meter.add(loss, labels.numel(), skipped)
+        images_seen += labels.numel()
+        now = sampler.images_done(index + 1)
+        if progress_bar is not None:
+            progress_bar.update(now - done)
+            if index % 20 == 0:
+                progress_bar.set_postfix(loss=f"{loss.item() / labels.numel():.3f}")
+        done = now
+        after_step(done)
+    seconds = time.perf_counter() - start
+    seen = torch.tensor([float(images_seen)], dtype=torch.float64, device=meter.device)  # by this process
+    loss_sum, images, skipped, seen = distributed.all_reduce_sum(torch.cat([meter.totals(), seen])).tolist()
+    return EpochResult(loss_sum / max(images, 1), int(images), int(skipped), seen / seconds)
+
+
+@attrs.frozen
+class EvalResult:
+    """Top-1 and top-5 in percent, mean cross-entropy loss (nats), number of distinct images."""
+
+    top1: float
+    top5: float
+    loss: float
+    images: int
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | None = None,
+             channels_last: bool = False) -> EvalResult:
+    """Evaluate ``model`` (unwrapped, put in eval mode) on this rank's share and reduce over ranks.
+
+    ``amp``: autocast dtype (``torch.bfloat16``/``torch.float16``) or None; the sums are float64.
+    """
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # top1 hits, top5 hits, loss sum, count
+    with eval_mode(model):
+        for images, labels, _skipped in loader:
+            images = to_device(images, device, channels_last)
+            labels = labels.to(device, non_blocking=True)
+            with autocast(device, amp):
+                logits = model(images).float()
+            k = min(5, logits.shape[1])
+            hits = logits.topk(k, dim=1).indices.eq(labels[:, None])
+            sums += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(),
+                                 F.cross_entropy(logits, labels, reduction="sum"),
+                                 torch.tensor(labels.numel(), device=device)]).double()
+    top1, top5, loss, count = distributed.all_reduce_sum(sums).tolist()
+    count = max(count, 1)
+    return EvalResult(100 * top1 / count, 100 * top5 / count, loss / count, int(count))

@@ -1,0 +1,96 @@
+"""Files a run writes and reads: one atomic, owner-only writer and one safe loader.
+
+:func:`write_private` is the only way this package writes a result file: the content goes to a
+temporary file in the same folder (mode 0600), is fsynced, renamed over the target and the folder is
+fsynced, so a reader sees the complete old or the complete new file, never a partial one, whatever
+stops the writer. :func:`safe_load` reads PyTorch files with ``weights_only=True``: nothing in them
+is executed, and every failure is one :class:`FixresError` line.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+import torch
+
+from .errors import FixresError
+
+TEMP_SUFFIX = ".tmp"
+
+
+def temporary_name(path: Path) -> Path:
+    """The hidden temporary sibling of ``path`` that :func:`write_private` writes first."""
+    return path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+
+
+def fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_private(path: str | Path, content: str | bytes | Callable[[BinaryIO], None]) -> Path:
+    """Write ``content`` to ``path`` atomically, readable by the owner only; returns ``path``.
+
+    ``content`` is text (UTF-8), bytes, or a function that writes into the open binary file (e.g.
+    ``lambda f: torch.save(state, f)``). Raises ``OSError`` (full or read-only disk) after removing
+    the temporary file; the previous ``path``, if any, is left as it was.
+    """
+    path = Path(path)
+    tmp = temporary_name(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode() if isinstance(content, str) else content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_folder(path.parent)
+    return path
+
+
+def remove_stale_temporaries(folder: Path, pattern: str = "*") -> None:
+    """Delete temporary files a killed writer left in ``folder`` (names from :func:`temporary_name`)."""
+    for stale in Path(folder).glob(f".{pattern}{TEMP_SUFFIX}"):
+        stale.unlink(missing_ok=True)
+
+
+def make_private_folder(folder: Path) -> None:
+    """Create ``folder`` (and parents) and make it owner-only; FixresError if that is impossible."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(folder, 0o700)
+    except OSError as exc:
+        raise FixresError(f"cannot use job folder {folder}: {exc.strerror or exc}") from None
+
+
+def safe_load(path: str | Path, what: str):
+    """``torch.load(path, weights_only=True)`` with one-line FixresErrors; never runs code from the file."""
+    path = Path(path)
+    if not path.exists():
+        raise FixresError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise FixresError(f"{what} {path} is not a file")
+    if path.stat().st_size == 0:
+        raise FixresError(f"{what} {path} is empty (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise FixresError(f"refused {what} {path}: it holds Python objects other than tensors and plain "
+                          "data (not loaded; nothing in it was executed)") from None
+    except Exception as exc:  # torch raises many types for corrupt files; we report them all the same way
+        raise FixresError(f"cannot read {what} {path}: not a complete PyTorch file ({type(exc).__name__}; "
+                          "truncated or corrupt?)") from None

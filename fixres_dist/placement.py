@@ -1,0 +1,149 @@
+"""Where a process sits in a job: its ranks, its node's share of the CPU, its GPU.
+
+Rank resolution follows one precedence, highest first (README: "where a process learns its rank"):
+
+1. explicit flags ``--global-rank/--local-rank`` with ``--num-tasks``;
+2. torchrun's ``RANK / LOCAL_RANK / WORLD_SIZE`` (and ``MASTER_ADDR / MASTER_PORT``);
+3. SLURM's ``SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS / SLURM_JOB_ID`` (what submitit's
+   ``JobEnvironment`` reports too);
+4. none of these and ``--num-tasks N > 1``: spawn N local ranks from this one command;
+5. otherwise one process (world size 1, no process group).
+
+A value given by two sources that disagree (``--num-tasks 4`` with ``WORLD_SIZE=2``) is an error.
+"""
+from __future__ import annotations
+
+import os
+
+import attrs
+import torch
+
+from .errors import FixresError
+
+
+@attrs.frozen
+class Placement:
+    """Result of rank resolution.
+
+    ``source`` is one of ``flags, torchrun, slurm, spawn, single``; ``job_id`` and ``dist_url`` are
+    ``None`` where the source does not fix them (the launcher fills in defaults);
+    ``local_world_size`` is the number of ranks on this node (used to share CPU threads).
+    """
+
+    source: str
+    num_tasks: int
+    global_rank: int
+    local_rank: int
+    local_world_size: int
+    job_id: str | None
+    dist_url: str | None
+
+
+def _env_int(environ, name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise FixresError(f"environment variable {name}={environ[name]!r} is not an integer") from None
+
+
+def _slurm_tasks_on_node(environ, ntasks: int) -> int:
+    value = environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "")
+    head = value.split(",")[0].split("(")[0]
+    return int(head) if head.isdigit() else ntasks
+
+
+def _check_agree(flag_name: str, flag_value, env_name: str, env_value) -> None:
+    if flag_value is not None and flag_value != env_value:
+        raise FixresError(f"{flag_name} {flag_value} conflicts with {env_name}={env_value}; "
+                          "drop the flag or fix the environment")
+
+
+def resolve_placement(num_tasks: int | None = None, global_rank: int | None = None,
+                      local_rank: int | None = None, job_id: str | None = None,
+                      dist_url: str | None = None, environ=None) -> Placement:
+    """Decide this process's ranks from flags and environment, with the module's precedence.
+
+    Arguments are the command-line values (``None`` when not given); ``environ`` defaults to
+    ``os.environ``. Raises :class:`FixresError` for incomplete flags or conflicting sources.
+    """
+    environ = os.environ if environ is None else environ
+    torchrun = all(k in environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    slurm = all(k in environ for k in ("SLURM_PROCID", "SLURM_NTASKS"))
+    if num_tasks is not None and num_tasks < 1:
+        raise FixresError(f"--num-tasks must be >= 1, got {num_tasks}")
+
+    if global_rank is not None or local_rank is not None:
+        if global_rank is None:
+            raise FixresError("--local-rank needs --global-rank (and --num-tasks)")
+        if num_tasks is None:
+            raise FixresError("--global-rank needs --num-tasks")
+        if torchrun:
+            _check_agree("--num-tasks", num_tasks, "WORLD_SIZE", _env_int(environ, "WORLD_SIZE"))
+            _check_agree("--global-rank", global_rank, "RANK", _env_int(environ, "RANK"))
+            _check_agree("--local-rank", local_rank, "LOCAL_RANK", _env_int(environ, "LOCAL_RANK"))
+        if num_tasks > 1 and job_id is None and dist_url is None:
+            raise FixresError("ranks started separately must share a --job-id (with the same "
+                              "--shared-folder-path) or an explicit --dist-url tcp://HOST:PORT")
+        local = global_rank if local_rank is None else local_rank
+        return Placement("flags", num_tasks, global_rank, local, num_tasks, job_id, dist_url)
+
+    if torchrun:
+        world = _env_int(environ, "WORLD_SIZE")
+        _check_agree("--num-tasks", num_tasks, "WORLD_SIZE", world)
+        run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
+        return Placement("torchrun", world, _env_int(environ, "RANK"), _env_int(environ, "LOCAL_RANK"),
+                         int(environ.get("LOCAL_WORLD_SIZE", world)),
+                         job_id or (None if run_id in ("", "none") else run_id), dist_url or "env://")
+
+    if slurm:
+        world = _env_int(environ, "SLURM_NTASKS")
+        _check_agree("--num-tasks", num_tasks, "SLURM_NTASKS", world)
+        slurm_job = environ.get("SLURM_JOB_ID")
+        if "SLURM_ARRAY_JOB_ID" in environ and "SLURM_ARRAY_TASK_ID" in environ:
+            slurm_job = f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+        return Placement("slurm", world, _env_int(environ, "SLURM_PROCID"),
+                         _env_int({"SLURM_LOCALID": "0", **environ}, "SLURM_LOCALID"),
+                         _slurm_tasks_on_node(environ, world),
+                         job_id or slurm_job, dist_url)
+
+    if num_tasks is not None and num_tasks > 1:
+        return Placement("spawn", num_tasks, 0, 0, num_tasks, job_id, dist_url)
+    return Placement("single", 1, 0, 0, 1, job_id, dist_url)
+
+
+def cuda_device(local_rank: int, environ=None) -> torch.device:
+    """The GPU of the rank with ``local_rank`` on its node.
+
+    ``cuda:<local_rank>`` among the visible devices; but when a launcher narrowed
+    ``CUDA_VISIBLE_DEVICES`` to a single GPU for this task (SLURM ``--gpus-per-task 1``,
+    ``--gpu-bind``), that GPU, ``cuda:0``, whatever the local rank. Raises :class:`FixresError` when
+    no GPU is visible or the local rank has none.
+    """
+    environ = os.environ if environ is None else environ
+    count = torch.cuda.device_count()
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if count == 0:
+        raise FixresError(f"--device cuda but no CUDA GPU is visible (CUDA_VISIBLE_DEVICES={visible!r}); "
+                          "use --device cpu")
+    narrowed = visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
+    if narrowed and count == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= count:
+        raise FixresError(f"local rank {local_rank} has no GPU: {count} visible (CUDA_VISIBLE_DEVICES={visible!r}); "
+                          "start at most one rank per GPU on each node")
+    return torch.device("cuda", local_rank)
+
+
+def threads_per_rank(num_tasks: int, environ=None) -> int:
+    """CPU threads for one rank: this process's usable cores shared by the ranks on this node.
+
+    The ranks on a node are ``LOCAL_WORLD_SIZE`` (torchrun), ``SLURM_NTASKS_PER_NODE`` (SLURM) or
+    ``num_tasks``. Without this, N ranks x all cores threads oversubscribe the CPU many times over.
+    """
+    environ = os.environ if environ is None else environ
+    cores = len(os.sched_getaffinity(0))
+    local = int(environ.get("LOCAL_WORLD_SIZE") or 0) or \
+        (_slurm_tasks_on_node(environ, num_tasks) if "SLURM_NTASKS" in environ else num_tasks)
+    if "SLURM_NTASKS" in environ and "SLURM_CPUS_PER_TASK" in environ:
+        return max(1, int(environ["SLURM_CPUS_PER_TASK"]))
+    return max(1, cores // max(1, min(local, cores)))

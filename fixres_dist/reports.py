@@ -1,0 +1,106 @@
+"""What a run prints and writes for people: the FixRes table and the resolution sweep report.
+
+* :func:`finetune_table`: top-1/top-5 at the train resolution and at the test resolution before
+  the finetune, against after it, and the points the finetune bought (FixRes' headline table);
+* :func:`sweep_report`: the sweeps of a run as a markdown table (``resolution_sweep.md``) and a
+  PNG plot (``resolution_sweep.png``, the FixRes paper's top-1 against K_test curve, drawn with
+  matplotlib's object API: no global pyplot state), naming the best resolution
+  (:func:`fixres_dist.sweep.best_resolution`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import fixres
+from .io import write_private
+from .sweep import STAGE_NAMES, best_resolution, by_stage, standard_error
+
+PLOT_FILE, TABLE_FILE = "resolution_sweep.png", "resolution_sweep.md"
+FINETUNE_ROWS = {"train-resolution": "train resolution, no finetuning", "before": "test resolution, no finetuning"}
+
+
+def finetune_table(history: list[dict], architecture: str, num_tasks: int, input_size: int, eval_size: int) -> str:
+    """The FixRes table of a finetune from its ``eval`` events (finetuned at ``input_size``,
+    evaluated at ``eval_size``, both in pixels)."""
+    evals = [e for e in history if e["event"] == "eval"]
+    before = [e for e in evals if e.get("label") == "train-resolution"] + \
+             [e for e in evals if e.get("label") == "before" and e["resolution"] == input_size][-1:]
+    after = [e for e in evals if not e.get("label") and e["resolution"] == eval_size][-1]
+    rows = [(FINETUNE_ROWS[e["label"]], e) for e in before] + [("test resolution, FixRes finetuned", after)]
+    lines = ["", f"FixRes finetune of {architecture} ({num_tasks} rank(s), {after['images']} validation images)",
+             f"| {'evaluation':<36} | resolution | top-1 % | top-5 % |",
+             f"|{'-' * 38}|------------|---------|---------|"]
+    lines += [f"| {name:<36} | {e['resolution']:>7} px | {e['top1']:7.2f} | {e['top5']:7.2f} |" for name, e in rows]
+    gains = [f"{after['top1'] - e['top1']:+.2f} top-1 points over the {FINETUNE_ROWS[e['label']].split(',')[0]} "
+             f"({e['resolution']} px)" for e in before]
+    lines.append("finetuning at the test resolution bought " + "; ".join(gains))
+    return "\n".join(lines)
+
+
+def sweep_report(history: list[dict], train_size: int | None, title: str, folder: Path | None) -> tuple[str, dict]:
+    """Table of the sweeps in ``history``; with ``folder`` (rank 0) also writes the table and the plot there.
+
+    Returns ``(text, fields of the "sweep" event)``: the latest stage, the best resolution, the train
+    resolution and the apparent-object-size estimate of the best test resolution (FixRes section 3.1).
+    """
+    stages = by_stage(history)
+    latest = [s for s in ("sweep", "before", "trained", "after") if s in stages][-1]
+    best = best_resolution(list(stages[latest].values()))
+    estimate = fixres.apparent_size_test_resolution(train_size) if train_size else None
+    images = next(iter(stages[latest].values()))["images"]
+    title = f"{title}, {images} validation images"
+    text = table(stages, best, train_size, estimate, title)
+    if folder is not None:
+        write_private(folder / TABLE_FILE, text + "\n")
+        plot(folder / PLOT_FILE, stages, best, train_size, estimate, title)
+    return text, {"stage": latest, "best_resolution": best, "train_resolution": train_size,
+                  "apparent_size_estimate": estimate}
+
+
+def table(stages: dict[str, dict[int, dict]], best: int, train_size: int | None, estimate: float | None,
+          title: str) -> str:
+    """Markdown table: one row per resolution, top-1 (and top-5) per stage, the best marked."""
+    names = [s for s in STAGE_NAMES if s in stages]
+    sizes = sorted({r for s in names for r in stages[s]})
+    header = "| test resolution | " + " | ".join(f"top-1 % {STAGE_NAMES[s]} | top-5 % {STAGE_NAMES[s]}"
+                                                 for s in names) + " |"
+    lines = [title, "", header, "|---:|" + "---:|---:|" * len(names)]
+    for size in sizes:
+        cells = []
+        for s in names:
+            e = stages[s].get(size)
+            cells += [f"{e['top1']:.2f}", f"{e['top5']:.2f}"] if e else ["", ""]
+        mark = " (best)" if size == best else ""
+        lines.append(f"| {size} px{mark} | " + " | ".join(cells) + " |")
+    images = next(iter(stages[names[-1]].values()))["images"]
+    lines.append("")
+    lines.append(f"best measured test resolution: {best} px (highest top-1 of the {STAGE_NAMES[names[-1]]} "
+                 f"sweep; within one standard error, +-{standard_error(stages[names[-1]][best]['top1'], images):.2f} "
+                 f"points on {images} images, the smallest resolution is taken)")
+    if train_size:
+        lines.append(f"train resolution: {train_size} px; apparent-object-size estimate of the best test "
+                     f"resolution (FixRes section 3.1, RandomResizedCrop scale 0.08-1): {estimate:.0f} px")
+    return "\n".join(lines)
+
+
+def plot(path: Path, stages: dict[str, dict[int, dict]], best: int, train_size: int | None,
+         estimate: float | None, title: str) -> None:
+    """Write a PNG of top-1 (percent) against test resolution (pixels), one line per stage."""
+    from matplotlib.figure import Figure  # imported here: a second of start-up every rank would pay
+    fig = Figure(figsize=(6.4, 4.2), dpi=110)
+    ax = fig.add_subplot()
+    for stage in (s for s in STAGE_NAMES if s in stages):
+        points = sorted(stages[stage].items())
+        ax.plot([r for r, _ in points], [e["top1"] for _, e in points], marker="o", label=STAGE_NAMES[stage])
+    if train_size:
+        ax.axvline(train_size, color="grey", linestyle=":", label=f"train resolution {train_size} px")
+    if estimate:
+        ax.axvline(estimate, color="tab:green", linestyle="--", label=f"apparent-size estimate {estimate:.0f} px")
+    ax.axvline(best, color="tab:red", alpha=0.4, linewidth=6, label=f"best measured {best} px")
+    ax.set_xlabel("test resolution (pixels)")
+    ax.set_ylabel("top-1 (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    write_private(path, lambda f: fig.savefig(f, format="png"))

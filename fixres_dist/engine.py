@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import distributed
-from .data import to_device
+from .data import IMAGENET_NORMALIZATION, to_device
 from .fixres import NORM_TYPES, eval_mode
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
@@ -81,16 +81,16 @@ def parameter_groups(model: nn.Module, weight_decay: float, norm_weight_decay: f
 def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                images: torch.Tensor, labels: torch.Tensor, *, device: torch.device, world: int,
                global_batch: int | None = None, amp: torch.dtype | None = None, channels_last: bool = False,
-               label_smoothing: float = 0.0) -> torch.Tensor:
+               label_smoothing: float = 0.0, normalization=IMAGENET_NORMALIZATION) -> torch.Tensor:
     """One optimizer step on this rank's uint8 (B, 3, H, W) share of a global batch.
 
     The loss is the mean over the *global* batch (``global_batch`` images on all ``world`` ranks;
     default B x world): this rank's summed cross-entropy x world / global batch, which DDP's gradient
     averaging turns into exactly the gradient of one process on the whole batch, even when the last
     batch is split unevenly. ``forward`` is the (DDP-wrapped, maybe compiled) model. Returns the
-    detached *summed* loss of this rank's images.
+    detached *summed* loss of this rank's images. ``normalization``: the model's input (mean, std).
     """
-    images = to_device(images, device, channels_last)
+    images = to_device(images, device, channels_last, normalization)
     labels = labels.to(device, non_blocking=True)
     with autocast(device, amp):
         logits = forward(images)
@@ -183,7 +183,7 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | None = None,
-             channels_last: bool = False) -> EvalResult:
+             channels_last: bool = False, normalization=IMAGENET_NORMALIZATION) -> EvalResult:
     """Evaluate ``model`` (unwrapped, put in eval mode) on this rank's share and reduce over ranks.
 
     ``amp``: autocast dtype (``torch.bfloat16``/``torch.float16``) or None; the sums are float64.
@@ -191,7 +191,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | 
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # top1 hits, top5 hits, loss sum, count
     with eval_mode(model):
         for images, labels, _skipped in loader:
-            images = to_device(images, device, channels_last)
+            images = to_device(images, device, channels_last, normalization)
             labels = labels.to(device, non_blocking=True)
             with autocast(device, amp):
                 logits = model(images).float()

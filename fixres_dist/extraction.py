@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import distributed
-from .data import to_device
+from .data import IMAGENET_NORMALIZATION, to_device
 from .engine import autocast
 from .errors import FixresError
 from .fixres import eval_mode
@@ -58,7 +58,8 @@ def _row_writer(path: Path) -> tuple[int, int]:
 
 @torch.no_grad()
 def extract(model: nn.Module, head: str, loader, device: torch.device, folder: str | Path,
-            size: int, info: dict, rank0: bool, amp: torch.dtype | None = None, channels_last: bool = False) -> dict:
+            size: int, info: dict, rank0: bool, amp: torch.dtype | None = None, channels_last: bool = False,
+            normalization=IMAGENET_NORMALIZATION) -> dict:
     """Write logits, embeddings and labels of ``loader``'s split into ``folder``; all ranks call it.
 
     ``model`` is the unwrapped classifier, ``head`` the name of its final ``nn.Linear`` (its input is
@@ -92,7 +93,7 @@ def extract(model: nn.Module, head: str, loader, device: torch.device, folder: s
             if skipped:
                 raise FixresError(f"{skipped} unreadable images in the split; features need every image")
             with autocast(device, amp):
-                logits = model(to_device(images, device, channels_last)).float().cpu().numpy()
+                logits = model(to_device(images, device, channels_last, normalization)).float().cpu().numpy()
             rows = {"logits": logits, "embeddings": captured["embedding"].float().cpu().numpy(),
                     "labels": labels.numpy().astype(np.int64)}
             for name, (fd, offset) in writers.items():

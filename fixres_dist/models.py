@@ -59,6 +59,7 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 from torchvision.models.vision_transformer import VisionTransformer, interpolate_embeddings
 
+from .data import IMAGENET_NORMALIZATION
 from .errors import FixresError
 from .io import safe_load
 from .fixres import find_head_and_last_norm
@@ -168,6 +169,29 @@ def _import_optional(module: str, architecture: str):
         package, extra = _OPTIONAL[module]
         raise FixresError(f"--architecture {architecture} needs the package {package}: pip install -e .[{extra}]")
     return importlib.import_module(module)
+
+
+# EfficientNet-Lite's TensorFlow Lite training normalisation: (x - 127) / 128 on the 0-255 scale.
+LITE_NORMALIZATION = ((127 / 255,) * 3, (128 / 255,) * 3)
+
+
+def input_normalization(name: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``(mean, std)`` per RGB channel, on the 0-1 scale, that architecture ``name``'s weights expect.
+
+    ``efficientnet_lite*``: mean 127, std 128 on 0-255 (the TensorFlow Lite models' training
+    normalisation, kept by the PyTorch port of ``efficientnet-lite-pytorch``); ``timm/<name>``: the
+    model's pretrained configuration in timm (``mean``/``std``; ViTs use 0.5, 0.5); everything else:
+    torchvision's ImageNet mean (0.485, 0.456, 0.406) and std (0.229, 0.224, 0.225). Applied by
+    :func:`fixres_dist.data.normalize` in training, evaluation and feature extraction.
+    """
+    if name in LITE_MODELS:
+        return LITE_NORMALIZATION
+    if name.startswith(TIMM_PREFIX):
+        timm = _import_optional("timm", name)
+        config = timm.models.get_pretrained_cfg(name[len(TIMM_PREFIX):])
+        if config is not None and getattr(config, "mean", None) and getattr(config, "std", None):
+            return tuple(config.mean), tuple(config.std)
+    return IMAGENET_NORMALIZATION
 
 
 def available_architectures() -> list[str]:

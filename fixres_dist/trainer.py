@@ -94,6 +94,8 @@ class Trainer:
         self.optimizer = self.scaler = None
         self.base_lr = engine.scaled_learning_rate(config.learning_rate, config.batch, config.num_tasks)
         self.amp = AMP_DTYPES[config.amp]
+        # The input normalisation the architecture's weights were trained with: (mean, std), 0-1 scale.
+        self.normalization = models.input_normalization(config.architecture)
         self._compile_checked = not config.compile
         # Where the run is, and the checkpoint it resumes from.
         self.epoch, self.images_in_epoch, self.global_step = 0, 0, 0
@@ -380,7 +382,8 @@ class Trainer:
         cfg = self.config
         return engine.train_step(self._forward, self.optimizer, self.scaler, images, labels, device=self.device,
                                  world=cfg.num_tasks, global_batch=global_batch, amp=self.amp,
-                                 channels_last=cfg.channels_last, label_smoothing=cfg.label_smoothing)
+                                 channels_last=cfg.channels_last, label_smoothing=cfg.label_smoothing,
+                                 normalization=self.normalization)
 
     def _set_learning_rate(self, progress: float) -> None:
         lr = self.base_lr * engine.warmup_cosine(progress, self.config.epochs, self.config.warmup_epochs)
@@ -429,7 +432,7 @@ class Trainer:
         if size not in self.val_loaders:
             self.val_loaders[size] = self._loader(self.val_set, data.test_transform(size), shuffle=False)
         result = engine.evaluate(models.for_resolution(self.model, size), self.val_loaders[size], self.device,
-                                 self.amp, self.config.channels_last)
+                                 self.amp, self.config.channels_last, self.normalization)
         self._record("eval", epoch=epoch, resolution=size, top1=result.top1, top5=result.top5,
                      loss=result.loss, images=result.images, **({"label": label} if label else {}))
         self.log(f"eval{' ' + label if label else ''} @{size}px: top-1 {result.top1:.2f} %, "
@@ -481,7 +484,7 @@ class Trainer:
         info = extraction.extract(model, head, loader, self.device, cfg.extract_features, size,
                                   {"split": cfg.extract_split, "architecture": cfg.architecture,
                                    "weights": weights, "classes": self.classes}, self.rank0,
-                                  self.amp, cfg.channels_last)
+                                  self.amp, cfg.channels_last, self.normalization)
         self._record("features", folder=str(cfg.extract_features), **{k: v for k, v in info.items() if k != "classes"})
         self.log(f"features of {info['images']} {cfg.extract_split} images at {size} px: logits {info['num_classes']}, "
                  f"embeddings {info['embedding_dim']} wide, in {cfg.extract_features}")

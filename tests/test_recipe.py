@@ -19,8 +19,8 @@ def test_learning_rate_defaults_per_256_images():
     assert TrainerConfig().learning_rate == 0.1
     assert config_fields(build_parser("scratch").parse_args([]), "scratch")["learning_rate"] == 0.1
     assert config_fields(build_parser("finetune").parse_args([]), "finetune")["learning_rate"] == 0.05
-    assert FIXRES_FINETUNE_LR_PER_256 == pytest.approx(5e-4)  # FixRes: 1e-3 per 8 GPUs x 64 images
-    assert "0.0005 per 256" in " ".join(build_parser("finetune").format_help().split())
+    assert FIXRES_FINETUNE_LR_PER_256 == pytest.approx(4e-3)  # FixRes: 8e-3 for 8 GPUs x 64 images
+    assert "0.004 per 256" in " ".join(build_parser("finetune").format_help().split())
 
 
 def test_new_options_default_off_and_parse():

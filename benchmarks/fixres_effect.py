@@ -454,7 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict]] = {}
     try:
         runs = args.output.absolute()
-        runs.mkdir(parents=True, exist_ok=True)
+        try:
+            runs.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BenchmarkError(f"cannot use --output {runs}: {exc.strerror or exc}") from None
         for dataset in args.datasets:
             canvas = DATASETS[dataset][0]
             name = "fashion_mnist_full" + (f"_canvas{canvas}" if canvas else "")

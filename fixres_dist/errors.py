@@ -5,6 +5,7 @@ flag, a missing folder, a peer rank that never arrived). The launcher prints it 
 ``fixres_dist: rank R: <message>`` on stderr and exits with status 1, without a traceback. Any
 other exception is a bug and keeps its traceback.
 """
+import sys
 
 
 class FixresError(Exception):
@@ -26,3 +27,10 @@ def first_line(exc: BaseException) -> str:
     """The first line of ``str(exc)``, or the exception's type name when it has no message."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def say(line: str) -> None:
+    """Write ``line`` and its newline to stderr in one write, so that the one-line errors of ranks
+    sharing a terminal never run together on one line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -11,7 +11,6 @@ import argparse
 import multiprocessing
 import os
 import signal
-import sys
 import traceback
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch.multiprocessing as mp
 from . import checkpoint, data, distributed, extraction, fixres, models, placement
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
-from .errors import FixresError, first_line, user_message
+from .errors import FixresError, first_line, say, user_message
 from .preemption import PREEMPTED_EXIT_STATUS, Preempted
 from .trainer import RunResult, Trainer
 
@@ -83,15 +82,15 @@ def run_rank(config: TrainerConfig, checked: bool = False) -> RunResult:
     try:
         return Trainer(config, checked=checked)()
     except Preempted as exc:
-        print(f"{prefix} {exc}", file=sys.stderr, flush=True)
+        say(f"{prefix} {exc}")
         raise SystemExit(PREEMPTED_EXIT_STATUS) from None
     except KeyboardInterrupt:
-        print(f"{prefix} interrupted", file=sys.stderr, flush=True)
+        say(f"{prefix} interrupted")
     except Exception as exc:  # every failure ends with one line; bugs also get their traceback
         message = user_message(exc)
         if message is None:
             traceback.print_exc()
-        print(f"{prefix} {message or f'{type(exc).__name__}: {first_line(exc)}'}", file=sys.stderr, flush=True)
+        say(f"{prefix} {message or f'{type(exc).__name__}: {first_line(exc)}'}")
     finally:
         distributed.destroy_process_group()
     raise SystemExit(1)
@@ -141,7 +140,7 @@ def spawn(config: TrainerConfig) -> None:
             raise SystemExit(PREEMPTED_EXIT_STATUS) from None
         cause = f"was killed by {signal.Signals(-exc.exit_code).name}" if exc.exit_code < 0 else \
             f"exited with status {exc.exit_code}"
-        print(f"fixres_dist: rank {exc.error_index} {cause}; stopped the other ranks", file=sys.stderr, flush=True)
+        say(f"fixres_dist: rank {exc.error_index} {cause}; stopped the other ranks")
         raise SystemExit(1) from None
     finally:
         for s, handler in previous.items():
@@ -159,7 +158,7 @@ def main(mode: str, argv: list[str] | None = None) -> None:
     except FixresError as exc:
         rank = args.global_rank if args.global_rank is not None else \
             os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
-        print(f"fixres_dist: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        say(f"fixres_dist: rank {rank}: {exc}")
         raise SystemExit(1) from None
     if source == "spawn":
         spawn(config)

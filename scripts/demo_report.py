@@ -11,12 +11,32 @@ overstates it for two evaluations of the same images (their errors are correlate
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 
+class ReportError(Exception):
+    """A one-line reason why the folders do not hold what the table needs (exit status 1)."""
+
+
 def evals(folder: Path) -> list[dict]:
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    """The ``eval`` events of the finetune job in ``folder``; ReportError if it is not one."""
+    try:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ReportError(f"{folder} is not a finished job folder ({type(exc).__name__}: {exc})") from None
+    if config.get("mode") != "finetune":
+        raise ReportError(f"{folder} holds a {config.get('mode')} job, not a main_finetune.py job")
     return [e for e in map(json.loads, lines) if e["event"] == "eval"]
+
+
+def last(events: list[dict], folder: Path, what: str, **match) -> dict:
+    """The last event whose fields equal ``match``; ReportError naming ``what`` if there is none."""
+    found = [e for e in events if all(e.get(k) == v for k, v in match.items())]
+    if not found:
+        raise ReportError(f"{folder}/metrics.jsonl has no {what}: was the job interrupted? run it again to finish it")
+    return found[-1]
 
 
 def standard_error(top1: float, images: int) -> float:
@@ -30,13 +50,22 @@ def main() -> None:
     parser.add_argument("control", type=Path)
     parser.add_argument("--seconds", type=float, help="the demo's wall time, printed under the table")
     args = parser.parse_args()
+    try:
+        table(args)
+    except ReportError as exc:
+        sys.exit(f"demo_report: {exc}")
+
+
+def table(args) -> None:
     fixres, control = evals(args.fixres), evals(args.control)
     config = json.loads((args.fixres / "config.json").read_text())
-    train = next(e for e in fixres if e.get("label") == "train-resolution")
     test_size = config["input_size"]
-    before = [e for e in fixres if e.get("label") == "before" and e["resolution"] == test_size][-1]
-    after = [e for e in fixres if not e.get("label") and e["resolution"] == test_size][-1]
-    ctrl = [e for e in control if not e.get("label")][-1]
+    train = last(fixres, args.fixres, "evaluation at the train resolution", label="train-resolution")
+    before = last(fixres, args.fixres, f"evaluation before finetuning at {test_size} px", label="before",
+                  resolution=test_size)
+    after = last(fixres, args.fixres, f"evaluation after finetuning at {test_size} px", label=None,
+                 resolution=test_size)
+    ctrl = last(control, args.control, "evaluation after finetuning", label=None)
     rows = [("train resolution, no finetuning", train), ("test resolution, no finetuning", before),
             ("control: finetuned at the train resolution", ctrl), ("FixRes: finetuned at the test resolution", after)]
     print(f"\nFixRes demo: {config['architecture']} on {after['images']} validation images, "

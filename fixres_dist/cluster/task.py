@@ -34,7 +34,7 @@ from pathlib import Path
 import attrs
 
 from ..config import TrainerConfig
-from ..errors import FixresError, first_line, user_message
+from ..errors import FixresError, first_line, say, user_message
 # TRAINER-SIDE: the Trainer, its preemption exception and the exit status 3 after a preemption
 # checkpoint (fixres_dist.preemption); if they move, only these imports change.
 from ..preemption import PREEMPTED_EXIT_STATUS, Preempted
@@ -171,7 +171,7 @@ def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3) -> 
         return _as_dict(result)
     except Preempted as exc:
         stops.finished = True
-        print(f"fixres_dist: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        say(f"fixres_dist: rank {rank}: {exc}")
         _after_preemption(config, stops, restart, max_requeues)
     except Exception as exc:  # one line for every failure; bugs also get their traceback
         stops.finished = True
@@ -179,7 +179,7 @@ def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3) -> 
         if cause is None:
             traceback.print_exc()
             cause = f"{type(exc).__name__}: {first_line(exc)}"
-        print(f"fixres_dist: rank {rank}: {cause}", file=sys.stderr, flush=True)
+        say(f"fixres_dist: rank {rank}: {cause}")
         raise TaskFailed(cause) from exc
     finally:
         stops.restore()
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         if place.global_rank == 0:
             preflight(config)
     except FixresError as exc:
-        print(f"fixres_dist: rank {place.global_rank}: {exc}", file=sys.stderr, flush=True)
+        say(f"fixres_dist: rank {place.global_rank}: {exc}")
         return 1
     try:
         run_task(config, place.restart, int(max_requeues))

@@ -73,6 +73,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
 from fixres_dist import data, models  # noqa: E402
+from fixres_dist.sweep import standard_error  # noqa: E402
 from fixres_dist.errors import FixresError  # noqa: E402
 
 SOURCE = Path("/usr/share/datasets/fashion-mnist")
@@ -387,7 +388,7 @@ def report_dataset(args, dataset: str, results: list[dict]) -> list[str]:
               f"- training cost: at {train} px {statistics.fmean(r['img_per_s']['train'] for r in results):,.0f} img/s, "
               f"at {test} px {statistics.fmean(r['img_per_s']['test'] for r in results):,.0f} img/s "
               f"({cost:.2f}x cheaper at the train resolution); binomial standard error of one top-1 here: "
-              f"{(statistics.fmean([r['baseline'] for r in results]) * (100 - statistics.fmean([r['baseline'] for r in results])) / n) ** 0.5:.2f} point"]
+              f"{standard_error(statistics.fmean(r['baseline'] for r in results), n):.2f} point"]
     return lines
 
 

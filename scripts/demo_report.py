@@ -14,6 +14,9 @@ import math
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fixres_dist.sweep import standard_error  # noqa: E402
+
 
 class ReportError(Exception):
     """A one-line reason why the folders do not hold what the table needs (exit status 1)."""
@@ -37,11 +40,6 @@ def last(events: list[dict], folder: Path, what: str, **match) -> dict:
     if not found:
         raise ReportError(f"{folder}/metrics.jsonl has no {what}: was the job interrupted? run it again to finish it")
     return found[-1]
-
-
-def standard_error(top1: float, images: int) -> float:
-    """Binomial standard error of a top-1 of ``top1`` percent on ``images`` images, in points."""
-    return math.sqrt(top1 * (100 - top1) / images)
 
 
 def main() -> None:

@@ -74,6 +74,7 @@ from torchvision.transforms import v2  # noqa: E402
 
 from fixres_dist import data, models  # noqa: E402
 from fixres_dist.sweep import standard_error  # noqa: E402
+from fixres_dist.weights import load_weights, read_weight_file  # noqa: E402
 from fixres_dist.errors import FixresError  # noqa: E402
 
 SOURCE = Path("/usr/share/datasets/fashion-mnist")
@@ -324,8 +325,7 @@ def detail_matched_top1(weights: Path, data_path: Path, architecture: str, train
     """
     val = data.image_folder(data_path, "val")
     model = models.build_model(architecture, len(val.classes), image_size=test)
-    state, _ = models.read_weight_file(weights)
-    models.load_weights(model, state, weights)
+    load_weights(model, read_weight_file(weights))
     model.eval()
     transform = v2.Compose([v2.Resize(round(test / data.CROP_RATIO), antialias=True), v2.CenterCrop(test),
                             v2.Resize(train, antialias=True), v2.Resize(test, antialias=True), v2.PILToTensor()])

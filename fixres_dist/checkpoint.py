@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .errors import FixresError
+from .finite import describe_non_finite, non_finite_tensors
 from .io import fsync_folder, safe_load, write_private
 
 CHECKPOINT_FILE = "checkpoint.pth"
@@ -44,9 +45,15 @@ def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int
     """Write ``state`` as ``checkpoint-<global_step>.pth``, point ``checkpoint.pth`` at it, keep ``keep``.
 
     ``fault_hook(global_step, file)`` is called mid-write (tests). Raises :class:`FixresError` when
-    the write fails (full or read-only disk); the previous checkpoints are left intact.
+    the write fails (full or read-only disk), and before writing anything when ``state["model"]`` or
+    ``state["optimizer"]`` holds NaN or infinity (weights that diverged are never a checkpoint); the
+    previous checkpoints are left intact.
     """
     folder = Path(folder)
+    bad, total = non_finite_tensors({key: state.get(key) for key in ("model", "optimizer")})
+    if bad:
+        raise FixresError(f"checkpoint of step {global_step} not written: {describe_non_finite(bad, total)} "
+                          "(training diverged); the previous checkpoint is kept")
     path = folder / f"checkpoint-{global_step:08d}.pth"
 
     def write(f) -> None:
@@ -70,7 +77,8 @@ REQUIRED_KEYS = ("model", "optimizer", "epoch", "images_in_epoch", "global_step"
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """Read a checkpoint with ``weights_only=True``; FixresError if unreadable, incomplete or too new."""
+    """Read a checkpoint with ``weights_only=True``; FixresError if unreadable, incomplete, too new, or
+    if its weights hold NaN or infinity."""
     path = Path(path)
     state = safe_load(path, "checkpoint")
     if not isinstance(state, dict):
@@ -85,6 +93,10 @@ def load_checkpoint(path: str | Path) -> dict:
     if missing:
         raise FixresError(f"{path} is not a complete fixres_dist checkpoint (missing {', '.join(missing)}); "
                           "to start from its weights use --weight-path")
+    bad, total = non_finite_tensors(state["model"])
+    if bad:  # written by a version that did not stop at a diverged loss
+        raise FixresError(f"checkpoint {path} cannot be resumed: {describe_non_finite(bad, total)}; "
+                          "resume an earlier checkpoint-*.pth with --resume, or use a new --job-id")
     return state
 
 

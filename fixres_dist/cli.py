@@ -5,6 +5,7 @@ import argparse
 
 import torch
 
+from .data import INTERPOLATIONS
 from .fixres import SCOPES
 
 # Defaults that differ between the two scripts; every other default lives in TrainerConfig.
@@ -48,6 +49,17 @@ def _size_list(text: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def _channels(text: str) -> tuple[float, ...]:
+    """``"0.5"`` -> ``(0.5, 0.5, 0.5)``; ``"0.485,0.456,0.406"`` -> three floats (R, G, B)."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 1 or 3 comma-separated numbers") from None
+    if len(values) not in (1, 3):
+        raise argparse.ArgumentTypeError(f"{text!r}: give 1 number (all channels) or 3 (R,G,B)")
+    return values * 3 if len(values) == 1 else values
+
+
 def build_parser(mode: str) -> argparse.ArgumentParser:
     """The parser; values not given are ``None`` (resolved later by rank resolution and defaults)."""
     what = "train a classifier from scratch" if mode == "scratch" else \
@@ -65,11 +77,17 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--data-path", "--imnet-path", dest="data_path",
                    help="ImageFolder root with train/ and val/ (default: embedded Fashion-MNIST subset)")
-    t.add_argument("--architecture", help="torchvision model name (default resnet18)")
+    t.add_argument("--architecture", help="torchvision model name, efficientnet_lite0..4, resnet20..resnet110 or "
+                   "timm/<name> (default resnet18)")
     t.add_argument("--low-res-stem", action="store_true", default=None,
                    help="torchvision ResNets: 3x3 stride-1 first convolution and no max-pool (total stride 8 "
                         "instead of 32), for inputs of about 64 px and below; or use resnet20 ... resnet110")
-    t.add_argument("--weight-path", help="checkpoint.pth or state_dict file to start from")
+    t.add_argument("--weight-path", help="weights to start from: a checkpoint of fixres_dist, FixRes, torchvision's "
+                   "references, timm, DeiT or Lightning, or a plain state_dict")
+    t.add_argument("--weight-key", metavar="KEY",
+                   help="the weight file's top-level entry holding the weights, e.g. model_ema or state_dict_ema "
+                        "for EMA weights (default: the file itself if it is a state_dict, else model, state_dict, "
+                        "model_state_dict, then the EMA entries)")
     t.add_argument("--input-size", type=_input_size, help=f"training resolution in pixels "
                    f"(default {MODE_DEFAULTS[mode]['input_size']}; finetune: the test resolution, or 'auto': "
                    "the best of --test-sizes before finetuning)")
@@ -79,6 +97,15 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                         "(finetune: also before), write resolution_sweep.png/.md, name the best")
     t.add_argument("--train-size", type=_positive_int,
                    help="resolution the weights were trained at (default: from the checkpoint's config)")
+    t.add_argument("--mean", type=_channels, metavar="M or R,G,B",
+                   help="input normalisation mean on the 0-1 scale (with --std; default: the weights' own: "
+                        "timm's pretrained config, EfficientNet-Lite's 127/255, else ImageNet's)")
+    t.add_argument("--std", type=_channels, metavar="S or R,G,B", help="input normalisation std on the 0-1 scale")
+    t.add_argument("--crop-ratio", type=float,
+                   help="test-time centre crop's share of the resized shorter side (default: timm's crop_pct, "
+                        "else 0.875)")
+    t.add_argument("--interpolation", choices=list(INTERPOLATIONS),
+                   help="resize interpolation (default: timm's pretrained config, else bilinear)")
     t.add_argument("--batch", type=_positive_int, help="images per process per step (default 64)")
     t.add_argument("--epochs", type=_positive_int)
     lr_note = "Goyal et al." if mode == "scratch" else \

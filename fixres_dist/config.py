@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 import attrs
 
+from .data import INTERPOLATIONS
 from .errors import FixresError
 from .fixres import SCOPES
 
@@ -20,6 +21,9 @@ RENDEZVOUS_FILE = "rendezvous.json"
 # Field metadata: a checkpoint written under one value may be resumed under another (where the
 # job runs, how fast, what it reports), unlike everything that shapes the trained weights.
 RESUMABLE = {"resumable": True}
+# Field metadata: a checkpoint written before the field existed behaved as its default does, so the
+# field's absence there is no change (unlike norm_weight_decay, whose absence means "decayed").
+ABSENT_IS_DEFAULT = {"absent_is_default": True}
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -128,6 +132,39 @@ def _fraction(instance, attribute, value):
         raise FixresError(f"--{attribute.name.replace('_', '-')} must be in [0, 1), got {value}")
 
 
+def _channel_triple(value):
+    """``--mean``/``--std`` as a tuple of 3 floats (JSON gives lists; one number means all channels)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (float(value),) * 3
+    return tuple(float(v) for v in value)
+
+
+def _mean_std(instance, attribute, value):
+    if value is None:
+        return
+    flag = f"--{attribute.name}"
+    if len(value) != 3 or not all(math.isfinite(v) for v in value):
+        raise FixresError(f"{flag} must be 3 finite numbers (R,G,B on the 0-1 scale), got {list(value)}")
+    if attribute.name == "std" and min(value) <= 0:
+        raise FixresError(f"--std must be > 0 for every channel, got {list(value)}")
+
+
+def _crop_ratio(instance, attribute, value):
+    if value is None:
+        return
+    _finite(attribute, value)
+    if not 0 < value <= 1:
+        raise FixresError(f"--crop-ratio must be in (0, 1] (the centre crop's share of the resized shorter "
+                          f"side; 0.875 is 224 of 256 px), got {value}")
+
+
+def _weight_key(instance, attribute, value):
+    if value is not None and (not isinstance(value, str) or not value):
+        raise FixresError(f"--weight-key must name a top-level entry of the weight file, got {value!r}")
+
+
 def _seed(instance, attribute, value):
     if not 0 <= value < 2 ** 63:
         raise FixresError(f"--seed must be in [0, 2**63), got {value}")
@@ -164,6 +201,8 @@ class TrainerConfig:
     architecture: str = "resnet18"
     low_res_stem: bool = False  # torchvision ResNets: 3x3 stride-1 conv1, no max-pool (models.build_model)
     weight_path: str | None = None
+    # The weight file's entry with the weights (model_ema, state_dict_ema...; weights.read_weight_file).
+    weight_key: str | None = attrs.field(default=None, validator=_weight_key, metadata=ABSENT_IS_DEFAULT)
     train_size: int | None = attrs.field(default=None, validator=_resolution)
     input_size: int | str = attrs.field(default=32, validator=_input_size)
     test_size: int | None = attrs.field(default=None, validator=_resolution)
@@ -193,6 +232,14 @@ class TrainerConfig:
     dist_bn: str = attrs.field(default="reduce", validator=_one_of("reduce", "broadcast"))
     workers: int = attrs.field(default=2, validator=_non_negative, metadata=RESUMABLE)
     seed: int = attrs.field(default=0, validator=_seed)
+    # Input preprocessing (preprocessing.py): None = the architecture's or the weight file's own.
+    mean: tuple[float, float, float] | None = attrs.field(default=None, converter=_channel_triple,
+                                                          validator=_mean_std, metadata=ABSENT_IS_DEFAULT)
+    std: tuple[float, float, float] | None = attrs.field(default=None, converter=_channel_triple,
+                                                         validator=_mean_std, metadata=ABSENT_IS_DEFAULT)
+    crop_ratio: float | None = attrs.field(default=None, validator=_crop_ratio, metadata=ABSENT_IS_DEFAULT)
+    interpolation: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        _one_of(*INTERPOLATIONS)), metadata=ABSENT_IS_DEFAULT)
     device: str = attrs.field(default="cpu", validator=_one_of("cpu", "cuda"), metadata=RESUMABLE)
     # Speed (issue 6): mixed precision, memory format, torch.compile backend, synchronised BatchNorm.
     amp: str = attrs.field(default="off", validator=_one_of("bf16", "fp16", "off"), metadata=RESUMABLE)
@@ -220,6 +267,10 @@ class TrainerConfig:
                               "--amp bf16 or --amp off")
         if self.eval_only and not self.weight_path:
             raise FixresError("--eval-only needs --weight-path (the checkpoint.pth or state_dict to evaluate)")
+        if (self.mean is None) != (self.std is None):
+            raise FixresError("--mean and --std go together (the normalisation (x - mean) / std needs both)")
+        if self.weight_key is not None and not self.weight_path:
+            raise FixresError("--weight-key needs --weight-path (it names an entry of that file)")
         if self.input_size == "auto":
             if self.mode != "finetune" or self.eval_only:
                 raise FixresError("--input-size auto only applies to main_finetune.py (finetune at the best "
@@ -256,11 +307,17 @@ class TrainerConfig:
         """Names of the non-resumable fields whose value differs from ``saved`` (a :meth:`to_dict`).
 
         A field that ``saved`` lacks (a checkpoint from before the field existed) counts as changed:
-        the run that wrote it trained without that option, e.g. decaying norms and biases like weights.
+        the run that wrote it trained without that option, e.g. decaying norms and biases like weights;
+        except for fields marked ``ABSENT_IS_DEFAULT``, whose default is what older runs did: there
+        only another value than the default is a change.
         """
         mine = self.to_dict()
-        return sorted(f.name for f in attrs.fields(type(self)) if not f.metadata.get("resumable")
-                      and (f.name not in saved or saved[f.name] != mine[f.name]))
+
+        def changed(f) -> bool:
+            if f.name in saved:
+                return saved[f.name] != mine[f.name]
+            return not (f.metadata.get("absent_is_default") and mine[f.name] == f.default)
+        return sorted(f.name for f in attrs.fields(type(self)) if not f.metadata.get("resumable") and changed(f))
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)

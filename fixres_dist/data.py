@@ -1,8 +1,13 @@
 """Datasets, transforms and loaders: ImageFolder roots with ``train/`` and ``val/``.
 
 The embedded default is a Fashion-MNIST subset shipped in the package (``embedded_data/``, MIT
-licence, see its LICENSE; built by ``scripts/make_embedded_dataset.py``). Grey images become RGB
-(torchvision's PIL loader converts every image to RGB).
+licence, see its LICENSE; built by ``scripts/make_embedded_dataset.py``). Every image becomes 8-bit
+RGB with its levels preserved, whatever its mode (16-bit, float, transparency...:
+:mod:`fixres_dist.images`).
+
+Hidden files and folders (names starting with ``.``: ``.ipynb_checkpoints``, ``.DS_Store``,
+``.snapshot``, macOS' ``._*`` files) are no part of the data: not classes, not images, and not walked
+into (:func:`scan_split`); :class:`ImageFolder` counts what it skipped, and the run's log says so.
 
 Preprocessing (FixRes, section 2; torchvision reference scripts):
 
@@ -18,34 +23,29 @@ traffic four times smaller.
 
 Speed (``benchmarks/input_pipeline.py``): :class:`SeededDataset` decodes JPEG files with
 ``torchvision.io.decode_jpeg`` (libjpeg-turbo with PIL's settings: the same pixels as PIL's decoder)
-straight into a uint8 tensor, and the transforms then run on uint8 tensors (torchvision's
-vectorised antialiased resize); other formats, and JPEGs that decoder refuses, go through PIL as
-before. The transforms also take PIL images (then they compute exactly what they did with PIL).
+straight into a uint8 tensor (:func:`fixres_dist.images.read_image`), and the transforms then run on
+uint8 tensors (torchvision's vectorised antialiased resize); other formats, and JPEGs that decoder
+refuses, go through PIL. The transforms also take PIL images (then they compute exactly what they
+did with PIL).
 """
 from __future__ import annotations
 
-import io
 import multiprocessing
 import os
-import warnings
 from importlib import resources
 from pathlib import Path
 
+import attrs
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset, default_collate
-from torchvision import datasets, get_image_backend
-from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
+from torchvision import datasets
+from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-try:  # deprecated in torchvision 0.29 in favour of torchcodec; PIL takes over if it goes away
-    from torchvision.io import ImageReadMode, decode_jpeg
-except ImportError:  # pragma: no cover
-    decode_jpeg = None
-
-from .errors import FixresError
+from . import images
+from .errors import FixresError, first_line
 from .samplers import ExactBatchSampler, SampleKey
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -72,14 +72,45 @@ def embedded_data_path(name: str = "fashion_mnist") -> Path:
     return Path(str(resources.files("fixres_dist") / "embedded_data" / name))
 
 
-def _class_folders(split: Path) -> dict[str, int]:
-    """Class folder name -> number of image files in it (walked like ImageFolder: symlinks followed)."""
-    classes = {}
-    for folder in sorted(p for p in split.iterdir() if p.is_dir()):
-        classes[folder.name] = sum(
-            1 for root, _, files in os.walk(folder, followlinks=True) for name in files
-            if name.lower().endswith(IMG_EXTENSIONS) and os.path.isfile(os.path.join(root, name)))
-    return classes
+def is_hidden(name: str) -> bool:
+    """Whether a file or folder name is hidden (starts with ``.``), hence no part of the data."""
+    return name.startswith(".")
+
+
+@attrs.frozen
+class SplitScan:
+    """What :func:`scan_split` found in one split folder (``train/`` or ``val/``).
+
+    ``images``: class folder name -> paths (str) of its image files, in ImageFolder's order
+    (sub-folders sorted by path, then files by name); ``hidden``: paths of the hidden files and
+    folders skipped (each counted once: nothing under a hidden folder is walked).
+    """
+
+    images: dict[str, list[str]]
+    hidden: list[str]
+
+
+def scan_split(split: str | Path) -> SplitScan:
+    """The classes and image files of ``split``, walked as torchvision's ImageFolder walks them
+    (symbolic links followed, extensions ``IMG_EXTENSIONS`` in any case), except that hidden files
+    and folders are skipped and counted, and names that are not files (a folder named ``x.png``, a
+    broken link) are not images. Raises ``OSError`` if ``split`` cannot be listed.
+    """
+    split = Path(split)
+    hidden, images_by_class = [], {}
+    for entry in sorted(os.scandir(split), key=lambda e: e.name):
+        if is_hidden(entry.name):
+            hidden.append(entry.path)
+        elif entry.is_dir():
+            found = []
+            for root, folders, files in os.walk(entry.path, followlinks=True):
+                hidden.extend(os.path.join(root, n) for n in [*folders, *files] if is_hidden(n))
+                folders[:] = [n for n in folders if not is_hidden(n)]  # never walked into
+                paths = [os.path.join(root, n) for n in sorted(files) if not is_hidden(n)
+                         and n.lower().endswith(IMG_EXTENSIONS)]
+                found.append((root, [p for p in paths if os.path.isfile(p)]))
+            images_by_class[entry.name] = [p for _, paths in sorted(found) for p in paths]
+    return SplitScan(images_by_class, sorted(hidden))
 
 
 def check_image_folder(root: str | Path, min_train_images: int = 1) -> list[str]:
@@ -96,7 +127,7 @@ def check_image_folder(root: str | Path, min_train_images: int = 1) -> list[str]
         if not (root / split).is_dir():
             raise FixresError(f"data path {root} has no {split}/ folder (expected ImageFolder layout "
                               f"{root}/train/<class>/*.png and {root}/val/<class>/*.png)")
-        found[split] = _class_folders(root / split)
+        found[split] = {name: len(paths) for name, paths in scan_split(root / split).images.items()}
         if not found[split]:
             raise FixresError(f"{root / split} has no class folders")
         empty = [name for name, count in found[split].items() if count == 0]
@@ -121,23 +152,45 @@ class ToUint8Tensor(v2.Transform):
         return image if isinstance(image, torch.Tensor) else TF.pil_to_tensor(image)
 
 
-def train_transform(size: int) -> v2.Transform:
+INTERPOLATIONS = {"bilinear": v2.InterpolationMode.BILINEAR, "bicubic": v2.InterpolationMode.BICUBIC,
+                  "nearest": v2.InterpolationMode.NEAREST_EXACT}
+
+
+def _interpolation(name: str) -> v2.InterpolationMode:
+    if name not in INTERPOLATIONS:
+        raise FixresError(f"unknown interpolation {name!r}; use one of {', '.join(INTERPOLATIONS)}")
+    return INTERPOLATIONS[name]
+
+
+def _resize_for_crop(size: int, crop_ratio: float, interpolation: str) -> v2.Resize:
+    """Resize of the shorter side to ``round(size / crop_ratio)``, antialiased."""
+    if not 0 < crop_ratio <= 1:
+        raise FixresError(f"crop ratio must be in (0, 1], got {crop_ratio!r}")
+    return v2.Resize(round(size / crop_ratio), interpolation=_interpolation(interpolation), antialias=True)
+
+
+def train_transform(size: int, interpolation: str = "bilinear") -> v2.Transform:
     """RandomResizedCrop(size) + horizontal flip, to a uint8 (3, size, size) tensor.
 
     Takes a PIL RGB image or a uint8 (3, H, W) tensor (what :class:`SeededDataset` gives for JPEGs).
+    ``interpolation``: ``bilinear`` (default), ``bicubic`` or ``nearest`` (:data:`INTERPOLATIONS`).
     """
-    return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip(), ToUint8Tensor()])
+    return v2.Compose([v2.RandomResizedCrop(size, interpolation=_interpolation(interpolation), antialias=True),
+                       v2.RandomHorizontalFlip(), ToUint8Tensor()])
 
 
-def test_transform(size: int) -> v2.Transform:
-    """Resize the shorter side to round(size / 0.875), centre-crop size, to a uint8 tensor.
+def test_transform(size: int, crop_ratio: float = CROP_RATIO, interpolation: str = "bilinear") -> v2.Transform:
+    """Resize the shorter side to round(size / crop_ratio), centre-crop size, to a uint8 tensor.
 
-    Takes a PIL RGB image or a uint8 (3, H, W) tensor.
+    Takes a PIL RGB image or a uint8 (3, H, W) tensor. ``crop_ratio`` in (0, 1] (default 0.875, the
+    ImageNet convention: 224 of 256 px; the model's own, :mod:`fixres_dist.preprocessing`);
+    ``interpolation`` as :func:`train_transform`. Raises :class:`FixresError` for values outside those.
     """
-    return v2.Compose([v2.Resize(round(size / CROP_RATIO), antialias=True), v2.CenterCrop(size), ToUint8Tensor()])
+    return v2.Compose([_resize_for_crop(size, crop_ratio, interpolation), v2.CenterCrop(size), ToUint8Tensor()])
 
 
-def finetune_transform(size: int, augmentation: str = "test") -> v2.Transform:
+def finetune_transform(size: int, augmentation: str = "test", crop_ratio: float = CROP_RATIO,
+                       interpolation: str = "bilinear") -> v2.Transform:
     """Preprocessing for the FixRes finetune at test resolution ``size`` (pixels), to a uint8 tensor.
 
     ``"test"``: exactly :func:`test_transform` (FixRes' default: the finetune sees test-time images).
@@ -145,14 +198,14 @@ def finetune_transform(size: int, augmentation: str = "test") -> v2.Transform:
     centre crop shifted by up to 4 % of ``size`` in each direction (centre crop of ``size + 2d``
     then a random ``size`` crop, ``d = max(1, round(0.04 size))``), a horizontal flip, and a mild
     colour jitter (brightness, contrast, saturation x [0.9, 1.1]). The amounts are ours; FixRes
-    describes them only as light.
+    describes them only as light. ``crop_ratio`` and ``interpolation`` as :func:`test_transform`.
     """
     if augmentation == "test":
-        return test_transform(size)
+        return test_transform(size, crop_ratio, interpolation)
     if augmentation != "fixres":
         raise FixresError(f"unknown finetune augmentation {augmentation!r}; use test or fixres")
     shift = max(1, round(0.04 * size))
-    return v2.Compose([v2.Resize(round(size / CROP_RATIO), antialias=True), v2.CenterCrop(size + 2 * shift),
+    return v2.Compose([_resize_for_crop(size, crop_ratio, interpolation), v2.CenterCrop(size + 2 * shift),
                        v2.RandomCrop(size), v2.RandomHorizontalFlip(),
                        v2.ColorJitter(brightness=0.1, contrast=0.1, saturation=0.1), ToUint8Tensor()])
 
@@ -161,7 +214,7 @@ def normalize(images: torch.Tensor, normalization=IMAGENET_NORMALIZATION) -> tor
     """uint8 (B, 3, H, W) on any device -> float32 ``(x / 255 - mean) / std`` per channel.
 
     ``normalization`` is ``(mean, std)``, three floats each on the 0-1 scale: the architecture's own
-    (:func:`fixres_dist.models.input_normalization`; default ImageNet's). Computed in place on the
+    (:mod:`fixres_dist.preprocessing`; default ImageNet's). Computed in place on the
     one float copy (the same values as out of place, 2.5x faster on a CPU); the memory format (e.g.
     channels_last) is kept.
     """
@@ -169,29 +222,6 @@ def normalize(images: torch.Tensor, normalization=IMAGENET_NORMALIZATION) -> tor
     mean = torch.tensor(mean, device=images.device).view(1, 3, 1, 1) * 255
     std = torch.tensor(std, device=images.device).view(1, 3, 1, 1) * 255
     return images.float().sub_(mean).div_(std)
-
-
-_JPEG_MAGIC = b"\xff\xd8\xff"
-
-
-def _read_image(path: str):
-    """A JPEG file as a uint8 (3, H, W) RGB tensor, anything else as a PIL RGB image.
-
-    JPEGs are decoded by ``torchvision.io.decode_jpeg``, which gives the same pixels as PIL's
-    decoder (both libjpeg-turbo, same settings; grey and CMYK become RGB as with PIL) in about 0.7
-    of its time; a JPEG it refuses (truncated, unusual) goes to PIL, which decodes it or raises as
-    torchvision's loader would. EXIF orientation is ignored by both, as by ImageFolder.
-    """
-    with open(path, "rb") as f:
-        encoded = f.read()
-    if decode_jpeg is not None and encoded[:3] == _JPEG_MAGIC:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                return decode_jpeg(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        except RuntimeError:
-            pass
-    return Image.open(io.BytesIO(encoded)).convert("RGB")
 
 
 def to_device(images: torch.Tensor, device: torch.device, channels_last: bool = False,
@@ -211,18 +241,18 @@ class SeededDataset(Dataset):
     Returns ``(uint8 tensor (3, H, W), int label)``, or ``None`` for an unreadable image when
     ``skip_bad_images`` (else :class:`FixresError` naming the file).
 
-    For a plain ImageFolder (torchvision's default PIL loader, no transforms of its own, as made by
-    :func:`image_folder`) and a transform of this module (:func:`train_transform`,
-    :func:`test_transform`, :func:`finetune_transform`), JPEG files reach ``transform`` as decoded
-    uint8 tensors (:func:`_read_image`), other formats as PIL RGB images; otherwise the
-    ImageFolder's own items (PIL images).
+    For an :class:`ImageFolder` as made by :func:`image_folder` (loader
+    :func:`fixres_dist.images.open_rgb`, no transforms of its own) and a transform of this module
+    (:func:`train_transform`, :func:`test_transform`, :func:`finetune_transform`), JPEG files reach
+    ``transform`` as decoded uint8 tensors (:func:`fixres_dist.images.read_image`), other formats as
+    8-bit RGB PIL images; otherwise the dataset's own items (PIL images).
     """
 
     def __init__(self, base: datasets.ImageFolder, transform: v2.Transform, seed: int, skip_bad_images: bool = False):
         self.base, self.transform, self.seed, self.skip_bad_images = base, transform, seed, skip_bad_images
-        # Decode files here only where that changes nothing but the speed: torchvision's PIL loader,
-        # no ImageFolder transforms, and one of this module's transforms (they take tensors).
-        self._read_files = (getattr(base, "loader", None) is default_loader and get_image_backend() == "PIL"
+        # Decode files here only where that changes nothing but the speed: our PIL loader, no
+        # ImageFolder transforms, and one of this module's transforms (they take tensors).
+        self._read_files = (getattr(base, "loader", None) is images.open_rgb
                             and base.transform is None and base.target_transform is None
                             and isinstance(transform, v2.Compose) and isinstance(transform.transforms[-1], ToUint8Tensor))
 
@@ -232,7 +262,7 @@ class SeededDataset(Dataset):
     def _load(self, index: int):
         if self._read_files:
             path, label = self.base.samples[index]
-            return _read_image(path), label
+            return images.read_image(path), label
         return self.base[index]
 
     def __getitem__(self, key: SampleKey):
@@ -241,8 +271,8 @@ class SeededDataset(Dataset):
         except (OSError, ValueError, SyntaxError) as exc:  # PIL's UnidentifiedImageError is an OSError
             if self.skip_bad_images:
                 return None
-            raise FixresError(f"unreadable image {self.base.samples[key.index][0]} ({type(exc).__name__}); "
-                              "fix or remove it, or pass --skip-bad-images") from None
+            raise FixresError(f"unreadable image {self.base.samples[key.index][0]} ({type(exc).__name__}: "
+                              f"{first_line(exc)}); fix or remove it, or pass --skip-bad-images") from None
         sample_seed = int(np.random.SeedSequence([self.seed, key.epoch, key.index]).generate_state(1)[0])
         # What torch.random.fork_rng(devices=[]) + torch.manual_seed did, for the CPU generator alone
         # (the transforms draw from it), without their cost (0.4 ms a sample) or reseeding CUDA's.
@@ -264,12 +294,36 @@ def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor, int]:
     return images, labels, len(samples) - len(good)
 
 
-def image_folder(root: str | Path, split: str) -> datasets.ImageFolder:
-    """torchvision ImageFolder of ``root/split`` without a transform (PIL RGB images)."""
-    return datasets.ImageFolder(str(Path(root) / split))
+class ImageFolder(datasets.ImageFolder):
+    """torchvision's ImageFolder of one split without hidden files and folders (:func:`scan_split`).
+
+    Items are ``(8-bit RGB PIL image, class index)`` (loader :func:`fixres_dist.images.open_rgb`,
+    levels preserved for every mode). ``hidden``: the paths of the hidden files and folders skipped.
+    Raises ``FileNotFoundError`` (as torchvision's) when ``root`` holds no class folder.
+    """
+
+    def __init__(self, root: str | Path):
+        self._scan = scan_split(root)
+        self.hidden = self._scan.hidden
+        super().__init__(str(root), loader=images.open_rgb)
+        del self._scan  # its paths now live in self.samples
+
+    def find_classes(self, directory) -> tuple[list[str], dict[str, int]]:
+        classes = sorted(self._scan.images)
+        if not classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {directory}.")
+        return classes, {name: index for index, name in enumerate(classes)}
+
+    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        return [(path, class_to_idx[name]) for name in sorted(class_to_idx) for path in self._scan.images[name]]
 
 
-def make_loader(dataset: datasets.ImageFolder, transform: v2.Transform, *, batch_size: int,
+def image_folder(root: str | Path, split: str) -> ImageFolder:
+    """The :class:`ImageFolder` of ``root/split`` without a transform (8-bit RGB PIL images)."""
+    return ImageFolder(Path(root) / split)
+
+
+def make_loader(dataset: ImageFolder, transform: v2.Transform, *, batch_size: int,
                 world_size: int, rank: int, shuffle: bool, seed: int, workers: int,
                 pin_memory: bool = False, skip_bad_images: bool = False) -> DataLoader:
     """A DataLoader over ``dataset`` for one rank with an :class:`ExactBatchSampler`.

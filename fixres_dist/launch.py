@@ -17,7 +17,7 @@ from pathlib import Path
 import attrs
 import torch.multiprocessing as mp
 
-from . import checkpoint, data, distributed, extraction, fixres, models, placement
+from . import checkpoint, data, distributed, extraction, fixres, models, placement, resolutions, weights
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
 from .errors import FixresError, first_line, say, user_message
@@ -40,8 +40,8 @@ def build_config(mode: str, args: argparse.Namespace, environ=None) -> tuple[Tra
 
 
 def preflight(config: TrainerConfig) -> None:
-    """Check data, architecture, resolutions, weights, finetune scope and the features folder before
-    anything starts; raises FixresError."""
+    """Check data, architecture, resolutions (measured: :mod:`fixres_dist.resolutions`), weights,
+    finetune scope and the features folder before anything starts; raises FixresError."""
     classes = data.check_image_folder(config.data_path or data.embedded_data_path(), 2 * config.num_tasks)
     shared = Path(config.shared_folder_path).absolute()
     existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
@@ -63,14 +63,16 @@ def preflight(config: TrainerConfig) -> None:
         models.check_resolution(config.architecture, size)
     if config.extract_features:
         extraction.check_destination(config.extract_features, config.overwrite)
-    if config.weight_path:
-        probe_size = min(sizes)
-        model = models.build_model(config.architecture, len(classes), image_size=probe_size,
+    found = weights.read_weight_file(config.weight_path, config.weight_key) if config.weight_path else None
+    trained_at = (found.config or {}).get("input_size") if found else None
+    resolutions.check_run_sizes(config, len(classes), trained_at if isinstance(trained_at, int) else None)
+    if found:
+        build_size = resolutions.build_size(config)
+        model = models.build_model(config.architecture, len(classes), image_size=build_size,
                                    low_res_stem=config.low_res_stem)
-        state, _ = models.read_weight_file(config.weight_path)
-        models.load_weights(model, state, config.weight_path)
+        weights.load_weights(model, found)
         if config.mode == "finetune" and not config.eval_only:
-            fixres.trainable_modules(model, probe_size, config.finetune_scope, config.last_norm)
+            fixres.trainable_modules(model, build_size, config.finetune_scope, config.last_norm)
 
 
 def run_rank(config: TrainerConfig, checked: bool = False) -> RunResult:

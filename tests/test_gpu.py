@@ -189,3 +189,34 @@ def test_narrowed_visible_devices_let_local_rank_one_run(tiny_data, tmp_path):
         assert code == 0, f"rank {rank}: {err[-3000:]}"
     evals = [e for e in _events(tmp_path / "narrowed") if e["event"] == "eval"]
     assert evals[-1]["images"] == 30
+
+
+def test_loss_watch_reads_cuda_flags_a_step_late_without_syncing():
+    """Issue 13: the non-finite check adds no host-device synchronisation to the step; a step's flag
+    is known once the next step was observed (or at a flush)."""
+    from fixres_dist.finite import LossWatch
+    watch = LossWatch()
+    losses = [torch.tensor(v, device="cuda") for v in (1.0, float("nan"), 2.0)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any implicit synchronisation in observe() raises
+    try:
+        watch.observe(1, losses[0])
+        watch.observe(2, losses[1])
+        assert watch.first_bad is None  # step 2 is read one step later
+        watch.observe(3, losses[2])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert watch.first_bad == 2 and watch.flush() == 2
+
+
+def test_divergence_on_cuda_stops_with_the_last_good_checkpoint(tiny_data, tmp_path):
+    proc = run_script("scratch", "--job-id", "nan", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+                      *FAST, *CUDA, "--learning-rate", "1e6", "--warmup-epochs", "0", "--epochs", "2",
+                      "--ckpt-every", "1")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("fixres_dist: rank 0: non-finite loss (NaN or infinity) at epoch 1, step "), line
+    state = load_checkpoint(tmp_path / "nan" / CHECKPOINT_FILE)  # refuses non-finite weights
+    assert f"(step {state['global_step']}) is kept" in line
+    for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda token: pytest.fail(f"not strict JSON: {token}"))

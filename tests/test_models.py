@@ -11,7 +11,7 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
 from conftest import FAST, run_script
-from fixres_dist import FixresError, fixres, models
+from fixres_dist import FixresError, fixres, models, weights
 
 # name -> (n, parameters with 10 classes). He et al. 2016, Table 6: 0.27M, 0.46M, 0.66M, 0.85M, 1.7M
 # with option A shortcuts; ours (option B) add 2 projections: 16*32 + 2*32 + 32*64 + 2*64 = 2,752.
@@ -79,7 +79,7 @@ def test_low_res_stem_gives_total_stride_8(name, width):
     differ = {k for k, v in standard.state_dict().items() if v.shape != low.state_dict()[k].shape}
     assert differ == {"conv1.weight"} and set(standard.state_dict()) == set(low.state_dict())
     with pytest.raises(FixresError, match=r"other --architecture, class count or --low-res-stem\?"):
-        models.load_weights(low, standard.state_dict(), "imagenet-stem.pth")
+        weights.load_weights(low, standard.state_dict(), "imagenet-stem.pth")
 
 
 @pytest.mark.parametrize("name, why", [

@@ -113,6 +113,12 @@ def test_resumable_fields_come_from_the_configuration():
         check_resumable(TrainerConfig(), older, "old.pth")
     with pytest.raises(FixresError, match=r"another configuration \(learning_rate: 0.1 -> 0.3\)"):
         check_resumable(TrainerConfig(learning_rate=0.3), saved, "ckpt.pth")
+    # fields whose default is what older versions did (issue 13): absent means the default
+    before_13 = {k: v for k, v in saved.items() if k not in ("weight_key", "mean", "std", "crop_ratio", "interpolation")}
+    assert TrainerConfig().changed_since(before_13) == []
+    assert TrainerConfig(mean=0.5, std=0.2, crop_ratio=0.9).changed_since(before_13) == ["crop_ratio", "mean", "std"]
+    assert TrainerConfig.from_json(TrainerConfig(mean=0.5, std=(0.1, 0.2, 0.3)).to_json()).changed_since(
+        TrainerConfig(mean=0.5, std=(0.1, 0.2, 0.3)).to_dict()) == []
 
 
 def test_placed_fills_job_id_and_rendezvous_in_one_place(tmp_path):

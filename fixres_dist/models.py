@@ -160,7 +160,7 @@ def _replace_stem(model: nn.Module) -> nn.Module:
     return model
 
 
-def _import_optional(module: str, architecture: str):
+def import_optional(module: str, architecture: str):
     """Import an optional package, or raise a one-line FixresError naming the pip extra."""
     if importlib.util.find_spec(module) is None:
         package, extra = _OPTIONAL[module]
@@ -185,7 +185,7 @@ def check_architecture(name: str, low_res_stem: bool = False) -> None:
     if not isinstance(name, str) or not name:
         raise FixresError(f"--architecture must be a model name, got {name!r}")
     if name.startswith(TIMM_PREFIX):
-        timm = _import_optional("timm", name)
+        timm = import_optional("timm", name)
         inner = name[len(TIMM_PREFIX):]
         if not timm.is_model(inner):
             close = difflib.get_close_matches(inner, timm.list_models(), n=3, cutoff=0.5)
@@ -201,7 +201,7 @@ def check_architecture(name: str, low_res_stem: bool = False) -> None:
             hint = f"; timm has it: --architecture {TIMM_PREFIX}{name}"
         raise FixresError(f"unknown --architecture {name!r}{hint}")
     if name in LITE_MODELS:
-        _import_optional("efficientnet_lite_pytorch", name)
+        import_optional("efficientnet_lite_pytorch", name)
     if low_res_stem:
         check_low_res_stem(name)
 
@@ -267,7 +267,7 @@ def build_model(name: str, num_classes: int, image_size: int | None = None,
         model._fixres_build_size = image_size or default[-1]  # a plain attribute: not in state_dict()
         return model
     if name in LITE_MODELS:
-        lite = _import_optional("efficientnet_lite_pytorch", name)
+        lite = import_optional("efficientnet_lite_pytorch", name)
         # image_size=None selects the package's dynamic "same" padding (any input size).
         return lite.EfficientNet.from_name(LITE_MODELS[name], image_size=None, num_classes=num_classes)
     if name in CIFAR_RESNETS:
@@ -283,7 +283,7 @@ def _timm_model(name: str, num_classes: int, image_size: int | None) -> nn.Modul
     Asks timm for ``img_size`` and ``dynamic_img_size``, then ``img_size`` alone, then neither:
     a family's constructor refuses (``TypeError``) the arguments it does not know.
     """
-    timm = _import_optional("timm", name)
+    timm = import_optional("timm", name)
     tries = [{"img_size": image_size, "dynamic_img_size": True}, {"img_size": image_size}, {}] \
         if image_size is not None else [{"dynamic_img_size": True}, {}]
     for extra in tries:
@@ -308,7 +308,7 @@ def build_size(model: nn.Module) -> int:
     return getattr(model, "_fixres_build_size", None) or DEFAULT_SIZE
 
 
-def _interpolated_pos_embedding(pos_embedding: torch.Tensor, image_size: int, patch_size: int) -> torch.Tensor:
+def interpolated_pos_embedding(pos_embedding: torch.Tensor, image_size: int, patch_size: int) -> torch.Tensor:
     """(1, 1 + g*g, D) position embedding -> (1, 1 + n*n, D), n = image_size // patch_size.
 
     Bicubic on the g x g patch grid (torchvision's ``interpolate_embeddings``), class token kept;
@@ -346,7 +346,7 @@ def for_resolution(model: nn.Module, size: int) -> nn.Module:
     if size == base.image_size:
         return base
     original = base.encoder.pos_embedding
-    resized = _interpolated_pos_embedding(original.detach(), size, patch)
+    resized = interpolated_pos_embedding(original.detach(), size, patch)
     encoder = copy.copy(base.encoder)  # shallow: then give the copy its own registries
     encoder._parameters, encoder._buffers, encoder._modules = (
         dict(base.encoder._parameters), dict(base.encoder._buffers), dict(base.encoder._modules))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import attrs
 
 from .data import CROP_RATIO, IMAGENET_NORMALIZATION, INTERPOLATIONS
-from .models import LITE_MODELS, TIMM_PREFIX, _import_optional
+from .models import LITE_MODELS, TIMM_PREFIX, import_optional
 
 # EfficientNet-Lite's TensorFlow Lite training normalisation: (x - 127) / 128 on the 0-255 scale.
 LITE_NORMALIZATION = ((127 / 255,) * 3, (128 / 255,) * 3)
@@ -55,7 +55,7 @@ class Preprocessing:
 
 
 def _timm_config(name: str):
-    timm = _import_optional("timm", name)
+    timm = import_optional("timm", name)
     return timm.models.get_pretrained_cfg(name[len(TIMM_PREFIX):])
 
 

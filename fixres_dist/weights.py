@@ -54,7 +54,7 @@ from .errors import FixresError, first_line
 from .finite import describe_non_finite, non_finite_tensors
 from .fixres import find_head_and_last_norm
 from .io import safe_load
-from .models import _interpolated_pos_embedding, build_size, is_timm_model
+from .models import interpolated_pos_embedding, build_size, is_timm_model
 
 # Top-level entries that hold a model's weights, in order of preference (the EMA ones last).
 WEIGHT_KEYS = ("model", "state_dict", "model_state_dict")
@@ -290,7 +290,7 @@ def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | Non
     if isinstance(model, VisionTransformer) and key in state and state[key].shape != own[key].shape:
         grid_from = math.isqrt(max(state[key].shape[1] - 1, 0)) if state[key].dim() == 3 else 0
         try:
-            state[key] = _interpolated_pos_embedding(state[key], model.image_size, model.patch_size)
+            state[key] = interpolated_pos_embedding(state[key], model.image_size, model.patch_size)
         except FixresError as exc:
             raise FixresError(f"weights in {source}: {exc}") from None
         if state[key].shape == own[key].shape:

@@ -90,26 +90,39 @@ class SplitScan:
     hidden: list[str]
 
 
+def _image_files(folder: str, hidden: list[str]) -> list[str]:
+    """Image files under ``folder`` in ImageFolder's order (sub-folders by path, files by name);
+    hidden entries are appended to ``hidden`` and not walked into. ``os.scandir`` knows most
+    entries' types without a ``stat`` (only links need one), so a large tree costs one listing
+    per folder."""
+    found, stack = [], [folder]
+    while stack:
+        root, files = stack.pop(), []
+        with os.scandir(root) as entries:
+            for entry in entries:
+                if is_hidden(entry.name):
+                    hidden.append(entry.path)
+                elif entry.is_dir():  # follows links, as ImageFolder's os.walk(followlinks=True)
+                    stack.append(entry.path)
+                elif entry.name.lower().endswith(IMG_EXTENSIONS) and entry.is_file():
+                    files.append(entry.path)
+        found.append((root, sorted(files)))
+    return [path for _, paths in sorted(found) for path in paths]
+
+
 def scan_split(split: str | Path) -> SplitScan:
     """The classes and image files of ``split``, walked as torchvision's ImageFolder walks them
-    (symbolic links followed, extensions ``IMG_EXTENSIONS`` in any case), except that hidden files
-    and folders are skipped and counted, and names that are not files (a folder named ``x.png``, a
-    broken link) are not images. Raises ``OSError`` if ``split`` cannot be listed.
+    (symbolic links followed, extensions ``IMG_EXTENSIONS`` in any case, the same order), except
+    that hidden files and folders are skipped and counted, and names that are not files (a folder
+    named ``x.png``, a broken link) are not images. Raises ``OSError`` if ``split`` cannot be listed.
     """
-    split = Path(split)
     hidden, images_by_class = [], {}
-    for entry in sorted(os.scandir(split), key=lambda e: e.name):
-        if is_hidden(entry.name):
-            hidden.append(entry.path)
-        elif entry.is_dir():
-            found = []
-            for root, folders, files in os.walk(entry.path, followlinks=True):
-                hidden.extend(os.path.join(root, n) for n in [*folders, *files] if is_hidden(n))
-                folders[:] = [n for n in folders if not is_hidden(n)]  # never walked into
-                paths = [os.path.join(root, n) for n in sorted(files) if not is_hidden(n)
-                         and n.lower().endswith(IMG_EXTENSIONS)]
-                found.append((root, [p for p in paths if os.path.isfile(p)]))
-            images_by_class[entry.name] = [p for _, paths in sorted(found) for p in paths]
+    with os.scandir(split) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            if is_hidden(entry.name):
+                hidden.append(entry.path)
+            elif entry.is_dir():
+                images_by_class[entry.name] = _image_files(entry.path, hidden)
     return SplitScan(images_by_class, sorted(hidden))
 
 

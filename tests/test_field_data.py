@@ -205,3 +205,17 @@ def test_a_run_trains_only_the_real_classes_and_says_what_it_skipped(hidden_data
     assert tuple(state["model"]["fc.weight"].shape) == (3, 512)
     evals = [json.loads(line) for line in (tmp_path / "h" / "metrics.jsonl").read_text().splitlines()]
     assert [e["images"] for e in evals if e["event"] == "eval"] == [6]
+
+
+def test_nested_folders_keep_imagefolders_order(tmp_path):
+    image = Image.fromarray(LEVELS)
+    for relative in ["b/z.png", "b/sub/a.png", "b/sub/deeper/c.PNG", "b/a.png", "b/sub2/x.jpg", "a/q.png",
+                     "a/.hidden/y.png", "b/not-an-image.txt"]:
+        (tmp_path / "train" / relative).parent.mkdir(parents=True, exist_ok=True)
+        image.save(tmp_path / "train" / relative, format="PNG" if not relative.endswith(".jpg") else "JPEG") \
+            if relative.lower().endswith((".png", ".jpg")) else (tmp_path / "train" / relative).write_text("x")
+    (tmp_path / "train" / "b" / "folder.png").mkdir()  # named like an image: not one
+    ours = data.image_folder(tmp_path, "train")
+    reference = ImageFolder(str(tmp_path / "train"))
+    assert ours.samples == [s for s in reference.samples if "/." not in s[0]]
+    assert [os.path.relpath(p, tmp_path / "train") for p in ours.hidden] == ["a/.hidden"]

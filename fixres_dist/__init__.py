@@ -4,10 +4,9 @@
 returns a ``RunResult``. ``Preempted`` (exit status ``PREEMPTED_EXIT_STATUS``) follows a
 preemption checkpoint; ``FixresError`` is every user-facing error (one line).
 """
-from .config import TrainerConfig, default_job_id
+from .config import TrainerConfig
 from .errors import FixresError
 from .preemption import PREEMPTED_EXIT_STATUS, Preempted
 from .trainer import RunResult, Trainer
 
-__all__ = ["Trainer", "TrainerConfig", "RunResult", "FixresError", "Preempted", "PREEMPTED_EXIT_STATUS",
-           "default_job_id"]
+__all__ = ["Trainer", "TrainerConfig", "RunResult", "FixresError", "Preempted", "PREEMPTED_EXIT_STATUS"]

@@ -41,9 +41,11 @@ def _replace_with_link(source: Path, target: Path) -> None:
 
 
 def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int = 2,
-                    fault_hook=None) -> Path:
+                    fault_hook=None, protect: str | Path | None = None) -> Path:
     """Write ``state`` as ``checkpoint-<global_step>.pth``, point ``checkpoint.pth`` at it, keep ``keep``.
 
+    Only this job's numbered checkpoints in ``folder`` are deleted to keep ``keep``, never the file
+    ``protect`` (the one ``--resume`` named, which this job did not write).
     ``fault_hook(global_step, file)`` is called mid-write (tests). Raises :class:`FixresError` when
     the write fails (full or read-only disk), and before writing anything when ``state["model"]`` or
     ``state["optimizer"]`` holds NaN or infinity (weights that diverged are never a checkpoint); the
@@ -68,9 +70,28 @@ def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int
     except OSError as exc:
         raise FixresError(f"cannot write checkpoint in {folder}: {exc.strerror or exc}; "
                           "the previous checkpoint is kept") from None
-    for old in sorted(folder.glob("checkpoint-*.pth"))[:-keep]:
-        old.unlink(missing_ok=True)
+    protected = Path(protect).resolve() if protect else None
+    for old in sorted(folder.glob("checkpoint-[0-9]*.pth"))[:-keep]:
+        if old.resolve() != protected:
+            old.unlink(missing_ok=True)
     return path
+
+
+def resume_source(job_folder: str | Path, resume: str | None) -> tuple[Path | None, str | None]:
+    """Which checkpoint a run continues from: ``(path or None, a note for the log or None)``.
+
+    The rule (README, "Never losing work"): the job folder's own ``checkpoint.pth`` wins once it
+    exists, since it continues this job and is newer than anything the job started from; else
+    ``--resume`` (where a new job starts from); else none. So rerunning a command that carries
+    ``--resume OLD.pth`` after a preemption continues from the job's latest checkpoint, not from OLD.
+    """
+    own = Path(job_folder) / CHECKPOINT_FILE
+    if os.path.exists(own):
+        if resume and Path(resume).resolve() != own.resolve():
+            return own, (f"--resume {resume} not used: this job's own checkpoint {own} continues it "
+                         "(the job folder's checkpoint wins once the job has one)")
+        return own, None
+    return (Path(resume), None) if resume else (None, None)
 
 
 REQUIRED_KEYS = ("model", "optimizer", "epoch", "images_in_epoch", "global_step", "ranks", "config", "metrics")

@@ -69,7 +69,8 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     d.add_argument("--num-tasks", type=int, help="world size; alone and > 1: spawn that many local ranks")
     d.add_argument("--global-rank", type=int, help="this process's global rank (with --num-tasks)")
     d.add_argument("--local-rank", type=int, help="this process's rank on its node (default: global rank)")
-    d.add_argument("--job-id", help="job name; ranks with the same job id and shared folder meet")
+    d.add_argument("--job-id", help="job name = folder under --shared-folder-path (default: the SLURM job id, else "
+                   "<mode>-<architecture>-<hash of the configuration>, so the same command resumes)")
     d.add_argument("--dist-url", help="file://PATH, tcp://HOST:PORT or env:// (default: a file in the job folder)")
     d.add_argument("--dist-backend", choices=["gloo", "nccl"], help="default: nccl on CUDA, gloo on CPU")
     d.add_argument("--dist-timeout", type=float, help="seconds to wait for peers and collectives (default 300)")
@@ -106,7 +107,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                         "else 0.875)")
     t.add_argument("--interpolation", choices=list(INTERPOLATIONS),
                    help="resize interpolation (default: timm's pretrained config, else bilinear)")
-    t.add_argument("--batch", type=_positive_int, help="images per process per step (default 64)")
+    t.add_argument("--batch", type=_positive_int, help="images per process per step, >= 2 for training (default 64)")
     t.add_argument("--epochs", type=_positive_int)
     lr_note = "Goyal et al." if mode == "scratch" else \
         f"FixRes' finetune used {FIXRES_FINETUNE_LR_PER_256:g} per 256 (8e-3 for 8 x 64 = 512 images) on converged " \
@@ -156,7 +157,8 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     c = p.add_argument_group("checkpoints and preemption")
     c.add_argument("--ckpt-every", type=int, help="also checkpoint every N optimizer steps (default: epoch ends only)")
     c.add_argument("--keep-checkpoints", type=int, help="numbered checkpoints to keep (default 2)")
-    c.add_argument("--resume", help="checkpoint to resume from (default: the job folder's checkpoint.pth, if any)")
+    c.add_argument("--resume", help="checkpoint a new job starts from; once the job folder has its own "
+                   "checkpoint.pth, that one is used (default: the job folder's checkpoint.pth, if any)")
     c.add_argument("--preempt-signal", help="signal that means 'checkpoint and stop' besides SIGTERM (default SIGUSR2)")
     c.add_argument("--skip-bad-images", action="store_true", default=None,
                    help="skip and count unreadable images instead of stopping")

@@ -1,12 +1,12 @@
 """``TrainerConfig``: every option of a run, validated, and its JSON round trip (``config.json``)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
 import signal
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -24,6 +24,7 @@ RESUMABLE = {"resumable": True}
 # Field metadata: a checkpoint written before the field existed behaved as its default does, so the
 # field's absence there is no change (unlike norm_weight_decay, whose absence means "decayed").
 ABSENT_IS_DEFAULT = {"absent_is_default": True}
+PATH_FIELDS = ("data_path", "weight_path", "resume")  # compared as absolute paths (resolved_path)
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -170,9 +171,10 @@ def _seed(instance, attribute, value):
         raise FixresError(f"--seed must be in [0, 2**63), got {value}")
 
 
-def default_job_id() -> str:
-    """A fresh job id for runs that were given none: ``local-YYYYmmdd-HHMMSS-<pid>``."""
-    return time.strftime("local-%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+def resolved_path(value: str | None) -> str | None:
+    """A user's path as an absolute, normalised path (``./data``, ``data/`` and ``$PWD/data`` are one
+    folder), so that the same folder spelt differently is the same configuration. None stays None."""
+    return None if value is None else os.path.abspath(os.path.expanduser(str(value)))
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -197,10 +199,10 @@ class TrainerConfig:
 
     # What to train, on what.
     mode: str = attrs.field(default="scratch", validator=_one_of("scratch", "finetune"))
-    data_path: str | None = None
+    data_path: str | None = attrs.field(default=None, converter=resolved_path)
     architecture: str = "resnet18"
     low_res_stem: bool = False  # torchvision ResNets: 3x3 stride-1 conv1, no max-pool (models.build_model)
-    weight_path: str | None = None
+    weight_path: str | None = attrs.field(default=None, converter=resolved_path)
     # The weight file's entry with the weights (model_ema, state_dict_ema...; weights.read_weight_file).
     weight_key: str | None = attrs.field(default=None, validator=_weight_key, metadata=ABSENT_IS_DEFAULT)
     train_size: int | None = attrs.field(default=None, validator=_resolution)
@@ -251,7 +253,7 @@ class TrainerConfig:
     # Never lose work (checkpoint.py): periodic checkpoints, resume, preemption.
     ckpt_every: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
     keep_checkpoints: int = attrs.field(default=2, validator=_positive, metadata=RESUMABLE)
-    resume: str | None = attrs.field(default=None, metadata=RESUMABLE)
+    resume: str | None = attrs.field(default=None, converter=resolved_path, metadata=RESUMABLE)
     preempt_signal: str = attrs.field(default="SIGUSR2", validator=_signal_name, metadata=RESUMABLE)
     skip_bad_images: bool = attrs.field(default=False, metadata=RESUMABLE)
 
@@ -265,6 +267,9 @@ class TrainerConfig:
         if self.amp == "fp16" and self.device != "cuda":
             raise FixresError("--amp fp16 needs --device cuda (its GradScaler is CUDA-only); on CPU use "
                               "--amp bf16 or --amp off")
+        if self.batch < 2 and not self.eval_only:
+            raise FixresError("--batch must be >= 2 for training: a rank's BatchNorm cannot train on one image "
+                              "(--batch 1 is allowed with --eval-only)")
         if self.eval_only and not self.weight_path:
             raise FixresError("--eval-only needs --weight-path (the checkpoint.pth or state_dict to evaluate)")
         if (self.mean is None) != (self.std is None):
@@ -291,12 +296,28 @@ class TrainerConfig:
                dist_url: str | None = None) -> "TrainerConfig":
         """This configuration at one rank of a job: the one place that fills in job id and rendezvous.
 
-        ``job_id`` None: a fresh :func:`default_job_id`. ``dist_url`` None: the job folder's
+        ``job_id`` None: :meth:`derived_job_id`, the same for the same configuration, so that running
+        the same command again resumes the job. ``dist_url`` None: the job folder's
         :meth:`rendezvous_url` for several ranks, ``env://`` (unused) for one.
         """
         placed = attrs.evolve(self, num_tasks=num_tasks, global_rank=global_rank, local_rank=local_rank,
-                              job_id=job_id or default_job_id())
+                              job_id=job_id or self.derived_job_id())
         return attrs.evolve(placed, dist_url=dist_url or (placed.rendezvous_url() if num_tasks > 1 else "env://"))
+
+    def derived_job_id(self) -> str:
+        """The job id of a run given none: ``<mode>-<architecture>-<12 hex digits>``.
+
+        The digits are the SHA-256 of every field that shapes the trained weights (the fields not
+        marked resumable: data folder, architecture, resolutions, schedule, seed, ...), so the same
+        command run again (after a preemption, a crash, a reboot) finds its own job folder and
+        resumes, from any launcher and any number of ranks, while a different configuration gets
+        another folder. Where a run executes and how it reports (ranks, workers, speed options,
+        ``--resume``) do not change the id.
+        """
+        fields = {k: v for k, v in self.to_dict().items() if k not in self.resumable_fields()}
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        architecture = re.sub(r"[^A-Za-z0-9._-]+", "-", self.architecture).strip("-.")[:64] or "model"
+        return f"{self.mode}-{architecture}-{digest}"
 
     @classmethod
     def resumable_fields(cls) -> frozenset[str]:
@@ -312,6 +333,7 @@ class TrainerConfig:
         only another value than the default is a change.
         """
         mine = self.to_dict()
+        saved = {**saved, **{k: resolved_path(saved[k]) for k in PATH_FIELDS if isinstance(saved.get(k), str)}}
 
         def changed(f) -> bool:
             if f.name in saved:

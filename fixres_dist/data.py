@@ -30,8 +30,10 @@ did with PIL).
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
+import signal
 from importlib import resources
 from pathlib import Path
 
@@ -44,7 +46,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from . import images
+from . import images, preemption
 from .errors import FixresError, first_line
 from .samplers import ExactBatchSampler, SampleKey
 
@@ -336,19 +338,41 @@ def image_folder(root: str | Path, split: str) -> ImageFolder:
     return ImageFolder(Path(root) / split)
 
 
+def close_loader(loader) -> None:
+    """Stop ``loader``'s persistent worker processes now (a no-op without workers or before its first
+    iteration). Needed because the workers ignore SIGTERM (:func:`make_loader`): left for the
+    interpreter's exit, multiprocessing would SIGTERM them and wait for them forever.
+    """
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+
+
 def make_loader(dataset: ImageFolder, transform: v2.Transform, *, batch_size: int,
                 world_size: int, rank: int, shuffle: bool, seed: int, workers: int,
-                pin_memory: bool = False, skip_bad_images: bool = False) -> DataLoader:
-    """A DataLoader over ``dataset`` for one rank with an :class:`ExactBatchSampler`.
+                pin_memory: bool = False, skip_bad_images: bool = False, training: bool = False,
+                ignored_signals: tuple[signal.Signals, ...] = ()) -> DataLoader:
+    """A DataLoader over ``dataset`` for one rank with an :class:`ExactBatchSampler` (``training``:
+    its training semantics, see :mod:`fixres_dist.samplers`).
+
+    Loader workers ignore ``ignored_signals`` (the job's stop signals): SLURM, ``timeout``, ``kill
+    -- -PGID`` and Ctrl-C signal every process of a job, and a worker that died of it would take
+    the rank's step down with it; the rank alone decides to checkpoint and stop, and shuts its
+    workers down as it exits.
 
     Loader workers are seeded by torch from a generator seeded with ``seed + rank`` (distinct per
     worker); augmentation itself is seeded per sample by :class:`SeededDataset`.
     """
-    sampler = ExactBatchSampler(len(dataset), world_size, rank, batch_size, shuffle=shuffle, seed=seed)
+    sampler = ExactBatchSampler(len(dataset), world_size, rank, batch_size, shuffle=shuffle, seed=seed,
+                                training=training)
     # Ranks started by torch.multiprocessing's spawn inherit "spawn" as the default start method,
-    # and spawned loader workers re-import torch (seconds each on a small CPU); fork them instead.
-    context = "fork" if workers > 0 and "fork" in multiprocessing.get_all_start_methods() else None
+    # and spawned loader workers re-import torch (seconds each on a small CPU); fork them instead,
+    # with the stop signals blocked from the fork until the worker ignores them.
+    context = None
+    if workers > 0 and "fork" in multiprocessing.get_all_start_methods():
+        context = preemption.shielded_fork_context(ignored_signals) if ignored_signals else "fork"
     return DataLoader(SeededDataset(dataset, transform, seed, skip_bad_images), batch_sampler=sampler,
                       num_workers=workers, collate_fn=collate_readable,
                       pin_memory=pin_memory, persistent_workers=workers > 0, multiprocessing_context=context,
+                      worker_init_fn=functools.partial(preemption.ignore_signals, ignored_signals) if workers else None,
                       generator=torch.Generator().manual_seed(seed + rank))

@@ -16,16 +16,16 @@ from .rendezvous import Rendezvous, _never, make_store
 
 
 def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, timeout: float,
-                       should_stop=_never) -> Rendezvous | None:
+                       should_stop=_never, check_joinable=_never) -> Rendezvous | None:
     """Meet the other ranks and create the default process group; returns the :class:`Rendezvous`.
 
-    World size 1: no group, returns None. ``should_stop()`` is polled while waiting at a file
-    rendezvous (:class:`~fixres_dist.rendezvous.RendezvousInterrupted` when it returns True).
+    World size 1: no group, returns None. ``should_stop()`` and ``check_joinable()`` are polled
+    while waiting at a file rendezvous (:func:`~fixres_dist.rendezvous.make_store`).
     Raises :class:`FixresError` on timeout.
     """
     if world_size == 1:
         return None
-    store = make_store(dist_url, rank, world_size, timeout, should_stop)
+    store = make_store(dist_url, rank, world_size, timeout, should_stop, check_joinable)
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))

@@ -104,14 +104,16 @@ def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torc
 
 
 class EpochMeter:
-    """This rank's summed loss, images and unreadable images of the epoch so far.
+    """This rank's summed loss, images and unreadable images of the epoch so far, and its duration.
 
     The loss sum stays on the device (no host sync per step); the counts are host integers.
-    ``start`` holds the totals before a mid-epoch stop (rank 0 carries them across a resume).
+    ``start`` holds the totals and ``seconds_before`` the training time (seconds) before a
+    mid-epoch stop (rank 0 carries them across a resume).
     """
 
-    def __init__(self, device: torch.device, start=(0.0, 0.0, 0.0)):
+    def __init__(self, device: torch.device, start=(0.0, 0.0, 0.0), seconds_before: float = 0.0):
         self.device = device
+        self.started, self.seconds_before = time.perf_counter(), seconds_before
         self.sums = torch.zeros(3, dtype=torch.float64, device=device) + \
             torch.tensor(start, dtype=torch.float64, device=device)
         self.counts = [0, 0]  # images, unreadable images
@@ -121,6 +123,10 @@ class EpochMeter:
         self.counts[0] += images
         self.counts[1] += skipped
 
+    def seconds(self) -> float:
+        """Seconds of training in this epoch, including those before a resume."""
+        return self.seconds_before + time.perf_counter() - self.started
+
     def totals(self) -> torch.Tensor:
         """(summed loss, images, unreadable images), float64 on the device."""
         counts = torch.tensor(self.counts, dtype=torch.float64, device=self.device)
@@ -129,12 +135,15 @@ class EpochMeter:
 
 @attrs.frozen
 class EpochResult:
-    """An epoch over all ranks: mean loss (nats), images trained on, unreadable images skipped, speed."""
+    """An epoch over all ranks: mean loss (nats), images trained on, unreadable images skipped, speed
+    (images/s over the whole epoch, also across a resume), and images left out after a resume on more
+    ranks (:mod:`fixres_dist.samplers`)."""
 
     loss: float
     images: int
     skipped: int
     img_per_s: float
+    left_out: int = 0
 
 
 def train_one_epoch(step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], loader,
@@ -151,13 +160,11 @@ def train_one_epoch(step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tens
     sampler.set_epoch(epoch, skip=start_image)
     global_batches = sampler.global_batch_sizes()
     dataset_size = sampler.dataset_size
-    done, images_seen = start_image, 0
-    start = time.perf_counter()
+    done, left_out = start_image, sampler.left_out
     for index, (images, labels, skipped) in enumerate(loader):
         set_progress(epoch + done / dataset_size)
         loss = step(images, labels, global_batches[index])
         meter.add(loss, labels.numel(), skipped)
-        images_seen += labels.numel()
         now = sampler.images_done(index + 1)
         if progress_bar is not None:
             progress_bar.update(now - done)
@@ -165,10 +172,9 @@ def train_one_epoch(step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tens
                 progress_bar.set_postfix(loss=f"{loss.item() / labels.numel():.3f}")
         done = now
         after_step(done)
-    seconds = time.perf_counter() - start
-    seen = torch.tensor([float(images_seen)], dtype=torch.float64, device=meter.device)  # by this process
-    loss_sum, images, skipped, seen = distributed.all_reduce_sum(torch.cat([meter.totals(), seen])).tolist()
-    return EpochResult(loss_sum / max(images, 1), int(images), int(skipped), seen / seconds)
+    seconds = meter.seconds()
+    loss_sum, images, skipped = distributed.all_reduce_sum(meter.totals()).tolist()
+    return EpochResult(loss_sum / max(images, 1), int(images), int(skipped), images / max(seconds, 1e-9), left_out)
 
 
 @attrs.frozen
@@ -183,14 +189,18 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | None = None,
-             channels_last: bool = False, normalization=IMAGENET_NORMALIZATION) -> EvalResult:
+             channels_last: bool = False, normalization=IMAGENET_NORMALIZATION,
+             after_batch: Callable[[], None] | None = None) -> EvalResult:
     """Evaluate ``model`` (unwrapped, put in eval mode) on this rank's share and reduce over ranks.
 
     ``amp``: autocast dtype (``torch.bfloat16``/``torch.float16``) or None; the sums are float64.
+    ``after_batch()`` runs after each batch that every rank has (a collective is allowed there: the
+    stop agreement, which may raise to abandon the evaluation).
     """
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # top1 hits, top5 hits, loss sum, count
+    common = loader.batch_sampler.common_batches if after_batch is not None else 0
     with eval_mode(model):
-        for images, labels, _skipped in loader:
+        for index, (images, labels, _skipped) in enumerate(loader):
             images = to_device(images, device, channels_last, normalization)
             labels = labels.to(device, non_blocking=True)
             with autocast(device, amp):
@@ -200,6 +210,8 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | 
             sums += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(),
                                  F.cross_entropy(logits, labels, reduction="sum"),
                                  torch.tensor(labels.numel(), device=device)]).double()
+            if index < common:
+                after_batch()
     top1, top5, loss, count = distributed.all_reduce_sum(sums).tolist()
     count = max(count, 1)
     return EvalResult(100 * top1 / count, 100 * top5 / count, loss / count, int(count))

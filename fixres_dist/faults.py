@@ -5,6 +5,7 @@ Set ``FIXRES_FAULT`` to ``ACTION:rank=R:step=S`` (several separated by ``,``), w
 * ``kill``: the rank SIGKILLs itself after global optimizer step S (a vanished node);
 * ``raise``: the rank raises ``RuntimeError("injected fault")`` after step S (a bug);
 * ``signal``: the rank sends itself the preemption signal after step S (SLURM's warning);
+* ``eval-signal``: the same, during the first evaluation after step S (at its first batch);
 * ``ckpt-write``: the checkpoint write at or after step S fails half-way with ENOSPC (a full disk).
 
 Unset (the normal case), every hook is a no-op.
@@ -20,7 +21,7 @@ import attrs
 from .errors import FixresError
 
 ENV = "FIXRES_FAULT"
-ACTIONS = ("kill", "raise", "signal", "ckpt-write")
+ACTIONS = ("kill", "raise", "signal", "eval-signal", "ckpt-write")
 
 
 @attrs.frozen
@@ -63,6 +64,13 @@ class FaultInjector:
                     raise RuntimeError(f"injected fault at step {global_step}")
                 if fault.action == "signal":
                     os.kill(os.getpid(), self.preempt_signal)
+
+    def during_evaluation(self, global_step: int) -> None:
+        for fault in self.faults:
+            if fault.action == "eval-signal" and fault.step == global_step:
+                self.faults.remove(fault)  # once
+                os.kill(os.getpid(), self.preempt_signal)
+                break
 
     def checkpoint_write(self, global_step: int, file) -> None:
         """Called mid-write: writes a partial record, then fails like a full disk."""

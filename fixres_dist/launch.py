@@ -2,26 +2,33 @@
 
 Exit status: 0 on success; 1 on any failure, after one line ``fixres_dist: rank R: <cause>`` on
 stderr (a traceback is printed before it only for unexpected errors, i.e. bugs); 2 for command-line
-usage errors (argparse); 3 after a preemption (SIGTERM or the preemption signal): every rank wrote
-the checkpoint, and running the same command again resumes. Bad input is found here, before any rank starts or anything is written.
+usage errors (argparse); 3 after a preemption (SIGTERM or the preemption signal) and 130 after
+Ctrl-C (SIGINT): every rank wrote the checkpoint (if anything was trained since the last one), and
+running the same command again resumes. Bad input is found here, before any rank starts or anything
+is written; a second launch of a running job is refused before any rendezvous (:mod:`fixres_dist.joblock`).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
+import time
 import traceback
 from pathlib import Path
 
 import attrs
 import torch.multiprocessing as mp
 
-from . import checkpoint, data, distributed, extraction, fixres, models, placement, resolutions, weights
+from . import checkpoint, data, distributed, extraction, fixres, io, joblock, models, placement, resolutions, weights
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
 from .errors import FixresError, first_line, say, user_message
-from .preemption import PREEMPTED_EXIT_STATUS, Preempted
+from .preemption import INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, Preempted, exit_status, ignoring, stop_signals
 from .trainer import RunResult, Trainer
 
 
@@ -47,8 +54,8 @@ def preflight(config: TrainerConfig) -> None:
     existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise FixresError(f"cannot create the job folder {shared / config.job_id}: {existing} is not a writable folder")
-    resume = config.resume or shared / config.job_id / checkpoint.CHECKPOINT_FILE
-    if config.resume or os.path.exists(resume):
+    resume, _ = checkpoint.resume_source(config.job_folder, config.resume)
+    if resume is not None:
         checkpoint.check_resumable(config, checkpoint.load_checkpoint(resume)["config"], resume)
     models.check_architecture(config.architecture, config.low_res_stem)
     if config.device == "cuda":
@@ -75,19 +82,21 @@ def preflight(config: TrainerConfig) -> None:
             fixres.trainable_modules(model, build_size, config.finetune_scope, config.last_norm)
 
 
-def run_rank(config: TrainerConfig, checked: bool = False) -> RunResult:
-    """Run one rank; on failure print one stderr line and exit 1 (3 after a preemption checkpoint).
+def run_rank(config: TrainerConfig, checked: bool = False, locked: bool = False, announce: bool = False) -> RunResult:
+    """Run one rank; on failure print one stderr line and exit 1 (3 or 130 after a stop checkpoint).
 
-    ``checked``: :func:`preflight` already ran for this job in this process or its parent.
+    ``checked``: :func:`preflight` already ran for this job in this process or its parent;
+    ``locked``, ``announce``: see :class:`~fixres_dist.trainer.Trainer`.
     """
     prefix = f"fixres_dist: rank {config.global_rank}:"
     try:
-        return Trainer(config, checked=checked)()
+        return Trainer(config, checked=checked, locked=locked, announce=announce)()
     except Preempted as exc:
         say(f"{prefix} {exc}")
-        raise SystemExit(PREEMPTED_EXIT_STATUS) from None
-    except KeyboardInterrupt:
-        say(f"{prefix} interrupted")
+        raise SystemExit(exit_status(exc.signal)) from None
+    except KeyboardInterrupt:  # Ctrl-C outside the Trainer's stop handling (before it started)
+        say(f"{prefix} interrupted by SIGINT before training started; nothing to checkpoint")
+        raise SystemExit(INTERRUPTED_EXIT_STATUS) from None
     except Exception as exc:  # every failure ends with one line; bugs also get their traceback
         message = user_message(exc)
         if message is None:
@@ -98,8 +107,24 @@ def run_rank(config: TrainerConfig, checked: bool = False) -> RunResult:
     raise SystemExit(1)
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _stop_with_launcher() -> None:
+    """Ask Linux to send this process SIGTERM when its parent exits (best effort, Linux only).
+
+    A spawned rank's parent is the launcher's forkserver, which exits with the launcher: a launcher
+    killed with SIGKILL thus still has its ranks checkpoint and stop instead of running on as orphans.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass
+
+
 def _spawned_rank(index: int, config: TrainerConfig) -> None:
-    run_rank(attrs.evolve(config, global_rank=index, local_rank=index), checked=True)
+    _stop_with_launcher()
+    run_rank(attrs.evolve(config, global_rank=index, local_rank=index), checked=True, locked=True)
 
 
 # What the forkserver imports once, before it forks each rank (instead of every rank importing it).
@@ -118,35 +143,73 @@ def start_method() -> str:
 
 
 def spawn(config: TrainerConfig) -> None:
-    """Start ``config.num_tasks`` local ranks and wait.
+    """Hold the job lock, start ``config.num_tasks`` local ranks and wait.
 
-    SIGTERM, SIGINT and the preemption signal received by this parent are forwarded to the ranks.
-    When a rank fails the others are terminated; the parent exits 1 (3 if the ranks were preempted
-    and wrote their checkpoint).
+    SIGTERM, SIGINT and the preemption signal received by this parent are forwarded to the ranks
+    (again every second until they exit, should one arrive before a rank listens). The forkserver
+    and the resource tracker ignore them: a signal to the whole process group reaches the ranks
+    (and this parent) only. When a rank fails the others are terminated; the parent exits 1 (3, or
+    130 for SIGINT, if the ranks stopped on a signal and wrote their checkpoint).
     """
-    context = mp.start_processes(_spawned_rank, args=(config,), nprocs=config.num_tasks, join=False,
-                                 start_method=start_method())
+    io.make_private_folder(config.job_folder)
+    lock = joblock.JobLock.acquire(config.job_folder, config.num_tasks)
+    signals = stop_signals(config.preempt_signal)
+    method = start_method()
+    with ignoring(signals):  # helper processes started now ignore the job's stop signals for good
+        multiprocessing.resource_tracker.ensure_running()
+        if method == "forkserver":
+            multiprocessing.forkserver.ensure_running()
+    received, context = [], None
 
     def forward(signum, frame):
-        for process in context.processes:
+        received.append(signum)
+        for process in context.processes if context is not None else ():
             if process.is_alive():
                 os.kill(process.pid, signum)
 
-    forwarded = (signal.SIGTERM, signal.SIGINT, signal.Signals[config.preempt_signal])
-    previous = {s: signal.signal(s, forward) for s in forwarded}
+    previous = {s: signal.signal(s, forward) for s in signals}
     try:
-        while not context.join():
-            pass
-    except mp.ProcessExitedException as exc:
-        if exc.exit_code == PREEMPTED_EXIT_STATUS:
-            raise SystemExit(PREEMPTED_EXIT_STATUS) from None
-        cause = f"was killed by {signal.Signals(-exc.exit_code).name}" if exc.exit_code < 0 else \
-            f"exited with status {exc.exit_code}"
-        say(f"fixres_dist: rank {exc.error_index} {cause}; stopped the other ranks")
-        raise SystemExit(1) from None
+        context = mp.start_processes(_spawned_rank, args=(config,), nprocs=config.num_tasks, join=False,
+                                     start_method=method)
+        failed = _wait_for_ranks(context.processes, lambda: forward(received[-1], None) if received else None)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        lock.release()
+    codes = [p.exitcode for p in context.processes]
+    if failed is not None:
+        rank, code = failed
+        cause = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        say(f"fixres_dist: rank {rank} {cause}; stopped the other ranks")
+        raise SystemExit(1)
+    for status in (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS):
+        if status in codes:
+            raise SystemExit(status)
+
+
+STOPPED = (0, PREEMPTED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS)  # how a rank ends without failing
+TERMINATE_GRACE_S = 30.0  # after a rank failed, the others get SIGTERM, then SIGKILL this much later
+
+
+def _wait_for_ranks(processes, every_second) -> tuple[int, int] | None:
+    """Wait until every rank process has exited; returns ``(rank, exit code)`` of the first that
+    failed (after terminating the others), or None. Ranks that stop on a signal (3, 130) are waited
+    for, not terminated: each writes its part of the checkpoint and exits by itself."""
+    failed, deadline = None, None
+    while any(p.exitcode is None for p in processes):
+        multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=1.0)
+        every_second()
+        for rank, process in enumerate(processes):
+            if failed is None and process.exitcode not in (None, *STOPPED):
+                failed, deadline = (rank, process.exitcode), time.monotonic() + TERMINATE_GRACE_S
+                for other in processes:
+                    if other.exitcode is None:
+                        other.terminate()
+        if deadline is not None and time.monotonic() > deadline:
+            for other in processes:
+                if other.exitcode is None:
+                    other.kill()
+    return failed
 
 
 def main(mode: str, argv: list[str] | None = None) -> None:
@@ -163,9 +226,13 @@ def main(mode: str, argv: list[str] | None = None) -> None:
         say(f"fixres_dist: rank {rank}: {exc}")
         raise SystemExit(1) from None
     if source == "spawn":
-        spawn(config)
+        try:
+            spawn(config)
+        except FixresError as exc:  # the job folder is in use
+            say(f"fixres_dist: rank 0: {exc}")
+            raise SystemExit(1) from None
     else:
-        run_rank(config, checked)
+        run_rank(config, checked, announce=source in ("flags", "slurm"))
 
 
 def main_scratch() -> None:

@@ -9,7 +9,11 @@ Rank resolution follows one precedence, highest first (README: "where a process 
 4. none of these and ``--num-tasks N > 1``: spawn N local ranks from this one command;
 5. otherwise one process (world size 1, no process group).
 
-A value given by two sources that disagree (``--num-tasks 4`` with ``WORLD_SIZE=2``) is an error.
+A value given by two sources that disagree (``--num-tasks 4`` with ``WORLD_SIZE=2``, ``WORLD_SIZE=2``
+with ``SLURM_NTASKS=1``) is an error naming both, as is a partial set of one launcher's variables
+(``RANK`` and ``WORLD_SIZE`` without ``LOCAL_RANK``). torchrun started inside a SLURM task (it sets
+``TORCHELASTIC_RUN_ID``) takes precedence over that task's SLURM ranks; a shell inside an allocation
+that srun did not start (no ``SLURM_PROCID``) is not a SLURM task.
 """
 from __future__ import annotations
 
@@ -54,8 +58,46 @@ def _slurm_tasks_on_node(environ, ntasks: int) -> int:
 
 def _check_agree(flag_name: str, flag_value, env_name: str, env_value) -> None:
     if flag_value is not None and flag_value != env_value:
-        raise FixresError(f"{flag_name} {flag_value} conflicts with {env_name}={env_value}; "
-                          "drop the flag or fix the environment")
+        raise FixresError(f"{flag_name} {flag_value} (command line) conflicts with {env_name}={env_value} "
+                          "(environment); drop the flag or fix the environment")
+
+
+TORCHRUN_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def _torchrun_variables(environ) -> bool:
+    """Whether torchrun's rank variables are set; FixresError for a partial set or no store address."""
+    present = [k for k in TORCHRUN_RANK_VARIABLES if k in environ]
+    if present and len(present) < len(TORCHRUN_RANK_VARIABLES):
+        missing = [k for k in TORCHRUN_RANK_VARIABLES if k not in environ]
+        raise FixresError(f"partial torchrun variables: {', '.join(f'{k}={environ[k]}' for k in present)} set but "
+                          f"{', '.join(missing)} not; start with torchrun, or unset {', '.join(present)}")
+    return bool(present)
+
+
+def _slurm_variables(environ) -> bool:
+    """Whether this process is a SLURM task (``SLURM_PROCID`` is set by srun for each task).
+
+    A shell inside an allocation (salloc, the batch script itself) has ``SLURM_JOB_ID`` and maybe
+    ``SLURM_NTASKS`` but no ``SLURM_PROCID``: it is not a task, and its SLURM variables are ignored.
+    """
+    if "SLURM_PROCID" not in environ:
+        return False
+    if "SLURM_NTASKS" not in environ:
+        raise FixresError(f"SLURM_PROCID={environ['SLURM_PROCID']} is set but SLURM_NTASKS is not; start the "
+                          "tasks with srun (or sbatch --ntasks N), or unset SLURM_PROCID")
+    return True
+
+
+def _check_torchrun_against_slurm(environ) -> None:
+    """torchrun's and SLURM's variables in one process must agree, unless torchrun itself runs inside
+    a SLURM task (it sets ``TORCHELASTIC_RUN_ID``; then its ranks are the job's and SLURM's are the nodes')."""
+    if "TORCHELASTIC_RUN_ID" in environ:
+        return
+    for torchrun_name, slurm_name in (("WORLD_SIZE", "SLURM_NTASKS"), ("RANK", "SLURM_PROCID")):
+        if _env_int(environ, torchrun_name) != _env_int(environ, slurm_name):
+            raise FixresError(f"{torchrun_name}={environ[torchrun_name]} (torchrun variables) conflicts with "
+                              f"{slurm_name}={environ[slurm_name]} (SLURM); unset the stale ones")
 
 
 def resolve_placement(num_tasks: int | None = None, global_rank: int | None = None,
@@ -64,47 +106,53 @@ def resolve_placement(num_tasks: int | None = None, global_rank: int | None = No
     """Decide this process's ranks from flags and environment, with the module's precedence.
 
     Arguments are the command-line values (``None`` when not given); ``environ`` defaults to
-    ``os.environ``. Raises :class:`FixresError` for incomplete flags or conflicting sources.
+    ``os.environ``. ``job_id`` of the result: the flag, else SLURM's job id (it survives a requeue),
+    else None (the launcher derives one from the configuration). Raises :class:`FixresError` for
+    incomplete flags, a partial set of one launcher's variables, or sources that disagree; the
+    message names both sources.
     """
     environ = os.environ if environ is None else environ
-    torchrun = all(k in environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    slurm = all(k in environ for k in ("SLURM_PROCID", "SLURM_NTASKS"))
+    torchrun = _torchrun_variables(environ)
+    slurm = _slurm_variables(environ)
     if num_tasks is not None and num_tasks < 1:
         raise FixresError(f"--num-tasks must be >= 1, got {num_tasks}")
+    if torchrun and slurm:
+        _check_torchrun_against_slurm(environ)
+    if torchrun and dist_url is None and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
+        raise FixresError("torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE) without MASTER_ADDR and "
+                          "MASTER_PORT: start with torchrun, or give --dist-url")
+    slurm_job = None
+    if slurm:
+        slurm_job = environ.get("SLURM_JOB_ID")
+        if "SLURM_ARRAY_JOB_ID" in environ and "SLURM_ARRAY_TASK_ID" in environ:
+            slurm_job = f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
 
     if global_rank is not None or local_rank is not None:
         if global_rank is None:
             raise FixresError("--local-rank needs --global-rank (and --num-tasks)")
         if num_tasks is None:
             raise FixresError("--global-rank needs --num-tasks")
-        if torchrun:
-            _check_agree("--num-tasks", num_tasks, "WORLD_SIZE", _env_int(environ, "WORLD_SIZE"))
-            _check_agree("--global-rank", global_rank, "RANK", _env_int(environ, "RANK"))
-            _check_agree("--local-rank", local_rank, "LOCAL_RANK", _env_int(environ, "LOCAL_RANK"))
-        if num_tasks > 1 and job_id is None and dist_url is None:
-            raise FixresError("ranks started separately must share a --job-id (with the same "
-                              "--shared-folder-path) or an explicit --dist-url tcp://HOST:PORT")
+        for env_source in ((("WORLD_SIZE", "RANK", "LOCAL_RANK"),) if torchrun else ()) + \
+                ((("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),) if slurm and not torchrun else ()):
+            for flag_name, flag_value, env_name in zip(("--num-tasks", "--global-rank", "--local-rank"),
+                                                       (num_tasks, global_rank, local_rank), env_source):
+                if env_name in environ:
+                    _check_agree(flag_name, flag_value, env_name, _env_int(environ, env_name))
         local = global_rank if local_rank is None else local_rank
-        return Placement("flags", num_tasks, global_rank, local, num_tasks, job_id, dist_url)
+        return Placement("flags", num_tasks, global_rank, local, num_tasks, job_id or slurm_job, dist_url)
 
     if torchrun:
         world = _env_int(environ, "WORLD_SIZE")
         _check_agree("--num-tasks", num_tasks, "WORLD_SIZE", world)
-        run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
         return Placement("torchrun", world, _env_int(environ, "RANK"), _env_int(environ, "LOCAL_RANK"),
-                         int(environ.get("LOCAL_WORLD_SIZE", world)),
-                         job_id or (None if run_id in ("", "none") else run_id), dist_url or "env://")
+                         int(environ.get("LOCAL_WORLD_SIZE", world)), job_id or slurm_job, dist_url or "env://")
 
     if slurm:
         world = _env_int(environ, "SLURM_NTASKS")
         _check_agree("--num-tasks", num_tasks, "SLURM_NTASKS", world)
-        slurm_job = environ.get("SLURM_JOB_ID")
-        if "SLURM_ARRAY_JOB_ID" in environ and "SLURM_ARRAY_TASK_ID" in environ:
-            slurm_job = f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
         return Placement("slurm", world, _env_int(environ, "SLURM_PROCID"),
                          _env_int({"SLURM_LOCALID": "0", **environ}, "SLURM_LOCALID"),
-                         _slurm_tasks_on_node(environ, world),
-                         job_id or slurm_job, dist_url)
+                         _slurm_tasks_on_node(environ, world), job_id or slurm_job, dist_url)
 
     if num_tasks is not None and num_tasks > 1:
         return Placement("spawn", num_tasks, 0, 0, num_tasks, job_id, dist_url)

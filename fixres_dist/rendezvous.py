@@ -6,7 +6,13 @@ rank 0 opens a store on a free port and atomically writes its address and a rand
 the other ranks poll PATH, connect, and check the nonce. Ranks can therefore start in any order,
 seconds apart, from different shells or nodes that share the folder. A file left behind by a
 crashed run is harmless: its address refuses connections (or carries the wrong nonce), so joiners
-keep polling until the new rank 0 overwrites it. Rank 0 deletes the file once everyone has arrived.
+keep polling until the new rank 0 overwrites it (an address that refuses connections is probed with a
+plain socket first, so a stale file costs no c10d error messages). Rank 0 deletes the file once
+everyone has arrived. A second process claiming a rank that already arrived is refused.
+
+Under torchrun (``env://`` with ``TORCHELASTIC_USE_AGENT_STORE=True``) the ranks use the store that
+torchrun's agent already hosts on ``MASTER_ADDR:MASTER_PORT``, as ``torch.distributed`` itself does,
+instead of rank 0 trying to open a second one on the agent's port.
 
 A :class:`Rendezvous` is this process's store once met; it also records every rank's host and
 process id, so that after a failed collective :meth:`Rendezvous.lost_peers` can name the rank that
@@ -76,25 +82,43 @@ def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop) 
     return store
 
 
-def _join_published(path: Path, rank: int, world_size: int, timeout: float, should_stop) -> dist.TCPStore:
+def _answers(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` (within a second)."""
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
+def _arrive(store: dist.Store, rank: int, world_size: int) -> None:
+    """Record this rank's arrival; FixresError if another process already arrived as this rank."""
+    if store.add(f"fixres/arrived/{rank}", 1) > 1:
+        raise FixresError(f"another process already joined this job as rank {rank} of {world_size}: "
+                          "is this rank (or the whole job) started twice?")
+
+
+def _join_published(path: Path, rank: int, world_size: int, timeout: float, should_stop,
+                    check_joinable) -> dist.TCPStore:
     """A non-zero rank of a file rendezvous: poll the file until its store answers with its nonce."""
     deadline = time.monotonic() + timeout
     tried = None
     while time.monotonic() < deadline:
         if should_stop():
             raise RendezvousInterrupted(f"stopped by a signal while waiting for {path}")
+        check_joinable()
         try:
             info = json.loads(path.read_text())
             key = (info["host"], int(info["port"]), info["nonce"])
         except (OSError, ValueError, KeyError, TypeError):
             key = None
-        if key is not None and key != tried:
+        if key is not None and key != tried and _answers(key[0], key[1]):
             tried = key
             try:
                 store = _tcp_store(key[0], key[1], world_size, False, PROBE_SECONDS)
                 if store.check(["fixres/nonce"]) and store.get("fixres/nonce").decode() == key[2]:
                     store.set_timeout(datetime.timedelta(seconds=timeout))
-                    store.set(f"fixres/arrived/{rank}", "1")
+                    _arrive(store, rank, world_size)
                     return store
             except (RuntimeError, OSError):
                 pass  # a stale file from an earlier run: wait for the new rank 0 to replace it
@@ -111,12 +135,14 @@ def _tcp_rendezvous(host: str, port: int, rank: int, world_size: int, timeout: f
                           f"{first_line(exc)}") from None
 
 
-def make_store(dist_url: str, rank: int, world_size: int, timeout: float, should_stop=_never) -> dist.Store:
+def make_store(dist_url: str, rank: int, world_size: int, timeout: float, should_stop=_never,
+               check_joinable=_never) -> dist.Store:
     """Build the rendezvous store for ``dist_url`` (file://, tcp:// or env://).
 
     ``should_stop()`` is polled while waiting at a file rendezvous; when it returns True,
-    :class:`RendezvousInterrupted` is raised. Raises :class:`FixresError` when the peers do not
-    show up within ``timeout`` seconds.
+    :class:`RendezvousInterrupted` is raised. A joining rank also polls ``check_joinable()``, which
+    raises to give up (the job it waits for is already running without it). Raises
+    :class:`FixresError` when the peers do not show up within ``timeout`` seconds.
     """
     url = urlparse(dist_url)
     if url.scheme == "file":
@@ -125,12 +151,17 @@ def make_store(dist_url: str, rank: int, world_size: int, timeout: float, should
             raise FixresError(f"rendezvous folder {path.parent} does not exist")
         if rank == 0:
             return _publish_and_wait(path, world_size, timeout, should_stop)
-        return _join_published(path, rank, world_size, timeout, should_stop)
+        return _join_published(path, rank, world_size, timeout, should_stop, check_joinable)
     if url.scheme == "tcp":
         return _tcp_rendezvous(url.hostname, url.port, rank, world_size, timeout)
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         raise FixresError("--dist-url env:// needs MASTER_ADDR and MASTER_PORT in the environment")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts the store
+        try:
+            return _tcp_store(addr, int(port), world_size, False, timeout)
+        except (RuntimeError, OSError) as exc:
+            raise FixresError(f"cannot reach torchrun's store at {addr}:{port}: {first_line(exc)}") from None
     return _tcp_rendezvous(addr, int(port), rank, world_size, timeout)
 
 

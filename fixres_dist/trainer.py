@@ -3,27 +3,29 @@
 ``Trainer(config)()`` runs the job in this process and returns a :class:`RunResult`. It reads as
 the story, top to bottom:
 
-* :meth:`Trainer.build`: meet the other ranks; lock the job folder; build the data; find the job
-  folder's checkpoint if there is one; build the model; (finetune: measure top-1 before, at the
-  train and test resolutions, and pick the test resolution if ``--input-size auto``); freeze what
-  does not train, build the optimizer and wrap in DDP; restore the checkpoint;
+* :meth:`Trainer.build`: lock the job folder (rank 0) and meet the other ranks; build the data;
+  find the checkpoint to continue from (:func:`fixres_dist.checkpoint.resume_source`); build the
+  model; (finetune: measure top-1 before, at the train and test resolutions, and pick the test
+  resolution if ``--input-size auto``); freeze what does not train, build the optimizer and wrap in
+  DDP; restore the checkpoint;
 * :meth:`Trainer.fit`: (``--eval-only``: evaluate, report and stop) train epoch by epoch, averaging
   BatchNorm statistics over ranks, evaluating exactly, checkpointing; then the resolution sweep,
   the FixRes table and the feature extraction, as asked.
 
 The loops are :mod:`fixres_dist.engine`, the stop agreement :mod:`fixres_dist.preemption`, the
 tables :mod:`fixres_dist.reports`. Rank 0 alone logs, shows progress and writes files; checkpoints
-hold every rank's RNG state. SIGTERM or ``config.preempt_signal`` on any rank makes all ranks
-write one checkpoint after their current step and stop with :class:`~fixres_dist.preemption.Preempted`
-(exit status 3), after which the handler that owned the signal before (submitit's) is called. A
+hold every rank's RNG state. SIGTERM, SIGINT or ``config.preempt_signal`` on any rank makes all ranks
+stop after their current training step or evaluation batch, write one checkpoint if anything was
+trained since the last one, and raise :class:`~fixres_dist.preemption.Preempted` (exit status 3, 130
+for SIGINT), after which the handler that owned the signal before (submitit's) is called. A
 non-finite loss on any rank stops all ranks at the same step, in the same agreement, and nothing
 non-finite is written (:mod:`fixres_dist.finite`).
 """
 from __future__ import annotations
 
-import fcntl
 import math
 import os
+import signal
 import warnings
 from typing import Callable
 
@@ -33,14 +35,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from . import (batchnorm, checkpoint, data, distributed, engine, extraction, finite, fixres, io, models, placement,
-               preprocessing, reports, resolutions, sweep, weights)
+from . import (batchnorm, checkpoint, data, distributed, engine, extraction, finite, fixres, io, joblock, models,
+               placement, preprocessing, reports, resolutions, sweep, weights)
 from .config import CONFIG_FILE, TrainerConfig
 from .engine import AMP_DTYPES, EvalResult
 from .errors import FixresError, first_line, user_message
 from .faults import FaultInjector
 from .metrics import METRICS_FILE, MetricsLog
-from .preemption import Preempted, StopSignals
+from .preemption import Preempted, StopSignals, stop_signals
 from .rendezvous import RendezvousInterrupted
 
 @attrs.frozen
@@ -69,13 +71,16 @@ class Trainer:
 
     ``checked``: the launcher's preflight (:func:`fixres_dist.launch.preflight`) already checked the
     data folder, the features folder and the checkpoint's configuration in this process or its
-    parent; the Trainer does not repeat those checks. ``log``: where rank 0's messages go (default
-    the console, above the progress bar).
+    parent; the Trainer does not repeat those checks. ``locked``: the launcher holds the job lock
+    (:mod:`fixres_dist.joblock`; spawn mode), else rank 0 takes it. ``announce``: a non-zero rank
+    prints one line when it has met its peers (ranks started in their own shells). ``log``: where
+    rank 0's messages go (default the console, above the progress bar).
     """
 
-    def __init__(self, config: TrainerConfig, *, checked: bool = False, log: Callable[[str], None] | None = None):
+    def __init__(self, config: TrainerConfig, *, checked: bool = False, locked: bool = False, announce: bool = False,
+                 log: Callable[[str], None] | None = None):
         self.config = config
-        self.checked = checked
+        self.checked, self.locked, self.announce = checked, locked, announce
         self._log = log or tqdm.write
         self.rank0 = config.global_rank == 0
         self.device = torch.device("cpu")
@@ -108,7 +113,9 @@ class Trainer:
         self.watch = finite.LossWatch()  # the first step whose loss was not finite, on this rank
         self._checkpoint_step: int | None = None  # global step of the last checkpoint written or resumed
         self.resumed = None  # (path, state) of the checkpoint to resume from
-        self._resumed_sums = (0.0, 0.0, 0.0)
+        self._resumed_sums, self._resumed_seconds = (0.0, 0.0, 0.0), 0.0  # the epoch so far, before a resume
+        self._unsaved = False  # trained since the last checkpoint
+        self._checkpoint_step: int | None = None  # global step of this job's latest checkpoint
 
     # ----------------------------------------------------------------- the story
     def __call__(self) -> RunResult:
@@ -162,9 +169,10 @@ class Trainer:
             self._sweep("sweep", cfg.test_sizes or (self.eval_size,))
             return self._finish([e for e in self.history if e["event"] == "eval"][-1])
         while self.epoch < cfg.epochs:
-            self.train_epoch()
-            if cfg.dist_bn == "reduce":
-                distributed.average_batchnorm_statistics(self.model)
+            if not self._epoch_recorded():  # else a stop came during its evaluation: it only lacks that
+                self.train_epoch()
+                if cfg.dist_bn == "reduce":
+                    distributed.average_batchnorm_statistics(self.model)
             self._evaluate(self.epoch + 1, self.eval_size)
             self.epoch, self.images_in_epoch = self.epoch + 1, 0
             self._save_checkpoint()
@@ -190,11 +198,13 @@ class Trainer:
         return RunResult(rank=cfg.global_rank, **{k: final[k] for k in ("resolution", "top1", "top5", "loss", "images")})
 
     def close(self) -> None:
-        """Leave the process group and release the job folder."""
+        """Stop the loader workers, leave the process group and release the job folder."""
+        for loader in (self.train_loader, *self.val_loaders.values()):
+            data.close_loader(loader)
         distributed.destroy_process_group()
         self.rendezvous = self.control_group = None
         if self._lock is not None:
-            self._lock.close()
+            self._lock.release()
             self._lock = None
 
     @property
@@ -212,36 +222,37 @@ class Trainer:
             self.device = placement.cuda_device(cfg.local_rank)
             torch.cuda.set_device(self.device)
             torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels
-        if cfg.dist_url.startswith("file://"):
-            io.make_private_folder(cfg.job_folder)  # holds the rendezvous file
+        io.make_private_folder(cfg.job_folder)  # holds the lock and the rendezvous file
+        if self.rank0:
+            if not self.locked:  # before any rendezvous: a second launch of a live job stops here
+                self._lock = joblock.JobLock.acquire(cfg.job_folder, cfg.num_tasks)
+            derived = " (derived from the configuration: the same command resumes this job)" \
+                if cfg.job_id == cfg.derived_job_id() else ""
+            self.log(f"job {cfg.job_id}{derived}: {cfg.mode} {cfg.architecture}, {cfg.num_tasks} rank(s) on "
+                     f"{self.device.type}, folder {cfg.job_folder}")
+        else:
+            joblock.check_joinable(cfg.job_folder, cfg.global_rank)
         try:
-            self.rendezvous = distributed.init_process_group(cfg.dist_backend, cfg.dist_url, cfg.global_rank,
-                                                             cfg.num_tasks, cfg.dist_timeout,
-                                                             should_stop=lambda: self.stops.requested)
+            self.rendezvous = distributed.init_process_group(
+                cfg.dist_backend, cfg.dist_url, cfg.global_rank, cfg.num_tasks, cfg.dist_timeout,
+                should_stop=lambda: self.stops.requested,
+                check_joinable=lambda: joblock.check_joinable(cfg.job_folder, cfg.global_rank))
         except RendezvousInterrupted as exc:
-            raise Preempted(f"{exc}; nothing to checkpoint yet") from None
-        job_id = distributed.broadcast_object(cfg.job_id)  # torchrun without a run id: rank 0's
-        if job_id != cfg.job_id:
-            self.config = cfg = attrs.evolve(cfg, job_id=job_id)
-        io.make_private_folder(cfg.job_folder)
+            raise Preempted(f"{exc}; nothing to checkpoint yet", self.stops.received) from None
+        if self.rank0:
+            joblock.record_met(cfg.job_folder)
+        elif self.announce:
+            print(f"fixres_dist: rank {cfg.global_rank} of {cfg.num_tasks} met its peers (job {cfg.job_id}); "
+                  "rank 0 logs the run", flush=True)
         torch.manual_seed(cfg.seed + cfg.global_rank)
         self.control_group = distributed.control_group()
 
     def _open_job_folder(self) -> None:
-        """Rank 0: lock the job folder against a second run, drop temporary files of a killed one."""
+        """Rank 0: drop temporary files of a killed run."""
         cfg = self.config
         self.metrics = MetricsLog(cfg.job_folder / METRICS_FILE, self.rank0)
-        if not self.rank0:
-            return
-        self._lock = open(cfg.job_folder / ".lock", "a")
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise FixresError(f"job folder {cfg.job_folder} is in use by another run; "
-                              "wait for it or use another --job-id") from None
-        io.remove_stale_temporaries(cfg.job_folder)
-        self.log(f"job {cfg.job_id}: {cfg.mode} {cfg.architecture}, {cfg.num_tasks} rank(s) on "
-                 f"{self.device.type}, folder {cfg.job_folder}")
+        if self.rank0:
+            io.remove_stale_temporaries(cfg.job_folder)
 
     def _build_data(self) -> None:
         cfg = self.config
@@ -260,18 +271,22 @@ class Trainer:
         if len(self.train_set) < 2 * cfg.num_tasks:
             raise FixresError(f"{len(self.train_set)} training images are too few for {cfg.num_tasks} ranks")
 
-    def _loader(self, dataset, transform, shuffle: bool):
+    def _loader(self, dataset, transform, training: bool):
+        """A loader of this rank's share: shuffled with training semantics, or in order (evaluation)."""
         cfg = self.config
         return data.make_loader(dataset, transform, batch_size=cfg.batch, world_size=cfg.num_tasks,
-                                rank=cfg.global_rank, shuffle=shuffle, seed=cfg.seed, workers=cfg.workers,
-                                pin_memory=self.device.type == "cuda", skip_bad_images=cfg.skip_bad_images)
+                                rank=cfg.global_rank, shuffle=training, seed=cfg.seed, workers=cfg.workers,
+                                pin_memory=self.device.type == "cuda", skip_bad_images=cfg.skip_bad_images,
+                                training=training, ignored_signals=stop_signals(cfg.preempt_signal))
 
     def _find_checkpoint(self) -> None:
-        """The checkpoint named by ``--resume`` or found in the job folder, or none."""
+        """The job folder's checkpoint, else the one ``--resume`` names, else none (checkpoint.resume_source)."""
         cfg = self.config
-        path = cfg.resume or cfg.job_folder / checkpoint.CHECKPOINT_FILE
-        if not cfg.resume and not os.path.exists(path):
+        path, note = checkpoint.resume_source(cfg.job_folder, cfg.resume)
+        if path is None:
             return
+        if note:
+            self.log(note)
         state = checkpoint.load_checkpoint(path)
         if not self.checked:
             checkpoint.check_resumable(cfg, state["config"], path)
@@ -328,7 +343,7 @@ class Trainer:
         transform = data.train_transform(self.input_size, prep.interpolation) if cfg.mode == "scratch" else \
             data.finetune_transform(self.input_size, cfg.finetune_augmentation, prep.crop_ratio, prep.interpolation)
         if self.train_loader is None:
-            self.train_loader = self._loader(self.train_set, transform, shuffle=True)
+            self.train_loader = self._loader(self.train_set, transform, training=True)
         self.optimizer = torch.optim.SGD(engine.parameter_groups(self.model, cfg.weight_decay, cfg.norm_weight_decay),
                                          lr=self.base_lr, momentum=cfg.momentum)
         self.log(f"lr {self.base_lr:g} = {cfg.learning_rate:g} x {cfg.batch} x {cfg.num_tasks} / {engine.REFERENCE_BATCH} "
@@ -350,6 +365,7 @@ class Trainer:
         self.epoch, self.images_in_epoch, self.global_step = state["epoch"], state["images_in_epoch"], state["global_step"]
         self._checkpoint_step = self.global_step
         self._resumed_sums = state.get("epoch_sums") or (0.0, 0.0, 0.0)  # the epoch's loss so far
+        self._resumed_seconds = state.get("epoch_seconds", 0.0)
         ranks = state["ranks"]
         if len(ranks) == cfg.num_tasks:
             mine = ranks[cfg.global_rank]
@@ -377,8 +393,9 @@ class Trainer:
         fixres.set_train_mode(self.ddp)
         dataset_size = self.train_loader.batch_sampler.dataset_size
         # After a mid-epoch resume, rank 0 starts from the epoch's totals before the stop.
-        self.meter = engine.EpochMeter(self.device, self._resumed_sums if self.rank0 and self.images_in_epoch
-                                       else (0.0, 0.0, 0.0))
+        resumed = self.rank0 and self.images_in_epoch
+        self.meter = engine.EpochMeter(self.device, self._resumed_sums if resumed else (0.0, 0.0, 0.0),
+                                       self._resumed_seconds if resumed else 0.0)
         bar = tqdm(total=dataset_size, initial=self.images_in_epoch, unit="img", unit_scale=True, leave=False,
                    desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not (self.rank0 and cfg.progress))
         result = engine.train_one_epoch(self._step, self.train_loader, self.meter, epoch=epoch,
@@ -390,11 +407,18 @@ class Trainer:
             self._diverged(self.global_step)
         lr = self.optimizer.param_groups[0]["lr"]
         self._record("train", epoch=epoch + 1, loss=result.loss, lr=lr, img_per_s=result.img_per_s,
-                     **({"skipped_images": result.skipped} if result.skipped else {}))
+                     **({"skipped_images": result.skipped} if result.skipped else {}),
+                     **({"left_out_images": result.left_out} if result.left_out else {}))
         self.log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {result.loss:.4f}, lr {lr:.4g}, "
                  f"{result.img_per_s:,.0f} img/s"
-                 + (f", {result.skipped} unreadable images skipped" if result.skipped else ""))
+                 + (f", {result.skipped} unreadable images skipped" if result.skipped else "")
+                 + (f", its last {result.left_out} images left out: fewer than 2 per rank after resuming on "
+                    f"{cfg.num_tasks} ranks" if result.left_out else ""))
         return result
+
+    def _epoch_recorded(self) -> bool:
+        """Whether epoch ``self.epoch`` already has its ``train`` event (trained, not yet evaluated)."""
+        return any(e["event"] == "train" and e["epoch"] == self.epoch + 1 for e in self.history)
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor, global_batch: int | None = None) -> torch.Tensor:
         """One optimizer step (:func:`fixres_dist.engine.train_step`) on this rank's uint8 images."""
@@ -416,12 +440,13 @@ class Trainer:
 
     def _after_step(self, images_done: int) -> None:
         self.images_in_epoch, self.global_step = images_done, self.global_step + 1
+        self._unsaved = True
         self.faults.after_step(self.global_step)
         stop = self._agree()
         if self.config.ckpt_every and self.global_step % self.config.ckpt_every == 0:
             self._save_checkpoint()
         if stop is not None:
-            self._preempt(stop)
+            self._stop(stop)
 
     def _forward(self, images: torch.Tensor) -> torch.Tensor:
         """The DDP model's forward, compiled with ``--compile``.
@@ -463,26 +488,39 @@ class Trainer:
                                    f"training stopped on all ranks; {kept}; lower --learning-rate "
                                    "(or raise --warmup-epochs) and use a new --job-id")
 
+    def _after_eval_batch(self) -> None:
+        self.faults.during_evaluation(self.global_step)
+        self._stop_if_asked()
+
     def _stop_if_asked(self) -> None:
-        """If any rank got a stop signal: all ranks checkpoint here together, then raise Preempted."""
+        """After an evaluation batch: if any rank got a stop signal, stop (:meth:`_stop`)."""
         stop = self._agree()
         if stop is not None:
-            self._preempt(stop)
+            self._stop(stop)
 
-    def _preempt(self, stop) -> None:
-        """All ranks: write one checkpoint together, then raise Preempted."""
-        self._save_checkpoint()
-        self.log(f"preempted by {stop.name} at epoch {self.epoch + 1}, image {self.images_in_epoch}, "
-                 f"step {self.global_step}: checkpoint written; run the same command again to resume")
-        raise Preempted(f"preempted by {stop.name}; checkpoint written in {self.config.job_folder}")
+    def _stop(self, stop: signal.Signals) -> None:
+        """All ranks, once they agreed on ``stop``: write one checkpoint together if anything was
+        trained since the last one, then raise Preempted."""
+        where = f"epoch {self.epoch + 1}, image {self.images_in_epoch}, step {self.global_step}"
+        if self._unsaved:
+            self._save_checkpoint()
+            done = f"checkpoint written in {self.config.job_folder}"
+        elif self._checkpoint_step is not None:
+            done = f"its checkpoint of step {self._checkpoint_step} in {self.config.job_folder} is up to date"
+        else:
+            done = "nothing trained yet, nothing to checkpoint"
+        how = f"{'interrupted' if stop == signal.SIGINT else 'preempted'} by {stop.name}"
+        self.log(f"{how} at {where}: {done}; run the same command again to resume")
+        raise Preempted(f"{how}; {done}", stop)
 
     # ------------------------------------------------------------- evaluation
     def _evaluate(self, epoch: int, size: int, label: str = "") -> EvalResult:
         """Exact top-1/top-5 at test resolution ``size`` (pixels); recorded as an ``eval`` event."""
         if size not in self.val_loaders:
-            self.val_loaders[size] = self._loader(self.val_set, self._test_transform(size), shuffle=False)
+            self.val_loaders[size] = self._loader(self.val_set, self._test_transform(size), training=False)
         result = engine.evaluate(models.for_resolution(self.model, size), self.val_loaders[size], self.device,
-                                 self.amp, self.config.channels_last, self.preprocessing.normalization)
+                                 self.amp, self.config.channels_last, self.preprocessing.normalization,
+                                 after_batch=self._after_eval_batch)
         if not math.isfinite(result.loss):  # all-reduced: every rank raises together
             raise finite.NonFiniteLoss(f"non-finite outputs (NaN or infinity) evaluating at {size} px"
                                        f"{f' after epoch {epoch}' if epoch else ''}: the weights diverged or "
@@ -535,7 +573,7 @@ class Trainer:
         """Logits, embeddings and labels of ``--extract-split`` at the test resolution (extraction.py)."""
         cfg, size = self.config, self.eval_size
         dataset = self.val_set if cfg.extract_split == "val" else self.train_set
-        loader = self._loader(dataset, self._test_transform(size), shuffle=False)
+        loader = self._loader(dataset, self._test_transform(size), training=False)
         model = models.for_resolution(self.model, size)
         head, _ = fixres.find_head_and_last_norm(model, size)
         source = cfg.weight_path if cfg.eval_only else str(cfg.job_folder / checkpoint.CHECKPOINT_FILE)
@@ -570,14 +608,15 @@ class Trainer:
                     "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                     "input_size": self.input_size, "epoch_sums": epoch_sums, "epoch": self.epoch,
                     "images_in_epoch": self.images_in_epoch, "global_step": self.global_step, "ranks": ranks,
+                    "epoch_seconds": self.meter.seconds() if self.meter is not None and self.images_in_epoch else 0.0,
                     "config": cfg.to_dict(), "metrics": self.history},
-                    self.global_step, cfg.keep_checkpoints, self.faults.checkpoint_write)
+                    self.global_step, cfg.keep_checkpoints, self.faults.checkpoint_write, protect=cfg.resume)
             except FixresError as exc:
                 error = str(exc)
         error = distributed.broadcast_object(error)
         if error:
             raise FixresError(error if self.rank0 else f"rank 0 could not write the checkpoint: {error}")
-        self._checkpoint_step = self.global_step
+        self._unsaved, self._checkpoint_step = False, self.global_step
 
     def _record(self, event: str, **fields) -> None:
         self.history.append({"event": event, **fields})

@@ -15,21 +15,27 @@ def test_explicit_flags():
     assert (p.source, p.num_tasks, p.global_rank, p.local_rank, p.job_id) == ("flags", 4, 3, 1, "job")
 
 
-def test_explicit_flags_default_local_rank_and_beat_slurm():
-    p = resolve_placement(2, 1, None, "job", None, environ=SLURM)
-    assert (p.source, p.global_rank, p.local_rank, p.num_tasks) == ("flags", 1, 1, 2)
+def test_explicit_flags_default_local_rank_and_agree_with_slurm():
+    p = resolve_placement(4, 3, None, "job", None, environ=SLURM)
+    assert (p.source, p.global_rank, p.local_rank, p.num_tasks, p.job_id) == ("flags", 3, 3, 4, "job")
+    assert resolve_placement(4, 3, 1, None, None, environ=SLURM).job_id == "777"  # survives a requeue
 
 
 def test_torchrun_env():
     p = resolve_placement(environ=TORCHRUN)
     assert (p.source, p.num_tasks, p.global_rank, p.local_rank, p.dist_url) == ("torchrun", 2, 1, 1, "env://")
-    assert p.job_id is None  # agreed later through rank 0
-    assert resolve_placement(environ={**TORCHRUN, "TORCHELASTIC_RUN_ID": "abc"}).job_id == "abc"
+    assert p.job_id is None  # derived from the configuration by the launcher, the same on every rank
+    assert resolve_placement(environ={**TORCHRUN, "TORCHELASTIC_RUN_ID": "abc"}).job_id is None
 
 
-def test_torchrun_beats_slurm():
+def test_torchrun_inside_a_slurm_task_beats_slurm():
     p = resolve_placement(environ={**SLURM, **TORCHRUN})
-    assert p.source == "torchrun" and p.global_rank == 1
+    assert (p.source, p.global_rank, p.job_id) == ("torchrun", 1, "777")
+
+
+def test_a_shell_inside_an_allocation_is_not_a_slurm_task():
+    p = resolve_placement(2, environ={"SLURM_JOB_ID": "5", "SLURM_NTASKS": "1"})
+    assert (p.source, p.num_tasks, p.job_id) == ("spawn", 2, None)
 
 
 def test_slurm_env():
@@ -48,12 +54,21 @@ def test_spawn_and_single():
 
 
 @pytest.mark.parametrize("args, environ, message", [
-    ((4,), TORCHRUN, "--num-tasks 4 conflicts with WORLD_SIZE=2"),
-    ((4, 0, 0, "j"), TORCHRUN, "--num-tasks 4 conflicts with WORLD_SIZE=2"),
-    ((2,), SLURM, "--num-tasks 2 conflicts with SLURM_NTASKS=4"),
+    ((4,), TORCHRUN, r"--num-tasks 4 \(command line\) conflicts with WORLD_SIZE=2"),
+    ((4, 0, 0, "j"), TORCHRUN, r"--num-tasks 4 \(command line\) conflicts with WORLD_SIZE=2"),
+    ((2,), SLURM, r"--num-tasks 2 \(command line\) conflicts with SLURM_NTASKS=4"),
     ((None, 0), {}, "--global-rank needs --num-tasks"),
     ((2, None, 1, "j"), {}, "--local-rank needs --global-rank"),
-    ((2, 1), {}, "must share a --job-id"),
+    ((4, 0, 0), SLURM, r"--global-rank 0 \(command line\) conflicts with SLURM_PROCID=3 \(environment\)"),
+    ((4, 3, 0), SLURM, "--local-rank 0 .* conflicts with SLURM_LOCALID=1"),
+    ((4,), {"RANK": "0", "WORLD_SIZE": "2"}, "partial torchrun variables: RANK=0, WORLD_SIZE=2 set but LOCAL_RANK not"),
+    ((1,), {"RANK": "0", "WORLD_SIZE": "2"}, "partial torchrun variables"),
+    ((), {"LOCAL_RANK": "0"}, "partial torchrun variables: LOCAL_RANK=0 set but RANK, WORLD_SIZE not"),
+    ((), {**TORCHRUN, "MASTER_PORT": ""}, "without MASTER_ADDR and MASTER_PORT"),
+    ((), {"SLURM_PROCID": "0"}, "SLURM_PROCID=0 is set but SLURM_NTASKS is not"),
+    ((), {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1",
+          "SLURM_PROCID": "0", "SLURM_NTASKS": "1"},
+     r"WORLD_SIZE=2 \(torchrun variables\) conflicts with SLURM_NTASKS=1 \(SLURM\)"),
     ((0,), {}, "--num-tasks must be >= 1"),
     ((), {**TORCHRUN, "RANK": "x"}, "RANK='x' is not an integer"),
 ])

@@ -127,6 +127,21 @@ def test_placed_fills_job_id_and_rendezvous_in_one_place(tmp_path):
     assert two.dist_url == f"file://{tmp_path}/j/rendezvous.json" == two.rendezvous_url()
     assert two.rendezvous_url("rendezvous-3.json").endswith("/j/rendezvous-3.json")
     one = template.placed(num_tasks=1, global_rank=0, local_rank=0)
-    assert one.dist_url == "env://" and one.job_id.startswith("local-")
+    assert one.dist_url == "env://" and one.job_id == template.derived_job_id()
+    assert one.job_id.startswith("scratch-resnet18-") and len(one.job_id) == len("scratch-resnet18-") + 12
     given = template.placed(num_tasks=2, global_rank=0, local_rank=0, job_id="j", dist_url="tcp://h:1")
     assert given.dist_url == "tcp://h:1"
+
+
+def test_derived_job_ids_follow_what_shapes_the_weights(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    base = TrainerConfig(data_path="data").derived_job_id()
+    for same in (TrainerConfig(data_path="./data/"), TrainerConfig(data_path=str(tmp_path / "data")),
+                 TrainerConfig(data_path="data", num_tasks=4, workers=0, resume="x.pth", dist_timeout=9.0)):
+        assert same.derived_job_id() == base
+    for other in (TrainerConfig(data_path="data", seed=1), TrainerConfig(data_path="data", epochs=7),
+                  TrainerConfig(data_path="other"), TrainerConfig(data_path="data", architecture="resnet34")):
+        assert other.derived_job_id() != base
+    assert TrainerConfig(architecture="timm/vit_tiny_patch16_224").derived_job_id().startswith(
+        "scratch-timm-vit_tiny_patch16_224-")

@@ -122,7 +122,7 @@ def test_sigterm_to_one_separately_started_rank_checkpoints_both(tiny_data, tmp_
     assert (rank0.returncode, rank1.returncode) == (3, 3), err0[-2000:] + err1[-2000:]
     assert "preempted by SIGTERM" in err1
     state = load_checkpoint(tmp_path / "t" / CHECKPOINT_FILE)
-    assert state["epoch"] >= 1 and len(state["ranks"]) == 2
+    assert state["epoch"] * 80 + state["images_in_epoch"] >= 80 and len(state["ranks"]) == 2  # epoch 1 trained
 
 
 @pytest.fixture(scope="module")
@@ -246,4 +246,4 @@ def test_a_second_run_of_the_same_job_is_refused(tiny_data, tmp_path):
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running rank 0 holds it
         proc = run_script("scratch", "--job-id", "busy", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
                           *TRAIN, timeout=120)
-    assert proc.returncode == 1 and "is in use by another run" in proc.stderr
+    assert proc.returncode == 1 and "in use by another run" in proc.stderr

@@ -447,3 +447,34 @@ def test_after_a_preemption_checkpoint_rank_0_requeues_only_on_the_warning_signa
             task._after_preemption(config, stops, restart, max_requeues=3)
         assert exited.value.code == 3
     assert ran == ([expected] if isinstance(expected, list) else [])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["scancel --signal=TERM", "time limit"])
+def test_sigterm_to_every_process_of_a_plain_srun_job_checkpoints_without_a_traceback(cluster, tiny_data, tmp_path,
+                                                                                     how):
+    """SLURM signals every process of a step (loader workers too): at the time limit, and with
+    ``scancel --signal=TERM``. Both ranks checkpoint and exit 3 with one line each; no traceback."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    main = f"{sys.executable} -u {ROOT / 'main_scratch.py'} --data-path {tiny_data} --shared-folder-path {shared} " \
+           "--input-size 32 --batch 8 --epochs 10000 --workers 2 --no-progress"
+    out = subprocess.run(["sbatch", "--parsable", "--ntasks", "2", "--time", "1" if how == "time limit" else "5",
+                          "--output", str(tmp_path / "job.out"), "--wrap", f"srun {main}"],
+                         capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.strip().split(";")[0]
+    folder = shared / job_id
+    wait_for(lambda: any(e["event"] == "train" for e in read_events(folder)), 240, "the first epoch")
+    if how == "scancel --signal=TERM":
+        subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=30)
+    wait_gone(job_id, timeout=300)
+    log = (tmp_path / "job.out").read_text()
+    assert "Traceback" not in log and "DataLoader worker" not in log, log[-3000:]
+    for rank in (0, 1):
+        assert f"fixres_dist: rank {rank}: preempted by SIGTERM; checkpoint written" in log, log[-3000:]
+    state = load_checkpoint(folder / "checkpoint.pth")
+    assert len(state["ranks"]) == 2 and state["global_step"] > 0
+    expected = "TIMEOUT" if how == "time limit" else "FAILED"
+    assert wait_for(lambda: sacct_states(job_id) == [expected], 15, f"sacct {expected}"), sacct_states(job_id)

@@ -62,10 +62,9 @@ REFUSED = {
         ["--architecture", "maxvit_t", "--input-size", "224", "--test-sizes", "40,224"],
         "maxvit_t cannot run on 40 px images (RuntimeError: shape '[2, 64, 1, 7, 1, 7]' is invalid for input of "
         "size 12800); the smallest size it runs at is 221 px"),
-    "a BatchNorm on 1x1 maps at batch 1": (
+    "one image per rank in training": (
         ["--architecture", "resnet18", "--input-size", "16", "--batch", "1"],
-        "resnet18 cannot train on 16 px images with 1 per rank (ValueError: Expected more than 1 value per "
-        "channel when training, got input size torch.Size([1, 256, 1, 1])); the smallest size it runs at is 33 px"),
+        "--batch must be >= 2 for training: a rank's BatchNorm cannot train on one image"),
     "auxiliary outputs in training": (
         ["--architecture", "inception_v3", "--input-size", "299"],
         "inception_v3 returns InceptionOutputs in training mode, not (batch, 10) logits: it cannot be trained here"),

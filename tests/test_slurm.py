@@ -473,7 +473,7 @@ def test_sigterm_to_every_process_of_a_plain_srun_job_checkpoints_without_a_trac
     log = (tmp_path / "job.out").read_text()
     assert "Traceback" not in log and "DataLoader worker" not in log, log[-3000:]
     for rank in (0, 1):
-        assert f"fixres_dist: rank {rank}: preempted by SIGTERM; checkpoint written" in log, log[-3000:]
+        assert f"fixres_dist: rank {rank}: preempted by SIGTERM; " in log, log[-3000:]
     state = load_checkpoint(folder / "checkpoint.pth")
     assert len(state["ranks"]) == 2 and state["global_step"] > 0
     expected = "TIMEOUT" if how == "time limit" else "FAILED"

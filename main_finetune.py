@@ -1,5 +1,8 @@
 """FixRes-finetune a classifier at the test resolution with DDP (see README). ``python main_finetune.py --help``"""
-from fixres_dist.launch import main_finetune
-
 if __name__ == "__main__":
+    from fixres_dist import startup
+
+    startup.guard_signals()  # before torch loads: Ctrl-C or SIGTERM while starting is one line, not a traceback
+    from fixres_dist.launch import main_finetune
+
     main_finetune()

@@ -1,5 +1,8 @@
 """Train an image classifier from scratch with DDP (see README). ``python main_scratch.py --help``"""
-from fixres_dist.launch import main_scratch
-
 if __name__ == "__main__":
+    from fixres_dist import startup
+
+    startup.guard_signals()  # before torch loads: Ctrl-C or SIGTERM while starting is one line, not a traceback
+    from fixres_dist.launch import main_scratch
+
     main_scratch()

@@ -3,10 +3,19 @@
 ``TrainerConfig`` holds a run's options; ``Trainer(config)()`` runs one rank's part of the job and
 returns a ``RunResult``. ``Preempted`` (exit status ``PREEMPTED_EXIT_STATUS``) follows a
 preemption checkpoint; ``FixresError`` is every user-facing error (one line).
-"""
-from .config import TrainerConfig
-from .errors import FixresError
-from .preemption import PREEMPTED_EXIT_STATUS, Preempted
-from .trainer import RunResult, Trainer
 
-__all__ = ["Trainer", "TrainerConfig", "RunResult", "FixresError", "Preempted", "PREEMPTED_EXIT_STATUS"]
+The names are imported on first use (PEP 562), so that ``import fixres_dist.startup`` does not
+import torch: the scripts guard their start-up against stop signals before torch loads.
+"""
+import importlib
+
+_EXPORTS = {"Trainer": "trainer", "RunResult": "trainer", "TrainerConfig": "config", "FixresError": "errors",
+            "Preempted": "preemption", "PREEMPTED_EXIT_STATUS": "preemption"}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -172,9 +172,10 @@ def _seed(instance, attribute, value):
 
 
 def resolved_path(value: str | None) -> str | None:
-    """A user's path as an absolute, normalised path (``./data``, ``data/`` and ``$PWD/data`` are one
-    folder), so that the same folder spelt differently is the same configuration. None stays None."""
-    return None if value is None else os.path.abspath(os.path.expanduser(str(value)))
+    """A user's path as an absolute path with symbolic links resolved (``./data``, ``data/``,
+    ``$PWD/data`` and a link to it are one folder), so that the same folder spelt differently is the
+    same configuration. None stays None."""
+    return None if value is None else os.path.realpath(os.path.expanduser(str(value)))
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ import ctypes
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.reduction
 import multiprocessing.resource_tracker
 import os
 import signal
@@ -24,7 +25,8 @@ from pathlib import Path
 import attrs
 import torch.multiprocessing as mp
 
-from . import checkpoint, data, distributed, extraction, fixres, io, joblock, models, placement, resolutions, weights
+from . import (checkpoint, data, distributed, extraction, fixres, io, joblock, models, placement, resolutions, startup,
+               weights)
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
 from .errors import FixresError, first_line, say, user_message
@@ -113,16 +115,37 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def _stop_with_launcher() -> None:
     """Ask Linux to send this process SIGTERM when its parent exits (best effort, Linux only).
 
-    A spawned rank's parent is the launcher's forkserver, which exits with the launcher: a launcher
-    killed with SIGKILL thus still has its ranks checkpoint and stop instead of running on as orphans.
+    A spawned rank's parent is the launcher's forkserver, which exits when the launcher's end of its
+    "alive" pipe closes; multiprocessing hands every child a copy of that end, which is closed here
+    so that the launcher's alone keeps the forkserver up. A launcher killed with SIGKILL thus still
+    has its ranks checkpoint and stop instead of running on as orphans.
     """
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
     except (OSError, AttributeError):
         pass
+    if os.getppid() == 1:  # the launcher died before the request
+        say("fixres_dist: the launcher is gone; this rank does not start")
+        raise SystemExit(PREEMPTED_EXIT_STATUS)
 
 
-def _spawned_rank(index: int, config: TrainerConfig) -> None:
+class SharedJobLock:
+    """The launcher's job lock, passed to a spawned rank: the rank gets a duplicate of the lock's
+    open file, so the lock is held as long as the launcher *or any rank* lives (a rank that
+    outlives a killed launcher still keeps a rerun out of its folder)."""
+
+    def __init__(self, fd):
+        self.fd = fd.detach() if hasattr(fd, "detach") else fd  # in the rank: the duplicate's number
+
+    def __reduce__(self):
+        return SharedJobLock, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _spawned_rank(index: int, config: TrainerConfig, lock) -> None:
     _stop_with_launcher()
     run_rank(attrs.evolve(config, global_rank=index, local_rank=index), checked=True, locked=True)
 
@@ -169,8 +192,8 @@ def spawn(config: TrainerConfig) -> None:
 
     previous = {s: signal.signal(s, forward) for s in signals}
     try:
-        context = mp.start_processes(_spawned_rank, args=(config,), nprocs=config.num_tasks, join=False,
-                                     start_method=method)
+        context = mp.start_processes(_spawned_rank, args=(config, SharedJobLock(lock.fd)), nprocs=config.num_tasks,
+                                     join=False, start_method=method)
         failed = _wait_for_ranks(context.processes, lambda: forward(received[-1], None) if received else None)
     finally:
         for s, handler in previous.items():
@@ -235,11 +258,21 @@ def main(mode: str, argv: list[str] | None = None) -> None:
         run_rank(config, checked, announce=source in ("flags", "slurm"))
 
 
+def run_script(mode: str) -> None:
+    """:func:`main` as a script runs it: stop signals before it listens end it with one line, and
+    those that arrive once the job is over are ignored (:mod:`fixres_dist.startup`)."""
+    startup.guard_signals()
+    try:
+        main(mode)
+    finally:
+        startup.ignore_signals()
+
+
 def main_scratch() -> None:
     """Console entry point ``fixres-scratch`` (same as ``python main_scratch.py``)."""
-    main("scratch")
+    run_script("scratch")
 
 
 def main_finetune() -> None:
     """Console entry point ``fixres-finetune`` (same as ``python main_finetune.py``)."""
-    main("finetune")
+    run_script("finetune")

@@ -24,12 +24,19 @@ class MetricsLog:
     def __init__(self, path: Path, enabled: bool):
         self.path, self.enabled = Path(path), enabled
 
-    def write(self, event: str, **fields) -> None:
+    @staticmethod
+    def event(event: str, **fields) -> dict:
+        """``{"event": event, "time": seconds since the epoch, **fields}``: one entry of the history."""
+        return {"event": event, "time": round(time.time(), 3), **fields}
+
+    def write(self, event: str | dict, **fields) -> None:
+        """Append ``event`` (an :meth:`event` dict, or its name and fields)."""
         if not self.enabled:
             return
+        entry = event if isinstance(event, dict) else self.event(event, **fields)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "a") as f:
-            f.write(json_line({"event": event, "time": round(time.time(), 3), **fields}))
+            f.write(json_line(entry))
 
     def rewrite(self, events: list[dict]) -> None:
         """Replace the file, atomically, by ``events`` (the history a resumed checkpoint holds)."""

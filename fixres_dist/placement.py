@@ -44,10 +44,26 @@ class Placement:
 
 
 def _env_int(environ, name: str) -> int:
+    """A rank variable's value: an integer >= 0 (>= 1 for a count); FixresError naming the variable."""
     try:
-        return int(environ[name])
+        value = int(environ[name])
     except ValueError:
         raise FixresError(f"environment variable {name}={environ[name]!r} is not an integer") from None
+    least = 1 if name in COUNT_VARIABLES else 0
+    if value < least:
+        raise FixresError(f"environment variable {name}={value} must be >= {least}")
+    return value
+
+
+COUNT_VARIABLES = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS")
+
+
+def _env_rank(environ, rank_name: str, world_name: str) -> int:
+    """``rank_name``'s value, checked against the world size in ``world_name``."""
+    rank, world = _env_int(environ, rank_name), _env_int(environ, world_name)
+    if rank >= world:
+        raise FixresError(f"environment variable {rank_name}={rank} must be < {world_name}={world}")
+    return rank
 
 
 def _slurm_tasks_on_node(environ, ntasks: int) -> int:
@@ -94,8 +110,9 @@ def _check_torchrun_against_slurm(environ) -> None:
     a SLURM task (it sets ``TORCHELASTIC_RUN_ID``; then its ranks are the job's and SLURM's are the nodes')."""
     if "TORCHELASTIC_RUN_ID" in environ:
         return
-    for torchrun_name, slurm_name in (("WORLD_SIZE", "SLURM_NTASKS"), ("RANK", "SLURM_PROCID")):
-        if _env_int(environ, torchrun_name) != _env_int(environ, slurm_name):
+    for torchrun_name, slurm_name in (("WORLD_SIZE", "SLURM_NTASKS"), ("RANK", "SLURM_PROCID"),
+                                      ("LOCAL_RANK", "SLURM_LOCALID")):
+        if slurm_name in environ and _env_int(environ, torchrun_name) != _env_int(environ, slurm_name):
             raise FixresError(f"{torchrun_name}={environ[torchrun_name]} (torchrun variables) conflicts with "
                               f"{slurm_name}={environ[slurm_name]} (SLURM); unset the stale ones")
 
@@ -144,15 +161,21 @@ def resolve_placement(num_tasks: int | None = None, global_rank: int | None = No
     if torchrun:
         world = _env_int(environ, "WORLD_SIZE")
         _check_agree("--num-tasks", num_tasks, "WORLD_SIZE", world)
-        return Placement("torchrun", world, _env_int(environ, "RANK"), _env_int(environ, "LOCAL_RANK"),
-                         int(environ.get("LOCAL_WORLD_SIZE", world)), job_id or slurm_job, dist_url or "env://")
+        local_world = {"LOCAL_WORLD_SIZE": str(world), **environ}
+        return Placement("torchrun", world, _env_rank(environ, "RANK", "WORLD_SIZE"),
+                         _env_rank(local_world, "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+                         _env_int(local_world, "LOCAL_WORLD_SIZE"), job_id or slurm_job, dist_url or "env://")
 
     if slurm:
         world = _env_int(environ, "SLURM_NTASKS")
         _check_agree("--num-tasks", num_tasks, "SLURM_NTASKS", world)
-        return Placement("slurm", world, _env_int(environ, "SLURM_PROCID"),
-                         _env_int({"SLURM_LOCALID": "0", **environ}, "SLURM_LOCALID"),
-                         _slurm_tasks_on_node(environ, world), job_id or slurm_job, dist_url)
+        on_node = _slurm_tasks_on_node(environ, world)
+        local = _env_int({"SLURM_LOCALID": "0", **environ}, "SLURM_LOCALID")
+        if local >= on_node:
+            raise FixresError(f"environment variable SLURM_LOCALID={local} must be < the tasks on this node ({on_node}, "
+                              "SLURM_NTASKS_PER_NODE or SLURM_NTASKS)")
+        return Placement("slurm", world, _env_rank(environ, "SLURM_PROCID", "SLURM_NTASKS"), local, on_node,
+                         job_id or slurm_job, dist_url)
 
     if num_tasks is not None and num_tasks > 1:
         return Placement("spawn", num_tasks, 0, 0, num_tasks, job_id, dist_url)

@@ -25,6 +25,7 @@ import json
 import os
 import secrets
 import socket
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -65,8 +66,8 @@ def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop) 
     store = _tcp_store(host, 0, world_size, True, timeout)
     nonce = secrets.token_hex(16)
     store.set("fixres/nonce", nonce)
-    write_private(path, json.dumps({"host": host, "port": store.port, "nonce": nonce,
-                                    "pid": os.getpid(), "time": time.time()}))
+    write_private(path, json.dumps({"host": host, "port": store.port, "nonce": nonce, "pid": os.getpid(),
+                                    "hostname": socket.gethostname(), "time": time.time()}))
     expected = [f"fixres/arrived/{r}" for r in range(1, world_size)]
     deadline = time.monotonic() + timeout
     while not store.check(expected):
@@ -91,6 +92,33 @@ def _answers(host: str, port: int) -> bool:
         return False
 
 
+def _stale(info: dict) -> bool:
+    """Whether a published rendezvous is certainly stale: its rank 0 ran on this host and is gone."""
+    return info.get("hostname") == socket.gethostname() and isinstance(info.get("pid"), int) \
+        and not _process_alive(info["pid"])
+
+
+def _probe_store(host: str, port: int, world_size: int) -> dist.TCPStore | None:
+    """A client of the store at ``host:port``, or None if none answers within PROBE_SECONDS.
+
+    Connecting runs in a daemon thread: a port taken over by another server (not a TCPStore)
+    accepts the connection and never answers the handshake, which would block this rank, deaf to
+    signals, beyond any timeout.
+    """
+    box = []
+
+    def connect():
+        try:
+            box.append(_tcp_store(host, port, world_size, False, PROBE_SECONDS))
+        except (RuntimeError, OSError):
+            pass
+
+    thread = threading.Thread(target=connect, daemon=True, name="fixres-rendezvous-probe")
+    thread.start()
+    thread.join(PROBE_SECONDS + 1.0)
+    return box[0] if box else None
+
+
 def _arrive(store: dist.Store, rank: int, world_size: int) -> None:
     """Record this rank's arrival; FixresError if another process already arrived as this rank."""
     if store.add(f"fixres/arrived/{rank}", 1) > 1:
@@ -110,13 +138,14 @@ def _join_published(path: Path, rank: int, world_size: int, timeout: float, shou
         try:
             info = json.loads(path.read_text())
             key = (info["host"], int(info["port"]), info["nonce"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             key = None
-        if key is not None and key != tried and _answers(key[0], key[1]):
+        if key is not None and key != tried and not _stale(info) and _answers(key[0], key[1]):
             tried = key
             try:
-                store = _tcp_store(key[0], key[1], world_size, False, PROBE_SECONDS)
-                if store.check(["fixres/nonce"]) and store.get("fixres/nonce").decode() == key[2]:
+                store = _probe_store(key[0], key[1], world_size)
+                if store is not None and store.check(["fixres/nonce"]) \
+                        and store.get("fixres/nonce").decode() == key[2]:
                     store.set_timeout(datetime.timedelta(seconds=timeout))
                     _arrive(store, rank, world_size)
                     return store

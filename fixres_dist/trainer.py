@@ -378,7 +378,7 @@ class Trainer:
             self.log(f"warning: resuming a {len(ranks)}-rank checkpoint on {cfg.num_tasks} ranks: lr re-derived "
                      f"by the linear scaling rule ({self.base_lr:g}), BatchNorm statistics averaged, epoch "
                      f"{self.epoch + 1} continues at image {self.images_in_epoch} of {len(self.train_set)} "
-                     "of the same permutation (no image repeated or skipped); RNG streams restart")
+                     "of the same permutation (no image repeated); RNG streams restart")
         if self.epoch >= cfg.epochs:
             self.log(f"{path}: this job already completed its {cfg.epochs} epochs; nothing to do "
                      "(use another --job-id for a new run)")
@@ -619,8 +619,9 @@ class Trainer:
         self._unsaved, self._checkpoint_step = False, self.global_step
 
     def _record(self, event: str, **fields) -> None:
-        self.history.append({"event": event, **fields})
-        self.metrics.write(event, **fields)
+        entry = MetricsLog.event(event, **fields)  # with its time, which a resumed run's rewrite keeps
+        self.history.append(entry)
+        self.metrics.write(entry)
 
     def log(self, message: str) -> None:
         if self.rank0:

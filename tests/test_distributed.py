@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import attrs
@@ -91,6 +92,27 @@ def test_separately_started_ranks_meet_despite_a_stale_rendezvous_file(tiny_data
     assert events.count("eval") == 1 and events.count("train") == 1
     assert not (job / "rendezvous.json").exists()
     assert (job / "checkpoint.pth").exists()
+
+
+def test_a_stale_rendezvous_address_taken_by_another_server_does_not_hang_a_rank(tiny_data, tmp_path):
+    """The port of a crashed run's rank 0 now belongs to a server that accepts connections and never
+    answers (a TCPStore handshake would wait forever): the joining rank gives up on it and meets the
+    new rank 0."""
+    job = tmp_path / "shared" / "taken"
+    job.mkdir(parents=True)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(8)
+        (job / "rendezvous.json").write_text(json.dumps({"host": "127.0.0.1", "port": squatter.getsockname()[1],
+                                                         "nonce": "old", "hostname": "elsewhere", "pid": 1}))
+        common = ["--num-tasks", 2, "--job-id", "taken", "--shared-folder-path", tmp_path / "shared",
+                  "--data-path", tiny_data, "--dist-timeout", 90, *FAST]
+        rank1 = start_script("scratch", "--global-rank", 1, *common)
+        time.sleep(8)  # rank 1 has found the file and is probing the squatter
+        rank0 = start_script("scratch", "--global-rank", 0, *common)
+        _, err0 = rank0.communicate(timeout=240)
+        _, err1 = rank1.communicate(timeout=60)
+    assert (rank0.returncode, rank1.returncode) == (0, 0), err0[-2000:] + err1[-2000:]
 
 
 @pytest.mark.parametrize("rank, message", [(1, "rank 0 did not open the rendezvous"),

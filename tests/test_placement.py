@@ -75,3 +75,19 @@ def test_spawn_and_single():
 def test_conflicts_and_incomplete(args, environ, message):
     with pytest.raises(FixresError, match=message):
         resolve_placement(*args, environ=environ)
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({**TORCHRUN, "RANK": "-1"}, "RANK=-1 must be >= 0"),
+    ({**TORCHRUN, "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+    ({**TORCHRUN, "RANK": "2"}, "RANK=2 must be < WORLD_SIZE=2"),
+    ({**TORCHRUN, "LOCAL_RANK": "2"}, "LOCAL_RANK=2 must be < LOCAL_WORLD_SIZE=2"),
+    ({**SLURM, "SLURM_LOCALID": "5"}, "SLURM_LOCALID=5 must be < the tasks on this node"),
+    ({**SLURM, "SLURM_PROCID": "4"}, "SLURM_PROCID=4 must be < SLURM_NTASKS=4"),
+    ({**TORCHRUN, "TORCHELASTIC_RUN_ID": "", **SLURM, "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"},
+     r"LOCAL_RANK=1 \(torchrun variables\) conflicts with SLURM_LOCALID=0"),
+])
+def test_rank_variables_out_of_range_are_named(environ, message):
+    environ = {k: v for k, v in environ.items() if not (k == "TORCHELASTIC_RUN_ID" and v == "")}
+    with pytest.raises(FixresError, match=message):
+        resolve_placement(environ=environ)

@@ -36,6 +36,13 @@ def events(folder: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (its SigCgt mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (signum - 1) & 1)
+
+
 def group_is_gone(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -87,15 +94,46 @@ def test_timeout_stops_the_job_with_a_checkpoint(tiny_data, tmp_path):
 
 
 def test_killing_the_launcher_stops_its_ranks(tiny_data, tmp_path):
-    """SIGKILL to the spawn launcher alone: its ranks get SIGTERM from the kernel and checkpoint."""
+    """SIGKILL to the spawn launcher alone: its ranks get SIGTERM from the kernel, checkpoint and exit
+    within seconds (they do not train on as orphans), and until they have, the job stays locked."""
     proc = start_group("--num-tasks", 2, "--job-id", "k", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
                        "--workers", 1, *LONG)
     wait_for(lambda: any(e["event"] == "train" for e in events(tmp_path / "k")), what="the first epoch")
     proc.kill()
-    proc.communicate(timeout=60)
-    wait_for(lambda: group_is_gone(proc.pid), timeout=90, what="the orphaned ranks to stop")
+    killed = time.monotonic()
+    _, err = proc.communicate(timeout=60)  # the ranks hold its pipes: this returns once they exited
+    wait_for(lambda: group_is_gone(proc.pid), timeout=30, what="the orphaned ranks to stop")
+    assert time.monotonic() - killed < 60
+    assert err.count("preempted by SIGTERM") == 2, err[-3000:]
     state = load_checkpoint(tmp_path / "k" / CHECKPOINT_FILE)
-    assert state["images_in_epoch"] > 0 or state["epoch"] >= 1
+    assert state["epoch"] < 40 and len(state["ranks"]) == 2
+
+
+def test_repeated_signals_to_the_group_still_end_in_one_line_per_rank(tiny_data, tmp_path):
+    """Ctrl-C held down: SIGINT every 0.1 s until the job has exited."""
+    proc = start_group("--num-tasks", 2, "--job-id", "r", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+                       "--workers", 2, *LONG)
+    wait_for(lambda: any(e["event"] == "train" for e in events(tmp_path / "r")), what="the first epoch")
+    while proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    out, err = proc.communicate(timeout=60)
+    assert_quiet_stop(proc, err, 130, ranks=2)
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 3)])
+def test_a_signal_while_the_script_starts_is_one_line(tmp_path, signum, status):
+    """While Python imports torch (seconds), before any rank exists: one line, nothing written."""
+    proc = start_group("--num-tasks", 2, "--shared-folder-path", tmp_path / "s", *LONG)
+    wait_for(lambda: catches(proc.pid, signal.SIGTERM), timeout=60, what="the script's start-up guard")
+    os.killpg(proc.pid, signum)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (status, f"fixres_dist: stopped by {signal.Signals(signum).name} while starting; "
+                                              "nothing was written\n")
+    assert not (tmp_path / "s").exists()
 
 
 def test_a_signal_during_evaluation_stops_it_and_resumes_bit_identical(tiny_data, tmp_path):

@@ -1,0 +1,33 @@
+"""The seconds before a script listens for stop signals, and the moments after it stopped listening.
+
+``python main_scratch.py`` spends seconds importing torch, parsing and checking its inputs before
+the launcher forwards stop signals or the Trainer records them (:mod:`fixres_dist.preemption`).
+A SIGINT, SIGTERM or SIGUSR2 then (Ctrl-C, ``timeout``, ``scancel``) ends the script with one line
+and the usual status (130 for SIGINT, else 3) instead of a traceback out of torch's import or a
+silent death: nothing has been written yet. Once the job is over, late ones are ignored, so that a
+signal to the whole job arriving as it exits cannot change its status or print a traceback.
+This module imports nothing heavy: the scripts install :func:`guard_signals` before torch.
+"""
+import signal
+import sys
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+
+
+def _stopped_while_starting(signum, frame) -> None:
+    sys.stderr.write(f"fixres_dist: stopped by {signal.Signals(signum).name} while starting; nothing was "
+                     "written\n")
+    sys.stderr.flush()
+    raise SystemExit(130 if signum == signal.SIGINT else 3)
+
+
+def guard_signals() -> None:
+    """Until the launcher or Trainer installs its own handlers: stop at once, with one line."""
+    for signum in SIGNALS:
+        signal.signal(signum, _stopped_while_starting)
+
+
+def ignore_signals() -> None:
+    """After the job: ignore the stop signals for the rest of this process's life."""
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)

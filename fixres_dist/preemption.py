@@ -23,7 +23,7 @@ import signal
 
 import torch
 
-from . import distributed
+from . import distributed, startup
 
 PREEMPTED_EXIT_STATUS = 3
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT  # 130, the shells' status for Ctrl-C
@@ -145,5 +145,5 @@ class StopSignals:
     def chain(self) -> None:
         """Call the handler that owned the received signal before us (submitit's requeue), if any."""
         handler = self.previous.get(self.received)
-        if callable(handler) and handler is not signal.default_int_handler:
+        if callable(handler) and handler is not signal.default_int_handler and not startup.is_guard(handler):
             handler(self.received, None)

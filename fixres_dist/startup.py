@@ -21,6 +21,11 @@ def _stopped_while_starting(signum, frame) -> None:
     raise SystemExit(130 if signum == signal.SIGINT else 3)
 
 
+def is_guard(handler) -> bool:
+    """Whether ``handler`` is this module's (a stop handler chaining to it must not call it)."""
+    return handler is _stopped_while_starting
+
+
 def guard_signals() -> None:
     """Until the launcher or Trainer installs its own handlers: stop at once, with one line."""
     for signum in SIGNALS:

@@ -88,7 +88,7 @@ def test_timeout_stops_the_job_with_a_checkpoint(tiny_data, tmp_path):
                            "--workers", "2", *LONG], capture_output=True, text=True, timeout=180, env=clean_env())
     assert proc.returncode == 124  # timeout's own status once it fired
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines and all(line.startswith("fixres_dist: rank ") for line in lines), proc.stderr[-3000:]
+    assert lines and all(line.startswith("fixres_dist: ") for line in lines), proc.stderr[-3000:]  # ranks, or start-up
     if (tmp_path / "t" / CHECKPOINT_FILE).exists():  # it fired after training had started (not on a slow machine)
         assert "preempted by SIGTERM" in proc.stderr
 

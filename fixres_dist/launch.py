@@ -184,17 +184,20 @@ def spawn(config: TrainerConfig) -> None:
             multiprocessing.forkserver.ensure_running()
     received, context = [], None
 
-    def forward(signum, frame):
-        received.append(signum)
+    def send(signum) -> None:
         for process in context.processes if context is not None else ():
             if process.is_alive():
                 os.kill(process.pid, signum)
+
+    def forward(signum, frame):
+        received[:] = [signum]
+        send(signum)
 
     previous = {s: signal.signal(s, forward) for s in signals}
     try:
         context = mp.start_processes(_spawned_rank, args=(config, SharedJobLock(lock.fd)), nprocs=config.num_tasks,
                                      join=False, start_method=method)
-        failed = _wait_for_ranks(context.processes, lambda: forward(received[-1], None) if received else None)
+        failed = _wait_for_ranks(context.processes, lambda: [send(signum) for signum in received])
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -149,12 +149,12 @@ def resolve_placement(num_tasks: int | None = None, global_rank: int | None = No
             raise FixresError("--local-rank needs --global-rank (and --num-tasks)")
         if num_tasks is None:
             raise FixresError("--global-rank needs --num-tasks")
-        for env_source in ((("WORLD_SIZE", "RANK", "LOCAL_RANK"),) if torchrun else ()) + \
-                ((("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),) if slurm and not torchrun else ()):
-            for flag_name, flag_value, env_name in zip(("--num-tasks", "--global-rank", "--local-rank"),
-                                                       (num_tasks, global_rank, local_rank), env_source):
-                if env_name in environ:
-                    _check_agree(flag_name, flag_value, env_name, _env_int(environ, env_name))
+        launcher = ("WORLD_SIZE", "RANK", "LOCAL_RANK") if torchrun else \
+            ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID") if slurm else ()
+        for flag_name, flag_value, env_name in zip(("--num-tasks", "--global-rank", "--local-rank"),
+                                                   (num_tasks, global_rank, local_rank), launcher):
+            if env_name in environ:
+                _check_agree(flag_name, flag_value, env_name, _env_int(environ, env_name))
         local = global_rank if local_rank is None else local_rank
         return Placement("flags", num_tasks, global_rank, local, num_tasks, job_id or slurm_job, dist_url)
 

@@ -3,6 +3,7 @@ if __name__ == "__main__":
     from fixres_dist import startup
 
     startup.guard_signals()  # before torch loads: Ctrl-C or SIGTERM while starting is one line, not a traceback
+    startup.quiet_native_logs()
     from fixres_dist.launch import main_scratch
 
     main_scratch()

@@ -11,7 +11,7 @@ setup(
     package_data={"fixres_dist": ["embedded_data/*/LICENSE", "embedded_data/*/*/*/*.png"]},
     py_modules=["main_scratch", "main_finetune"],
     install_requires=["torch>=2.4", "torchvision>=0.19", "submitit>=1.5", "attrs>=23.1", "numpy", "tqdm",
-                      "matplotlib"],
+                      "matplotlib", "psutil"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],
         # EfficientNet-Lite0 model code and its ImageNet weight file (no download at run time)

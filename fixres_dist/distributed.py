@@ -11,8 +11,9 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from . import network
 from .errors import FixresError, first_line
-from .rendezvous import Rendezvous, _never, make_store
+from .rendezvous import Rendezvous, _never, make_store, meet_hosts
 
 
 def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, timeout: float,
@@ -20,21 +21,38 @@ def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, 
     """Meet the other ranks and create the default process group; returns the :class:`Rendezvous`.
 
     World size 1: no group, returns None. ``should_stop()`` and ``check_joinable()`` are polled
-    while waiting at a file rendezvous (:func:`~fixres_dist.rendezvous.make_store`).
-    Raises :class:`FixresError` on timeout.
+    while waiting at a file rendezvous (:func:`~fixres_dist.rendezvous.make_store`). Before the
+    group is created the ranks exchange where they run and each picks the interface its
+    collectives use (:mod:`fixres_dist.network`; sets ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``
+    where unset). Raises :class:`FixresError` on timeout or when no interface reaches the peers.
     """
     if world_size == 1:
         return None
-    store = make_store(dist_url, rank, world_size, timeout, should_stop, check_joinable)
+    store, address = make_store(dist_url, rank, world_size, timeout, should_stop, check_joinable)
+    hosts = meet_hosts(store, rank, world_size, timeout)
+    link = network.choose_link(hosts[rank].name, {r: (h.name, list(h.addresses)) for r, h in hosts.items()})
+    network.apply_link(link)
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+                                timeout=datetime.timedelta(seconds=collective_timeout(timeout)))
     except (RuntimeError, dist.DistError) as exc:
         raise FixresError(f"process group ({backend}) did not form within {timeout:g} s: "
                           f"{first_line(exc)}") from None
-    rendezvous = Rendezvous(store, rank, world_size)
+    rendezvous = Rendezvous(store, rank, world_size, address, hosts, link)
     rendezvous.register()
+    rendezvous.start_heartbeat()
     return rendezvous
+
+
+LOST_PEERS_S = 10.0  # what naming the lost peers may take after a collective timed out (seconds)
+
+
+def collective_timeout(dist_timeout: float) -> float:
+    """How long one collective may wait for a peer (seconds): ``--dist-timeout`` less the time
+    :meth:`~fixres_dist.rendezvous.Rendezvous.lost_peers` takes (at most half of it), so that a
+    rank whose peers vanished without a word (a node cut off the network) names them and exits
+    within ``--dist-timeout``."""
+    return max(dist_timeout / 2, dist_timeout - LOST_PEERS_S)
 
 
 def is_initialized() -> bool:

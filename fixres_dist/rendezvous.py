@@ -2,8 +2,10 @@
 
 ``tcp://HOST:PORT`` and ``env://`` are the usual TCPStore rendezvous (rank 0 hosts the store).
 ``file://PATH`` (the default, ``<shared>/<job-id>/rendezvous.json``) is a *published* TCPStore:
-rank 0 opens a store on a free port and atomically writes its address and a random nonce to PATH;
-the other ranks poll PATH, connect, and check the nonce. Ranks can therefore start in any order,
+rank 0 opens a store on a free port and atomically writes its candidate addresses
+(:func:`fixres_dist.network.store_candidates`: never only the ``127.0.1.1`` its host name may
+resolve to), the port and a random nonce to PATH; the other ranks poll PATH, try the addresses in
+turn (loopback first when on rank 0's host), connect, and check the nonce. Ranks can therefore start in any order,
 seconds apart, from different shells or nodes that share the folder. A file left behind by a
 crashed run is harmless: its address refuses connections (or carries the wrong nonce), so joiners
 keep polling until the new rank 0 overwrites it (an address that refuses connections is probed with a
@@ -14,9 +16,14 @@ Under torchrun (``env://`` with ``TORCHELASTIC_USE_AGENT_STORE=True``) the ranks
 torchrun's agent already hosts on ``MASTER_ADDR:MASTER_PORT``, as ``torch.distributed`` itself does,
 instead of rank 0 trying to open a second one on the agent's port.
 
-A :class:`Rendezvous` is this process's store once met; it also records every rank's host and
-process id, so that after a failed collective :meth:`Rendezvous.lost_peers` can name the rank that
-died or failed (:meth:`Rendezvous.announce_failure`).
+Once the store is up, every rank publishes its host name, process id and addresses
+(:func:`meet_hosts`), picks the network interface its collectives use
+(:func:`fixres_dist.network.choose_link`) and sets ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``
+accordingly, before the process group exists. A :class:`Rendezvous` is this process's store once
+met; each rank also adds to a heartbeat counter in the store every second (a thread with its own
+connection), so that after a failed collective :meth:`Rendezvous.lost_peers` can name the ranks
+that died, failed (:meth:`Rendezvous.announce_failure`) or fell silent, and their host: a node
+killed or cut off the network.
 """
 from __future__ import annotations
 
@@ -30,12 +37,26 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import attrs
 import torch.distributed as dist
 
+from . import network
 from .errors import FixresError, first_line
 from .io import write_private
 
 PROBE_SECONDS = 3.0
+HEARTBEAT_S = 1.0  # a rank adds to its heartbeat counter this often (seconds)
+STORE_ANSWER_S = 3.0  # after a failed collective, a store that does not answer this fast is lost
+
+
+class LostPeers(FixresError):
+    """A collective failed because peer ranks died, failed or were cut off; ``lost`` names them and
+    their host (:meth:`Rendezvous.lost_peers`). The job's last checkpoint is intact: running the job
+    again resumes from it."""
+
+    def __init__(self, lost: str):
+        super().__init__(f"lost {lost}; stopping")
+        self.lost = lost
 
 
 class RendezvousInterrupted(Exception):
@@ -46,27 +67,19 @@ def _never() -> bool:
     return False
 
 
-def _advertised_host() -> str:
-    if os.environ.get("MASTER_ADDR"):
-        return os.environ["MASTER_ADDR"]
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 def _tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, world_size, is_master, datetime.timedelta(seconds=timeout),
                          wait_for_workers=False)
 
 
-def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop) -> dist.TCPStore:
-    """Rank 0 of a file rendezvous: host a store, publish it, wait for every other rank."""
-    host = _advertised_host()
-    store = _tcp_store(host, 0, world_size, True, timeout)
+def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop) -> tuple[dist.TCPStore, str]:
+    """Rank 0 of a file rendezvous: host a store (on every interface), publish the addresses it
+    may be reached at, wait for every other rank. Returns the store and its ``HOST:PORT``."""
+    hosts = [os.environ["MASTER_ADDR"]] if os.environ.get("MASTER_ADDR") else network.store_candidates()
+    store = _tcp_store(hosts[0], 0, world_size, True, timeout)
     nonce = secrets.token_hex(16)
     store.set("fixres/nonce", nonce)
-    write_private(path, json.dumps({"host": host, "port": store.port, "nonce": nonce, "pid": os.getpid(),
+    write_private(path, json.dumps({"hosts": hosts, "port": store.port, "nonce": nonce, "pid": os.getpid(),
                                     "hostname": socket.gethostname(), "time": time.time()}))
     expected = [f"fixres/arrived/{r}" for r in range(1, world_size)]
     deadline = time.monotonic() + timeout
@@ -80,7 +93,7 @@ def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop) 
                               f"within {timeout:g} s (same --job-id and --shared-folder-path?)")
         time.sleep(0.05)
     path.unlink(missing_ok=True)
-    return store
+    return store, f"{hosts[0]}:{store.port}"
 
 
 def _answers(host: str, port: int) -> bool:
@@ -126,47 +139,64 @@ def _arrive(store: dist.Store, rank: int, world_size: int) -> None:
                           "is this rank (or the whole job) started twice?")
 
 
+def _published(path: Path) -> tuple[list[str], int, str, dict] | None:
+    """``(addresses to try, port, nonce, the whole record)`` of a rendezvous file, or None if it is
+    missing or unreadable. On rank 0's host, loopback is tried first."""
+    try:
+        info = json.loads(path.read_text())
+        hosts = [str(h) for h in info.get("hosts") or [info["host"]]]
+        port, nonce = int(info["port"]), str(info["nonce"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if info.get("hostname") == socket.gethostname():
+        hosts = list(dict.fromkeys(["127.0.0.1", *hosts]))
+    return hosts, port, nonce, info
+
+
 def _join_published(path: Path, rank: int, world_size: int, timeout: float, should_stop,
-                    check_joinable) -> dist.TCPStore:
-    """A non-zero rank of a file rendezvous: poll the file until its store answers with its nonce."""
+                    check_joinable) -> tuple[dist.TCPStore, str]:
+    """A non-zero rank of a file rendezvous: poll the file until one of its addresses answers
+    with the nonce. Returns the store and the ``HOST:PORT`` it was reached at."""
     deadline = time.monotonic() + timeout
     tried = None
     while time.monotonic() < deadline:
         if should_stop():
             raise RendezvousInterrupted(f"stopped by a signal while waiting for {path}")
         check_joinable()
-        try:
-            info = json.loads(path.read_text())
-            key = (info["host"], int(info["port"]), info["nonce"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            key = None
-        if key is not None and key != tried and not _stale(info) and _answers(key[0], key[1]):
-            tried = key
-            try:
-                store = _probe_store(key[0], key[1], world_size)
-                if store is not None and store.check(["fixres/nonce"]) \
-                        and store.get("fixres/nonce").decode() == key[2]:
-                    store.set_timeout(datetime.timedelta(seconds=timeout))
-                    _arrive(store, rank, world_size)
-                    return store
-            except (RuntimeError, OSError):
-                pass  # a stale file from an earlier run: wait for the new rank 0 to replace it
+        published = _published(path)
+        key = published[:3] if published is not None else None
+        if key is not None and key != tried and not _stale(published[3]):
+            hosts, port, nonce = key
+            for host in hosts:
+                if not _answers(host, port):
+                    continue
+                tried = key  # something answers: if it is not our store, the file is stale
+                try:
+                    store = _probe_store(host, port, world_size)
+                    if store is not None and store.check(["fixres/nonce"]) \
+                            and store.get("fixres/nonce").decode() == nonce:
+                        store.set_timeout(datetime.timedelta(seconds=timeout))
+                        _arrive(store, rank, world_size)
+                        return store, f"{host}:{port}"
+                except (RuntimeError, OSError):
+                    pass  # a stale file from an earlier run: wait for the new rank 0 to replace it
         time.sleep(0.1)
     raise FixresError(f"rank 0 did not open the rendezvous {path} within {timeout:g} s "
                       "(is rank 0 running with the same --job-id and --shared-folder-path?)")
 
 
-def _tcp_rendezvous(host: str, port: int, rank: int, world_size: int, timeout: float) -> dist.TCPStore:
+def _tcp_rendezvous(host: str, port: int, rank: int, world_size: int, timeout: float) -> tuple[dist.TCPStore, str]:
     try:
-        return _tcp_store(host, port, world_size, rank == 0, timeout)
+        return _tcp_store(host, port, world_size, rank == 0, timeout), f"{host}:{port}"
     except (RuntimeError, OSError) as exc:
         raise FixresError(f"cannot meet the other ranks at {host}:{port} within {timeout:g} s: "
                           f"{first_line(exc)}") from None
 
 
 def make_store(dist_url: str, rank: int, world_size: int, timeout: float, should_stop=_never,
-               check_joinable=_never) -> dist.Store:
-    """Build the rendezvous store for ``dist_url`` (file://, tcp:// or env://).
+               check_joinable=_never) -> tuple[dist.Store, str]:
+    """Build the rendezvous store for ``dist_url`` (file://, tcp:// or env://); returns it and the
+    ``HOST:PORT`` of the TCPStore behind it.
 
     ``should_stop()`` is polled while waiting at a file rendezvous; when it returns True,
     :class:`RendezvousInterrupted` is raised. A joining rank also polls ``check_joinable()``, which
@@ -188,10 +218,41 @@ def make_store(dist_url: str, rank: int, world_size: int, timeout: float, should
         raise FixresError("--dist-url env:// needs MASTER_ADDR and MASTER_PORT in the environment")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts the store
         try:
-            return _tcp_store(addr, int(port), world_size, False, timeout)
+            store = _tcp_store(addr, int(port), world_size, False, timeout)
         except (RuntimeError, OSError) as exc:
             raise FixresError(f"cannot reach torchrun's store at {addr}:{port}: {first_line(exc)}") from None
+        # as torch.distributed's env:// does: keys of an earlier attempt (--max-restarts) are not seen
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"/worker/attempt_{attempt}", store), f"{addr}:{port}"
     return _tcp_rendezvous(addr, int(port), rank, world_size, timeout)
+
+
+@attrs.frozen
+class Host:
+    """Where one rank runs: host name, process id, and the non-loopback IPv4 addresses of its host."""
+
+    name: str
+    pid: int
+    addresses: tuple[str, ...]
+
+
+def meet_hosts(store: dist.Store, rank: int, world_size: int, timeout: float) -> dict[int, Host]:
+    """Every rank's :class:`Host` (global rank -> Host), exchanged through ``store``; every rank
+    calls it. Raises :class:`FixresError` if a rank does not publish its own within ``timeout`` s."""
+    me = Host(socket.gethostname(), os.getpid(), tuple(network.own_addresses()))
+    store.set(f"fixres/host/{rank}", json.dumps(attrs.asdict(me)))
+    keys = [f"fixres/host/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError):
+        missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
+        raise FixresError(f"rank(s) {', '.join(missing)} met the store but did not say where they run "
+                          f"within {timeout:g} s") from None
+    hosts = {}
+    for r, key in enumerate(keys):
+        info = json.loads(store.get(key))
+        hosts[r] = Host(info["name"], int(info["pid"]), tuple(info["addresses"]))
+    return hosts
 
 
 def _process_alive(pid: int) -> bool:
@@ -202,54 +263,160 @@ def _process_alive(pid: int) -> bool:
         return False
 
 
-class Rendezvous:
-    """This rank's rendezvous store once the ranks have met, and where every rank runs.
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    spans = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
-    Built by :func:`fixres_dist.distributed.init_process_group`; :meth:`register` publishes this
-    process and reads the others' (a collective: every rank calls it once the group exists).
+
+def _ranks_on(ranks: list[int], hosts: dict[int, Host], here: str) -> str:
+    """``"ranks 2-3 on n2"``, grouped by host in rank order (no host named for those on ``here``)."""
+    by_host: dict[str, list[int]] = {}
+    for rank in sorted(ranks):
+        by_host.setdefault(hosts[rank].name, []).append(rank)
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {_ranges(r)}{'' if host == here else f' on {host}'}"
+                     for host, r in by_host.items())
+
+
+class Rendezvous:
+    """This rank's rendezvous store once the ranks have met, where every rank runs, and how.
+
+    Built by :func:`fixres_dist.distributed.init_process_group` (:func:`meet`): ``hosts`` (global
+    rank -> :class:`Host`) and this rank's :class:`~fixres_dist.network.Link` are known before the
+    process group exists; :meth:`register` (a collective, once the group exists) collects every
+    rank's link for :meth:`describe`. A heartbeat thread (:meth:`start_heartbeat`) lets
+    :meth:`lost_peers` tell a silent rank from a live one.
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int):
+    def __init__(self, store: dist.Store, rank: int, world_size: int, address: str, hosts: dict[int, Host],
+                 link: network.Link):
         self.store, self.rank, self.world_size = store, rank, world_size
-        self.peers: dict[int, tuple[str, int]] = {}  # rank -> (host, pid)
+        self.address, self.hosts, self.link = address, hosts, link  # address: the store's HOST:PORT
+        self.links: dict[int, str] = {}  # rank -> "interface address", after register()
+        self._beating = threading.Event()
+
+    @property
+    def peers(self) -> dict[int, tuple[str, int]]:
+        """Global rank -> (host name, process id)."""
+        return {rank: (host.name, host.pid) for rank, host in self.hosts.items()}
 
     def register(self) -> None:
-        self.store.set(f"fixres/process/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        """Every rank, once the process group exists: publish this rank's link, read everyone's."""
+        self.store.set(f"fixres/link/{self.rank}", f"{self.link.interface} {self.link.address}")
         dist.barrier()
-        for peer in range(self.world_size):
-            host, pid = self.store.get(f"fixres/process/{peer}").decode().split()
-            self.peers[peer] = (host, int(pid))
+        self.links = {peer: self.store.get(f"fixres/link/{peer}").decode() for peer in range(self.world_size)}
+
+    def describe(self) -> str:
+        """One line: where the store was reached and, per host, its ranks and the interface they use."""
+        by_host: dict[tuple[str, str], list[int]] = {}
+        for rank, host in sorted(self.hosts.items()):
+            by_host.setdefault((host.name, self.links.get(rank, "?")), []).append(rank)
+        hosts = len({name for name, _ in by_host})
+        parts = [f"{name} rank{'s' if len(r) > 1 else ''} {_ranges(r)} over {link}"
+                 for (name, link), r in by_host.items()]
+        return (f"{self.world_size} ranks met at the store {self.address} on {hosts} host(s): {'; '.join(parts)} "
+                f"(interface: {self.link.reason})")
+
+    def start_heartbeat(self) -> None:
+        """Add 1 to this rank's heartbeat counter in the store every HEARTBEAT_S seconds, from a
+        daemon thread with a connection of its own (a store that stops answering blocks only it)."""
+        def beat():
+            try:
+                store = self.store.clone()  # a connection of its own (torchrun's key prefix kept)
+                store.set_timeout(datetime.timedelta(seconds=5 * HEARTBEAT_S))
+                while not self._beating.wait(HEARTBEAT_S):
+                    store.add(f"fixres/beat/{self.rank}", 1)
+            except Exception:  # the store is gone or unreachable: lost_peers will say so
+                pass
+
+        threading.Thread(target=beat, daemon=True, name="fixres-heartbeat").start()
+
+    def stop_heartbeat(self) -> None:
+        self._beating.set()
 
     def announce_failure(self, reason: str) -> None:
-        """Tell the other ranks, through the store, why this rank is about to stop (best effort)."""
-        try:
-            self.store.set(f"fixres/failed/{self.rank}", reason[:300])
-        except Exception:  # best effort: the store may be gone with rank 0
-            pass
+        """Tell the other ranks, through the store, why this rank is about to stop (best effort,
+        at most STORE_ANSWER_S seconds: the store may be gone with rank 0)."""
+        _within(STORE_ANSWER_S, lambda: self.store.set(f"fixres/failed/{self.rank}", reason[:300]))
+
+    def announce_lost(self, lost: str) -> None:
+        """Tell the other ranks which peers this rank found lost (as :meth:`announce_failure`):
+        they then name those, not this rank that exits because of them."""
+        _within(STORE_ANSWER_S, lambda: self.store.set(f"fixres/lost/{self.rank}", lost[:300]))
+
+    def _announced(self, store: dist.Store, kind: str) -> list[tuple[int, str]]:
+        """``(rank, text)`` of the peers that announced ``kind`` ("lost" or "failed")."""
+        return [(rank, store.get(f"fixres/{kind}/{rank}").decode()) for rank in range(self.world_size)
+                if rank != self.rank and store.check([f"fixres/{kind}/{rank}"])]
+
+    def _beats(self, store: dist.Store) -> dict[int, int]:
+        """Every peer's heartbeat count."""
+        return {rank: store.add(f"fixres/beat/{rank}", 0) for rank in range(self.world_size) if rank != self.rank}
 
     def lost_peers(self, wait: float = 3.0) -> str:
         """Which peer ranks failed or vanished, as a phrase, after a collective failed ("" if none known).
 
-        Ranks on this host that died are found by process id without asking anyone; a rank that
-        failed with an exception announced it in the store (:meth:`announce_failure`); if the store
-        (hosted by rank 0) no longer answers, rank 0 is gone. Polls for up to ``wait`` seconds, as a
-        dying peer may still be exiting.
+        In this order: what a peer that found ranks lost announced (:meth:`announce_lost`); ranks
+        that announced a failure (:meth:`announce_failure`), with its cause; ranks on this host
+        whose process is gone; ranks whose heartbeat did not move for ``wait`` seconds (killed on
+        another host, or that host cut off the network), with their host; and if the store does
+        not answer within STORE_ANSWER_S, rank 0, which hosts it (or the network to its host is
+        down). Takes about ``wait`` seconds (a dying peer may still be exiting), at most
+        ``wait + 2 * STORE_ANSWER_S``.
         """
-        self.store.set_timeout(datetime.timedelta(seconds=3))
-        deadline = time.monotonic() + wait
-        while True:
-            dead = [f"rank {rank} (pid {pid} is gone)" for rank, (host, pid) in sorted(self.peers.items())
-                    if rank != self.rank and host == socket.gethostname() and not _process_alive(pid)]
-            if dead:
-                return "; ".join(dead)
-            failed = []
-            for rank in self.peers:
-                try:
-                    if rank != self.rank and self.store.check([f"fixres/failed/{rank}"]):
-                        failed.append(f"rank {rank}, which failed: "
-                                      f"{self.store.get(f'fixres/failed/{rank}').decode()}")
-                except Exception:  # the store died with its host process, rank 0
-                    return "rank 0 (and with it the rendezvous store)"
-            if failed or time.monotonic() > deadline:
-                return "; ".join(failed)
-            time.sleep(0.2)
+        me = self.hosts[self.rank].name
+        store = _within(STORE_ANSWER_S, self.store.clone)  # the old connection may hang on a dead link
+        if store is not None:
+            store.set_timeout(datetime.timedelta(seconds=STORE_ANSWER_S))
+            before, deadline = _within(STORE_ANSWER_S, lambda: self._beats(store)), time.monotonic() + wait
+            found = None
+            while before is not None:
+                found = _within(STORE_ANSWER_S, lambda: self._announced_loss(store, me))
+                if found is None or found or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            if found:
+                return found
+            after = _within(STORE_ANSWER_S, lambda: self._beats(store)) if found is not None else None
+            if after is not None:
+                silent = [rank for rank, count in after.items() if count == before[rank]]
+                return f"{_ranks_on(silent, self.hosts, me)} (no heartbeat for {wait:g} s: killed, or the " \
+                       "host is cut off)" if silent else ""
+        return (f"rank 0 on {self.hosts[0].name}, which hosts the rendezvous store (it died, or the "
+                f"network to {self.hosts[0].name} is down)")
+
+    def _announced_loss(self, store: dist.Store, me: str) -> str:
+        """What :meth:`lost_peers` reports before looking at heartbeats ("" if nothing yet)."""
+        lost = self._announced(store, "lost")
+        if lost:
+            return lost[0][1]
+        failed = [f"{_ranks_on([rank], self.hosts, me)}, which failed: {cause}"
+                  for rank, cause in self._announced(store, "failed")]
+        if failed:
+            return "; ".join(failed)
+        dead = [rank for rank, host in self.hosts.items()
+                if rank != self.rank and host.name == me and not _process_alive(host.pid)]
+        return "; ".join(f"rank {rank} (pid {self.hosts[rank].pid} is gone)" for rank in dead)
+
+
+def _within(seconds: float, call):
+    """``call()``'s result, or None if it raised or did not return within ``seconds`` (it then
+    goes on in a daemon thread: a store client blocked on a link that silently drops packets does
+    not return for minutes, whatever its timeout)."""
+    box = []
+
+    def run():
+        try:
+            box.append(call())
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=run, daemon=True, name="fixres-store-query")
+    thread.start()
+    thread.join(seconds)
+    return box[0] if box else None

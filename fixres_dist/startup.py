@@ -8,6 +8,7 @@ silent death: nothing has been written yet. Once the job is over, late ones are 
 signal to the whole job arriving as it exits cannot change its status or print a traceback.
 This module imports nothing heavy: the scripts install :func:`guard_signals` before torch.
 """
+import os
 import signal
 import sys
 
@@ -36,3 +37,12 @@ def ignore_signals() -> None:
     """After the job: ignore the stop signals for the rest of this process's life."""
     for signum in SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+def quiet_native_logs() -> None:
+    """Show only errors from torch's C++ log (``TORCH_CPP_LOG_LEVEL=ERROR``) unless the user chose a
+    level; to take effect it must run before torch is imported. c10d logs a warning with a page of
+    C++ stack frames for every store connection that breaks when a peer or node goes away, and one
+    for every client address without a reverse DNS name; this package reports those events itself,
+    in one line naming the ranks and hosts (:mod:`fixres_dist.rendezvous`)."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -43,7 +43,7 @@ from .errors import FixresError, first_line, user_message
 from .faults import FaultInjector
 from .metrics import METRICS_FILE, MetricsLog
 from .preemption import Preempted, StopSignals, stop_signals
-from .rendezvous import RendezvousInterrupted
+from .rendezvous import LostPeers, RendezvousInterrupted
 
 @attrs.frozen
 class RunResult:
@@ -130,7 +130,8 @@ class Trainer:
                 gone = self.rendezvous.lost_peers() \
                     if self.rendezvous and isinstance(exc, (RuntimeError, dist.DistError)) else ""
                 if gone:  # a collective failed because a peer failed or vanished: name it, no traceback
-                    raise FixresError(f"lost {gone}; stopping") from None
+                    self.rendezvous.announce_lost(gone)
+                    raise LostPeers(gone) from None
                 if self.rendezvous:
                     self.rendezvous.announce_failure(user_message(exc) or f"{type(exc).__name__}: {first_line(exc)}")
                 raise
@@ -201,6 +202,8 @@ class Trainer:
         """Stop the loader workers, leave the process group and release the job folder."""
         for loader in (self.train_loader, *self.val_loaders.values()):
             data.close_loader(loader)
+        if self.rendezvous is not None:
+            self.rendezvous.stop_heartbeat()
         distributed.destroy_process_group()
         self.rendezvous = self.control_group = None
         if self._lock is not None:
@@ -241,6 +244,8 @@ class Trainer:
             raise Preempted(f"{exc}; nothing to checkpoint yet", self.stops.received) from None
         if self.rank0:
             joblock.record_met(cfg.job_folder)
+            if self.rendezvous is not None:
+                self.log(self.rendezvous.describe())
         elif self.announce:
             print(f"fixres_dist: rank {cfg.global_rank} of {cfg.num_tasks} met its peers (job {cfg.job_id}); "
                   "rank 0 logs the run", flush=True)

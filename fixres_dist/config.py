@@ -18,6 +18,9 @@ from .fixres import SCOPES
 
 CONFIG_FILE = "config.json"
 RENDEZVOUS_FILE = "rendezvous.json"
+# The folder of --shared-folder-path that holds the data's file indexes (fixres_dist.file_index),
+# shared by every job: no job may be named so.
+FILE_INDEX_FOLDER = "file_index"
 # Field metadata: a checkpoint written under one value may be resumed under another (where the
 # job runs, how fast, what it reports), unlike everything that shapes the trained weights.
 RESUMABLE = {"resumable": True}
@@ -62,6 +65,9 @@ def _job_id(instance, attribute, value):
     if not JOB_ID_PATTERN.match(value):
         raise FixresError(f"--job-id {value!r} is not safe as a folder name: use 1-128 characters "
                           "from letters, digits, '.', '_', '-', starting with a letter or digit")
+    if value == FILE_INDEX_FOLDER:
+        raise FixresError(f"--job-id {value} is reserved: that folder of --shared-folder-path holds the data's "
+                          "file indexes; choose another name")
 
 
 def _dist_url(instance, attribute, value):
@@ -288,6 +294,12 @@ class TrainerConfig:
     def job_folder(self) -> Path:
         """``<shared_folder_path>/<job_id>``: where config.json, metrics.jsonl and checkpoint.pth go."""
         return Path(self.shared_folder_path) / self.job_id
+
+    @property
+    def file_index_folder(self) -> Path:
+        """``<shared_folder_path>/file_index``: the data's file indexes, shared by every job
+        (:mod:`fixres_dist.file_index`)."""
+        return Path(self.shared_folder_path) / FILE_INDEX_FOLDER
 
     def rendezvous_url(self, file_name: str = RENDEZVOUS_FILE) -> str:
         """Where the ranks of this job meet by default: ``file://<job folder>/<file_name>`` (absolute)."""

@@ -8,6 +8,8 @@ RGB with its levels preserved, whatever its mode (16-bit, float, transparency...
 Hidden files and folders (names starting with ``.``: ``.ipynb_checkpoints``, ``.DS_Store``,
 ``.snapshot``, macOS' ``._*`` files) are no part of the data: not classes, not images, and not walked
 into (:func:`scan_split`); :class:`ImageFolder` counts what it skipped, and the run's log says so.
+Runs take the walk's result from the data's file index (:mod:`fixres_dist.file_index`), walked
+once per dataset version.
 
 Preprocessing (FixRes, section 2; torchvision reference scripts):
 
@@ -36,6 +38,7 @@ import os
 import signal
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 import attrs
 import numpy as np
@@ -92,57 +95,94 @@ class SplitScan:
     hidden: list[str]
 
 
-def _image_files(folder: str, hidden: list[str]) -> list[str]:
+@attrs.frozen
+class FolderListing:
+    """One folder's entries as the walk sees them (:func:`list_folder`); paths are
+    ``os.path.join(folder, name)``. ``folders``: sub-folders to walk (links to folders included),
+    ``images``: image files sorted by name, ``hidden``: hidden entries (not walked); anything else
+    (other files, broken links) is left out."""
+
+    folders: list[str]
+    images: list[str]
+    hidden: list[str]
+
+
+def list_folder(folder: str) -> FolderListing:
+    """The entries of one folder, classified as :func:`scan_split` walks them. ``os.scandir`` knows
+    most entries' types without a ``stat`` (only links need one), so this costs one listing.
+    Raises ``OSError`` if ``folder`` cannot be listed."""
+    folders, files, hidden = [], [], []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if is_hidden(entry.name):
+                hidden.append(entry.path)
+            elif entry.is_dir():  # follows links, as ImageFolder's os.walk(followlinks=True)
+                folders.append(entry.path)
+            elif entry.name.lower().endswith(IMG_EXTENSIONS) and entry.is_file():
+                files.append(entry.path)
+    return FolderListing(folders, sorted(files), hidden)
+
+
+def _image_files(folder: str, hidden: list[str], visit: Callable[[str], None] | None = None) -> list[str]:
     """Image files under ``folder`` in ImageFolder's order (sub-folders by path, files by name);
-    hidden entries are appended to ``hidden`` and not walked into. ``os.scandir`` knows most
-    entries' types without a ``stat`` (only links need one), so a large tree costs one listing
-    per folder."""
+    hidden entries are appended to ``hidden`` and not walked into. ``visit(path)`` is called for
+    each folder just before it is listed."""
     found, stack = [], [folder]
     while stack:
-        root, files = stack.pop(), []
-        with os.scandir(root) as entries:
-            for entry in entries:
-                if is_hidden(entry.name):
-                    hidden.append(entry.path)
-                elif entry.is_dir():  # follows links, as ImageFolder's os.walk(followlinks=True)
-                    stack.append(entry.path)
-                elif entry.name.lower().endswith(IMG_EXTENSIONS) and entry.is_file():
-                    files.append(entry.path)
-        found.append((root, sorted(files)))
+        root = stack.pop()
+        if visit is not None:
+            visit(root)
+        listing = list_folder(root)
+        hidden.extend(listing.hidden)
+        stack.extend(listing.folders)
+        found.append((root, listing.images))
     return [path for _, paths in sorted(found) for path in paths]
 
 
-def scan_split(split: str | Path) -> SplitScan:
+def scan_split(split: str | Path, visit: Callable[[str], None] | None = None) -> SplitScan:
     """The classes and image files of ``split``, walked as torchvision's ImageFolder walks them
     (symbolic links followed, extensions ``IMG_EXTENSIONS`` in any case, the same order), except
     that hidden files and folders are skipped and counted, and names that are not files (a folder
-    named ``x.png``, a broken link) are not images. Raises ``OSError`` if ``split`` cannot be listed.
+    named ``x.png``, a broken link) are not images. ``visit(path)``, if given, is called with every
+    folder walked (``split`` itself, each class folder and every sub-folder), just before it is
+    listed (:mod:`fixres_dist.file_index` records their ``stat`` there). Raises ``OSError`` if a
+    folder cannot be listed.
     """
-    hidden, images_by_class = [], {}
-    with os.scandir(split) as entries:
-        for entry in sorted(entries, key=lambda e: e.name):
-            if is_hidden(entry.name):
-                hidden.append(entry.path)
-            elif entry.is_dir():
-                images_by_class[entry.name] = _image_files(entry.path, hidden)
+    if visit is not None:
+        visit(str(split))
+    listing = list_folder(split)
+    hidden, images_by_class = list(listing.hidden), {}
+    for path in sorted(listing.folders, key=os.path.basename):
+        images_by_class[os.path.basename(path)] = _image_files(path, hidden, visit)
     return SplitScan(images_by_class, sorted(hidden))
 
 
-def check_image_folder(root: str | Path, min_train_images: int = 1) -> list[str]:
-    """Check that ``root`` holds ``train/`` and ``val/`` with the same non-empty class folders.
-
-    Returns the sorted class names. Raises :class:`FixresError` naming the first problem found,
-    also when ``train/`` holds fewer than ``min_train_images`` images.
-    """
+def check_layout(root: str | Path) -> Path:
+    """Check that ``root`` is a folder holding ``train/`` and ``val/`` folders; returns it as a Path.
+    Raises :class:`FixresError` naming what is missing."""
     root = Path(root)
     if not root.is_dir():
         raise FixresError(f"data path {root} does not exist or is not a folder")
-    found = {}
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise FixresError(f"data path {root} has no {split}/ folder (expected ImageFolder layout "
                               f"{root}/train/<class>/*.png and {root}/val/<class>/*.png)")
-        found[split] = {name: len(paths) for name, paths in scan_split(root / split).images.items()}
+    return root
+
+
+def check_image_folder(root: str | Path, min_train_images: int = 1, index=None) -> list[str]:
+    """Check that ``root`` holds ``train/`` and ``val/`` with the same non-empty class folders.
+
+    ``index``: a :class:`fixres_dist.file_index.DataIndex` of ``root`` to check instead of walking
+    the folders (the same checks, the same messages). Returns the sorted class names. Raises
+    :class:`FixresError` naming the first problem found, also when ``train/`` holds fewer than
+    ``min_train_images`` images.
+    """
+    root = check_layout(root)
+    found = {}
+    for split in ("train", "val"):
+        scan = index.scan(split) if index is not None else scan_split(root / split)
+        found[split] = {name: len(paths) for name, paths in scan.images.items()}
         if not found[split]:
             raise FixresError(f"{root / split} has no class folders")
         empty = [name for name, count in found[split].items() if count == 0]
@@ -314,11 +354,14 @@ class ImageFolder(datasets.ImageFolder):
 
     Items are ``(8-bit RGB PIL image, class index)`` (loader :func:`fixres_dist.images.open_rgb`,
     levels preserved for every mode). ``hidden``: the paths of the hidden files and folders skipped.
-    Raises ``FileNotFoundError`` (as torchvision's) when ``root`` holds no class folder.
+    ``scan``: what :func:`scan_split` gives for ``root``, e.g. from the data's file index
+    (:meth:`fixres_dist.file_index.DataIndex.scan`), instead of walking ``root`` again; the dataset
+    is the same (``samples``, ``classes``, ``class_to_idx``, ``hidden``). Raises
+    ``FileNotFoundError`` (as torchvision's) when ``root`` holds no class folder.
     """
 
-    def __init__(self, root: str | Path):
-        self._scan = scan_split(root)
+    def __init__(self, root: str | Path, scan: SplitScan | None = None):
+        self._scan = scan if scan is not None else scan_split(root)
         self.hidden = self._scan.hidden
         super().__init__(str(root), loader=images.open_rgb)
         del self._scan  # its paths now live in self.samples
@@ -333,9 +376,11 @@ class ImageFolder(datasets.ImageFolder):
         return [(path, class_to_idx[name]) for name in sorted(class_to_idx) for path in self._scan.images[name]]
 
 
-def image_folder(root: str | Path, split: str) -> ImageFolder:
-    """The :class:`ImageFolder` of ``root/split`` without a transform (8-bit RGB PIL images)."""
-    return ImageFolder(Path(root) / split)
+def image_folder(root: str | Path, split: str, index=None) -> ImageFolder:
+    """The :class:`ImageFolder` of ``root/split`` without a transform (8-bit RGB PIL images);
+    ``index``: a :class:`fixres_dist.file_index.DataIndex` of ``root`` to take the files from
+    instead of walking the folder."""
+    return ImageFolder(Path(root) / split, index.scan(split) if index is not None else None)
 
 
 def close_loader(loader) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import warnings
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -22,8 +23,10 @@ TEMP_SUFFIX = ".tmp"
 
 
 def temporary_name(path: Path) -> Path:
-    """The hidden temporary sibling of ``path`` that :func:`write_private` writes first."""
-    return path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+    """The hidden temporary sibling of ``path`` that :func:`write_private` writes first; named after
+    this host and process, so that writers on several machines of a shared folder (two jobs
+    indexing the same data) never share one."""
+    return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}{TEMP_SUFFIX}")
 
 
 def fsync_folder(folder: Path) -> None:

@@ -25,8 +25,8 @@ from pathlib import Path
 import attrs
 import torch.multiprocessing as mp
 
-from . import (checkpoint, data, distributed, extraction, fixres, io, joblock, models, placement, resolutions, startup,
-               weights)
+from . import (checkpoint, data, distributed, extraction, file_index, fixres, io, joblock, models, placement, resolutions,
+               startup, weights)
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
 from .errors import FixresError, first_line, say, user_message
@@ -48,10 +48,17 @@ def build_config(mode: str, args: argparse.Namespace, environ=None) -> tuple[Tra
     return config, where.source
 
 
-def preflight(config: TrainerConfig) -> None:
+def preflight(config: TrainerConfig) -> str:
     """Check data, architecture, resolutions (measured: :mod:`fixres_dist.resolutions`), weights,
-    finetune scope and the features folder before anything starts; raises FixresError."""
-    classes = data.check_image_folder(config.data_path or data.embedded_data_path(), 2 * config.num_tasks)
+    finetune scope and the features folder before anything starts; raises FixresError.
+
+    The data are checked through their file index (:mod:`fixres_dist.file_index`), loaded from the
+    shared folder or walked; a walked index is written there only once every check has passed
+    (bad input leaves nothing written). Returns the log line that says which (rank 0 logs it).
+    """
+    root = config.data_path or data.embedded_data_path()
+    index = file_index.data_index(root, config.file_index_folder)
+    classes = data.check_image_folder(root, 2 * config.num_tasks, index)
     shared = Path(config.shared_folder_path).absolute()
     existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
@@ -82,17 +89,21 @@ def preflight(config: TrainerConfig) -> None:
         weights.load_weights(model, found)
         if config.mode == "finetune" and not config.eval_only:
             fixres.trainable_modules(model, build_size, config.finetune_scope, config.last_norm)
+    index.save()
+    return index.describe()
 
 
-def run_rank(config: TrainerConfig, checked: bool = False, locked: bool = False, announce: bool = False) -> RunResult:
+def run_rank(config: TrainerConfig, checked: bool = False, locked: bool = False, announce: bool = False,
+             index_note: str | None = None) -> RunResult:
     """Run one rank; on failure print one stderr line and exit 1 (3 or 130 after a stop checkpoint).
 
     ``checked``: :func:`preflight` already ran for this job in this process or its parent;
-    ``locked``, ``announce``: see :class:`~fixres_dist.trainer.Trainer`.
+    ``locked``, ``announce``, ``index_note`` (what :func:`preflight` returned): see
+    :class:`~fixres_dist.trainer.Trainer`.
     """
     prefix = f"fixres_dist: rank {config.global_rank}:"
     try:
-        return Trainer(config, checked=checked, locked=locked, announce=announce)()
+        return Trainer(config, checked=checked, locked=locked, announce=announce, index_note=index_note)()
     except Preempted as exc:
         say(f"{prefix} {exc}")
         raise SystemExit(exit_status(exc.signal)) from None
@@ -145,9 +156,10 @@ class SharedJobLock:
         return SharedJobLock, (multiprocessing.reduction.DupFd(self.fd),)
 
 
-def _spawned_rank(index: int, config: TrainerConfig, lock) -> None:
+def _spawned_rank(index: int, config: TrainerConfig, lock, index_note: str | None) -> None:
     _stop_with_launcher()
-    run_rank(attrs.evolve(config, global_rank=index, local_rank=index), checked=True, locked=True)
+    run_rank(attrs.evolve(config, global_rank=index, local_rank=index), checked=True, locked=True,
+             index_note=index_note)
 
 
 # What the forkserver imports once, before it forks each rank (instead of every rank importing it).
@@ -165,8 +177,9 @@ def start_method() -> str:
     return "forkserver"
 
 
-def spawn(config: TrainerConfig) -> None:
-    """Hold the job lock, start ``config.num_tasks`` local ranks and wait.
+def spawn(config: TrainerConfig, index_note: str | None = None) -> None:
+    """Hold the job lock, start ``config.num_tasks`` local ranks and wait (``index_note``: what
+    :func:`preflight` returned, for rank 0's log).
 
     SIGTERM, SIGINT and the preemption signal received by this parent are forwarded to the ranks
     (again every second until they exit, should one arrive before a rank listens). The forkserver
@@ -195,7 +208,8 @@ def spawn(config: TrainerConfig) -> None:
 
     previous = {s: signal.signal(s, forward) for s in signals}
     try:
-        context = mp.start_processes(_spawned_rank, args=(config, SharedJobLock(lock.fd)), nprocs=config.num_tasks,
+        context = mp.start_processes(_spawned_rank, args=(config, SharedJobLock(lock.fd), index_note),
+                                     nprocs=config.num_tasks,
                                      join=False, start_method=method)
         failed = _wait_for_ranks(context.processes, lambda: [send(signum) for signum in received])
     finally:
@@ -244,8 +258,7 @@ def main(mode: str, argv: list[str] | None = None) -> None:
     try:
         config, source = build_config(mode, args)
         checked = source in ("spawn", "single") or config.global_rank == 0
-        if checked:
-            preflight(config)
+        index_note = preflight(config) if checked else None
     except FixresError as exc:
         rank = args.global_rank if args.global_rank is not None else \
             os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
@@ -253,12 +266,12 @@ def main(mode: str, argv: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     if source == "spawn":
         try:
-            spawn(config)
+            spawn(config, index_note)
         except FixresError as exc:  # the job folder is in use
             say(f"fixres_dist: rank 0: {exc}")
             raise SystemExit(1) from None
     else:
-        run_rank(config, checked, announce=source in ("flags", "slurm"))
+        run_rank(config, checked, announce=source in ("flags", "slurm"), index_note=index_note)
 
 
 def run_script(mode: str) -> None:

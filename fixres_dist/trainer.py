@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from . import (batchnorm, checkpoint, data, distributed, engine, extraction, finite, fixres, io, joblock, models,
-               placement, preprocessing, reports, resolutions, sweep, weights)
+from . import (batchnorm, checkpoint, data, distributed, engine, extraction, file_index, finite, fixres, io, joblock,
+               models, placement, preprocessing, reports, resolutions, sweep, weights)
 from .config import CONFIG_FILE, TrainerConfig
 from .engine import AMP_DTYPES, EvalResult
 from .errors import FixresError, first_line, user_message
@@ -73,14 +73,16 @@ class Trainer:
     data folder, the features folder and the checkpoint's configuration in this process or its
     parent; the Trainer does not repeat those checks. ``locked``: the launcher holds the job lock
     (:mod:`fixres_dist.joblock`; spawn mode), else rank 0 takes it. ``announce``: a non-zero rank
-    prints one line when it has met its peers (ranks started in their own shells). ``log``: where
-    rank 0's messages go (default the console, above the progress bar).
+    prints one line when it has met its peers (ranks started in their own shells). ``index_note``: the
+    preflight's line about the data's file index (built or reused: :mod:`fixres_dist.file_index`),
+    which rank 0 logs instead of its own (it then only loads the index the preflight wrote). ``log``:
+    where rank 0's messages go (default the console, above the progress bar).
     """
 
     def __init__(self, config: TrainerConfig, *, checked: bool = False, locked: bool = False, announce: bool = False,
-                 log: Callable[[str], None] | None = None):
+                 index_note: str | None = None, log: Callable[[str], None] | None = None):
         self.config = config
-        self.checked, self.locked, self.announce = checked, locked, announce
+        self.checked, self.locked, self.announce, self.index_note = checked, locked, announce, index_note
         self._log = log or tqdm.write
         self.rank0 = config.global_rank == 0
         self.device = torch.device("cpu")
@@ -260,13 +262,19 @@ class Trainer:
             io.remove_stale_temporaries(cfg.job_folder)
 
     def _build_data(self) -> None:
+        """The train and val datasets, from the data's file index (:mod:`fixres_dist.file_index`):
+        loaded and checked, or walked if the data changed; rank 0 writes a walked one."""
         cfg = self.config
         root = cfg.data_path or data.embedded_data_path()
+        index = file_index.data_index(root, cfg.file_index_folder)
         if not self.checked:
-            data.check_image_folder(root)
+            data.check_image_folder(root, index=index)
             if cfg.extract_features:
                 extraction.check_destination(cfg.extract_features, cfg.overwrite)
-        self.train_set, self.val_set = data.image_folder(root, "train"), data.image_folder(root, "val")
+        if self.rank0:
+            index.save()
+        self.log(self.index_note if self.index_note and not index.built else index.describe())
+        self.train_set, self.val_set = data.image_folder(root, "train", index), data.image_folder(root, "val", index)
         self.classes = list(self.train_set.classes)
         hidden = [*self.train_set.hidden, *self.val_set.hidden]
         if hidden:

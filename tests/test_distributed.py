@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from conftest import FAST, clean_env, free_port, run_script, start_script
 from fixres_dist import TrainerConfig, Trainer, data, distributed, engine, models
+from fixres_dist.config import FILE_INDEX_FOLDER
 from fixres_dist.launch import start_method
 
 
@@ -136,7 +137,7 @@ def test_torchrun_launch_agrees_on_one_job_folder(tiny_data, tmp_path):
            *map(str, FAST)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    folders = [p for p in tmp_path.iterdir() if p.is_dir()]
+    folders = [p for p in tmp_path.iterdir() if p.is_dir() and p.name != FILE_INDEX_FOLDER]
     assert len(folders) == 1
     config = TrainerConfig.from_json((folders[0] / "config.json").read_text())
     assert config.num_tasks == 2 and config.dist_url == "env://"

@@ -12,12 +12,13 @@ import pytest
 
 from conftest import FAST, ROOT, clean_env, run_main, run_script, start_script
 from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from fixres_dist.config import FILE_INDEX_FOLDER
 
 TRAIN = ["--input-size", "32", "--batch", "8", "--epochs", "2", "--workers", "0", "--no-progress"]
 
 
 def job_folders(shared):
-    return sorted(p.name for p in shared.iterdir() if p.is_dir())
+    return sorted(p.name for p in shared.iterdir() if p.is_dir() and p.name != FILE_INDEX_FOLDER)
 
 
 def events(folder):

@@ -58,6 +58,8 @@ def _checked(configs: list[TrainerConfig], request: SlurmRequest) -> tuple[list[
     from ..launch import preflight
 
     request = check_request(request, read_partitions())
+    # Before the preflights: they write the data's file index into it (creating it if missing).
+    check_shared_folder(Path(configs[0].shared_folder_path), request.nodes)
     import submitit
 
     usr = "SIG" + submitit.JobEnvironment.USR_SIG  # what SLURM sends (--signal); SUBMITIT_PREEMPT_SIGNAL changes it
@@ -71,7 +73,6 @@ def _checked(configs: list[TrainerConfig], request: SlurmRequest) -> tuple[list[
         config = attrs.evolve(config, num_tasks=request.num_tasks, global_rank=0, local_rank=0)
         preflight(config)
         placed.append(config)
-    check_shared_folder(Path(placed[0].shared_folder_path), request.nodes)
     return placed, request
 
 

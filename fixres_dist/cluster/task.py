@@ -173,8 +173,9 @@ def _as_dict(result) -> dict:
     return attrs.asdict(result) if attrs.has(type(result)) else dict(result)
 
 
-def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3) -> dict:
+def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3, index_note: str | None = None) -> dict:
     """Run the Trainer as one task of a SLURM job, with the requeue protocol (module docstring).
+    ``index_note``: what the preflight returned, for rank 0's log (:class:`~fixres_dist.trainer.Trainer`).
 
     Returns the Trainer's result as a dict. On failure prints one line ``fixres_dist: rank R: cause``
     on stderr (and the traceback first for bugs) and raises :class:`TaskFailed`; after a
@@ -184,7 +185,7 @@ def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3) -> 
     stops = _StopSignals(rank, signal.Signals[config.preempt_signal])
     stops.install()
     try:
-        result = Trainer(config)()
+        result = Trainer(config, index_note=index_note)()
         stops.finished = True
         return _as_dict(result)
     except Preempted as exc:
@@ -254,13 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         if not max_requeues.isdigit():
             raise FixresError(f"FIXRES_MAX_REQUEUES={max_requeues!r} is not a number of requeues")
         config = task_config(config_from_argv(mode, argv[1:], place.num_tasks), place)
-        if place.global_rank == 0:
-            preflight(config)
+        index_note = preflight(config) if place.global_rank == 0 else None
     except FixresError as exc:
         say(f"fixres_dist: rank {place.global_rank}: {exc}")
         return 1
     try:
-        run_task(config, place.restart, int(max_requeues))
+        run_task(config, place.restart, int(max_requeues), index_note)
     except TaskFailed:
         return 1
     return 0

@@ -170,8 +170,8 @@ class StepAgreement:
       the *previous* step, which ran during this step's compute, returns its result, and starts this
       step's. Every rank gets the same result at the same step, so all ranks still checkpoint (or
       stop on a non-finite loss) at the same step, one step after the state it describes. The
-      bound: a stop signal that arrives during step k (or while step k's agreement is started) is
-      acted on after step k + 1, at most one step later than a blocking check would; a non-finite
+      bound: a stop signal that arrives during step k is in the all-reduce started after step k
+      and acted on after step k + 1, at most one step later than a blocking check; a non-finite
       loss of step k stops every rank after step k + 1 (k + 2 on CUDA, whose flag is read a step
       late), and the step named is still k. When the result says stop, no new all-reduce starts:
       the caller acts on it.

@@ -230,26 +230,23 @@ class Rendezvous:
     def lost_peers(self, wait: float = 3.0) -> str:
         """Which peer ranks failed or vanished, as a phrase, after a collective failed ("" if none known).
 
-        Ranks on this host that died are found by process id without asking anyone; a rank that
-        failed with an exception announced it in the store (:meth:`announce_failure`); if the store
-        (hosted by rank 0) no longer answers, rank 0 is gone. Polls for up to ``wait`` seconds, as a
-        dying peer may still be exiting.
+        Ranks on this host that died are found by process id; a rank that failed with an exception
+        announced it in the store (:meth:`announce_failure`) before exiting, and is named with its
+        cause even once its process is gone; if the store (hosted by rank 0) no longer answers, rank
+        0 is gone. Polls for up to ``wait`` seconds, as a dying peer may still be exiting.
         """
         self.store.set_timeout(datetime.timedelta(seconds=3))
         deadline = time.monotonic() + wait
         while True:
-            dead = [f"rank {rank} (pid {pid} is gone)" for rank, (host, pid) in sorted(self.peers.items())
-                    if rank != self.rank and host == socket.gethostname() and not _process_alive(pid)]
-            if dead:
-                return "; ".join(dead)
-            failed = []
-            for rank in self.peers:
-                try:
+            lost = {rank: f"rank {rank} (pid {pid} is gone)" for rank, (host, pid) in self.peers.items()
+                    if rank != self.rank and host == socket.gethostname() and not _process_alive(pid)}
+            try:
+                for rank in self.peers:
                     if rank != self.rank and self.store.check([f"fixres/failed/{rank}"]):
-                        failed.append(f"rank {rank}, which failed: "
-                                      f"{self.store.get(f'fixres/failed/{rank}').decode()}")
-                except Exception:  # the store died with its host process, rank 0
+                        lost[rank] = f"rank {rank}, which failed: {self.store.get(f'fixres/failed/{rank}').decode()}"
+            except Exception:  # the store died with its host process, rank 0
+                if not lost:
                     return "rank 0 (and with it the rendezvous store)"
-            if failed or time.monotonic() > deadline:
-                return "; ".join(failed)
+            if lost or time.monotonic() > deadline:
+                return "; ".join(lost[rank] for rank in sorted(lost))
             time.sleep(0.2)

@@ -167,7 +167,8 @@ state, _ = status("process_group_ready")
 pg = load("process_group_ready")
 if pg:
     rows.append((f"process group ready, {pg['ranks']} CPU ranks (spawn -> all past init_process_group)",
-                 f"{pg['best']:.1f} s (median {pg['median']:.1f} s)", "-", "-", "info", "-"))
+                 f"{pg['best']:.1f} s (median {pg['median']:.1f} s)", f"{pg['import_median']:.1f} s (one import)",
+                 f"{pg['ratio']:.2f}", "<= 2 (info)", "-"))
 else:
     not_run("process group ready, 8 CPU ranks", "process_group_ready", state)
 

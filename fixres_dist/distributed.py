@@ -88,6 +88,13 @@ def all_reduce_max(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
+def start_all_reduce_max(tensor: torch.Tensor, group=None):
+    """Start a MAX all-reduce of ``tensor`` over ``group``, in place, in the background; returns the
+    handle whose ``wait()`` finishes it. Needs a process group (every rank starts the same ones, in
+    the same order)."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+
 def gather_object(obj, group=None) -> list | None:
     """Every rank's ``obj`` on rank 0 (a list, in rank order); None on the other ranks."""
     if not is_initialized():

@@ -6,10 +6,11 @@ non-finite is ever written (checkpoints, weights read, ``metrics.jsonl``).
   flag is copied, without blocking, into pinned host memory and read one step later, once the
   device has finished that step (the next step's kernels are already queued behind it, so the
   device never idles).
-* :func:`agreement_code` / :func:`agreed_bad_step`: the Trainer folds this rank's first bad step
-  into the per-step stop-signal all-reduce (:meth:`fixres_dist.preemption.StopSignals.agree`,
-  a MAX over ranks), so all ranks learn the earliest bad step of any rank at the same step, with no
-  collective of its own.
+* :func:`agreement_code` / :func:`agreed_bad_step`: this rank's first bad step rides on the
+  per-step stop-signal all-reduce (:class:`fixres_dist.preemption.StepAgreement`, a MAX over
+  ranks), so all ranks learn the earliest bad step of any rank at the same step, with no
+  collective of its own. That agreement is one step late after a plain training step and immediate
+  before a checkpoint, which therefore never holds the weights of a non-finite step.
 * :func:`non_finite_tensors` names the floating-point tensors of a state that hold NaN or infinity:
   the checkpoint writer refuses such a state (:func:`fixres_dist.checkpoint.save_checkpoint`), as
   does the weight loader (:mod:`fixres_dist.weights`) and the resume (:func:`fixres_dist.checkpoint.load_checkpoint`).

@@ -2,10 +2,13 @@
 
 SIGTERM, SIGINT (Ctrl-C) or the configured preemption signal (SIGUSR2 by default, SLURM's warning
 signal) on any rank is only *recorded* by :class:`StopSignals`. After each training step (and each
-evaluation batch) every rank calls :meth:`StopSignals.agree`: one small all-reduce tells all ranks
-whether any of them got a signal, so that they all write one checkpoint together at the same step
-and then raise :class:`Preempted`. The launcher turns that into :func:`exit_status` (3, or 130 for
-SIGINT); running the same command again resumes. If another Python handler owned the signal before
+evaluation batch) every rank takes part in a :class:`StepAgreement`: one small all-reduce tells all
+ranks whether any of them got a signal (and the earliest step whose loss was not finite on any
+rank), so that they all write one checkpoint together at the same step and then raise
+:class:`Preempted`. After a training step the all-reduce runs in the background during the next
+step (no network round trip per step); before a checkpoint, an evaluation batch or the end of an
+epoch the ranks agree on their current state. The launcher turns the stop into :func:`exit_status`
+(3, or 130 for SIGINT); running the same command again resumes. If another Python handler owned the signal before
 (submitit's requeue handler), :meth:`StopSignals.chain` calls it after the checkpoint, so the job is
 requeued at a safe point.
 
@@ -21,9 +24,10 @@ import contextlib
 import multiprocessing.context
 import signal
 
+import attrs
 import torch
 
-from . import distributed, startup
+from . import distributed, finite, startup
 
 PREEMPTED_EXIT_STATUS = 3
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT  # 130, the shells' status for Ctrl-C
@@ -125,25 +129,91 @@ class StopSignals:
         """Whether this rank got a stop signal (no communication)."""
         return self.received is not None
 
-    def agree(self, group=None, also: torch.Tensor | None = None) -> signal.Signals | None:
-        """All ranks: the stop signal any rank got (the preemption signal first), or None to go on.
+    def code(self) -> int:
+        """This rank's stop signal as the number all-reduced (MAX) between ranks: 0 for none."""
+        return self.codes.index(self.received) if self.received in self.codes else 0
 
-        ``also``: an int64 tensor of other per-step flags (a non-finite loss, :mod:`fixres_dist.finite`)
-        reduced by MAX in the same all-reduce and replaced in place by the result.
-        """
-        flag = torch.tensor([self.codes.index(self.received) if self.received in self.codes else 0])
-        if also is not None:
-            flag = torch.cat([flag, also.to(flag.dtype)])
-        distributed.all_reduce_max(flag, group)
-        if also is not None:
-            also.copy_(flag[1:])
-            flag = flag[:1]
-        if flag.item():
-            self.received = self.codes[int(flag.item())]
-        return self.received if flag.item() else None
+    def adopt(self, code: int) -> signal.Signals | None:
+        """Take the signal that the ranks agreed on (the MAX of their :meth:`code`); returns it, or None."""
+        if code:
+            self.received = self.codes[code]
+        return self.received if code else None
 
     def chain(self) -> None:
         """Call the handler that owned the received signal before us (submitit's requeue), if any."""
         handler = self.previous.get(self.received)
         if callable(handler) and handler is not signal.default_int_handler and not startup.is_guard(handler):
             handler(self.received, None)
+
+
+@attrs.frozen
+class Agreed:
+    """What every rank learnt from a :class:`StepAgreement`: the stop signal any rank got (the
+    preemption signal first), and the earliest optimizer step whose loss was not finite on any rank."""
+
+    stop: signal.Signals | None = None
+    bad_step: int | None = None
+
+    @property
+    def go_on(self) -> bool:
+        return self.stop is None and self.bad_step is None
+
+
+class StepAgreement:
+    """All ranks agree after every training step whether to go on, without waiting for the network.
+
+    The state agreed on is this rank's stop signal (:class:`StopSignals`) and its first optimizer
+    step with a non-finite loss (:class:`fixres_dist.finite.LossWatch`), both reduced by MAX in one
+    small all-reduce on the gloo control group. Two ways:
+
+    * :meth:`after_step` (pipelined, after a training step): waits for the all-reduce started after
+      the *previous* step, which ran during this step's compute, returns its result, and starts this
+      step's. Every rank gets the same result at the same step, so all ranks still checkpoint (or
+      stop on a non-finite loss) at the same step, one step after the state it describes. The
+      bound: a stop signal that arrives during step k is in the all-reduce started after step k
+      and acted on after step k + 1, at most one step later than a blocking check; a non-finite
+      loss of step k stops every rank after step k + 1 (k + 2 on CUDA, whose flag is read a step
+      late), and the step named is still k. When the result says stop, no new all-reduce starts:
+      the caller acts on it.
+    * :meth:`now` (drain): waits for the pending all-reduce, then agrees on the current state,
+      blocking. Used before whatever must see every rank's state after the last step: a checkpoint
+      (nothing non-finite may be written), the end of an epoch, evaluation batches. Dropping the
+      pending result loses nothing: both flags only grow (a rank's signal is only ever replaced by
+      a stronger one, the first bad step never changes), so the current state contains it.
+
+    Without a process group (one process) both agree at once, with nothing to wait for.
+    """
+
+    def __init__(self, stops: StopSignals, group=None):
+        self.stops, self.group = stops, group
+        self._pending: tuple[object, torch.Tensor] | None = None  # (handle, flags) of the running all-reduce
+
+    def after_step(self, first_bad: int | None) -> Agreed:
+        """After a training step: the agreement on the state after the previous step (see the class)."""
+        if not distributed.is_initialized():
+            return self.now(first_bad)
+        agreed = self._finish() or Agreed()
+        if agreed.go_on:
+            flags = self._flags(first_bad)
+            self._pending = (distributed.start_all_reduce_max(flags, self.group), flags)
+        return agreed
+
+    def now(self, first_bad: int | None) -> Agreed:
+        """The agreement on every rank's current state (waits for the pending one first)."""
+        self._finish()
+        return self._read(distributed.all_reduce_max(self._flags(first_bad), self.group))
+
+    def _flags(self, first_bad: int | None) -> torch.Tensor:
+        return torch.tensor([self.stops.code(), finite.agreement_code(first_bad)], dtype=torch.int64)
+
+    def _finish(self) -> Agreed | None:
+        if self._pending is None:
+            return None
+        handle, flags = self._pending
+        self._pending = None
+        handle.wait()
+        return self._read(flags)
+
+    def _read(self, flags: torch.Tensor) -> Agreed:
+        stop_code, bad_code = flags.tolist()
+        return Agreed(self.stops.adopt(stop_code), finite.agreed_bad_step(bad_code))

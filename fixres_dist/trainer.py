@@ -15,11 +15,12 @@ the story, top to bottom:
 The loops are :mod:`fixres_dist.engine`, the stop agreement :mod:`fixres_dist.preemption`, the
 tables :mod:`fixres_dist.reports`. Rank 0 alone logs, shows progress and writes files; checkpoints
 hold every rank's RNG state. SIGTERM, SIGINT or ``config.preempt_signal`` on any rank makes all ranks
-stop after their current training step or evaluation batch, write one checkpoint if anything was
-trained since the last one, and raise :class:`~fixres_dist.preemption.Preempted` (exit status 3, 130
-for SIGINT), after which the handler that owned the signal before (submitit's) is called. A
-non-finite loss on any rank stops all ranks at the same step, in the same agreement, and nothing
-non-finite is written (:mod:`fixres_dist.finite`).
+stop together after the same training step (at most one step after the one during which it
+arrived: the ranks agree in the background, :class:`~fixres_dist.preemption.StepAgreement`) or
+evaluation batch, write one checkpoint if anything was trained since the last one, and raise
+:class:`~fixres_dist.preemption.Preempted` (exit status 3, 130 for SIGINT), after which the handler
+that owned the signal before (submitit's) is called. A non-finite loss on any rank stops all ranks
+at the same step, in the same agreement, and nothing non-finite is written (:mod:`fixres_dist.finite`).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from .engine import AMP_DTYPES, EvalResult
 from .errors import FixresError, first_line, user_message
 from .faults import FaultInjector
 from .metrics import METRICS_FILE, MetricsLog
-from .preemption import Preempted, StopSignals, stop_signals
+from .preemption import Preempted, StepAgreement, StopSignals, stop_signals
 from .rendezvous import LostPeers, RendezvousInterrupted
 
 @attrs.frozen
@@ -87,6 +88,7 @@ class Trainer:
         self.rank0 = config.global_rank == 0
         self.device = torch.device("cpu")
         self.stops = StopSignals(config.preempt_signal)
+        self.agreement = StepAgreement(self.stops)  # on the control group once the ranks met
         self.rendezvous = None  # fixres_dist.rendezvous.Rendezvous once the ranks met (world > 1)
         self.control_group = None  # gloo group for stop flags and gathered RNG states
         self.faults = FaultInjector(config.global_rank, self.stops.preempt)
@@ -253,6 +255,7 @@ class Trainer:
                   "rank 0 logs the run", flush=True)
         torch.manual_seed(cfg.seed + cfg.global_rank)
         self.control_group = distributed.control_group()
+        self.agreement = StepAgreement(self.stops, self.control_group)
 
     def _open_job_folder(self) -> None:
         """Rank 0: drop temporary files of a killed run."""
@@ -415,9 +418,10 @@ class Trainer:
                                         start_image=self.images_in_epoch, set_progress=self._set_learning_rate,
                                         after_step=self._after_step, progress_bar=bar if not bar.disable else None)
         bar.close()
+        stop = self._agree()  # every rank's state after the epoch's last step, which is not yet agreed on
+        if stop is not None:
+            self._stop(stop)
         self.meter = None
-        if not math.isfinite(result.loss):  # the epoch's last step, not yet agreed on (CUDA reads flags a step late)
-            self._diverged(self.global_step)
         lr = self.optimizer.param_groups[0]["lr"]
         self._record("train", epoch=epoch + 1, loss=result.loss, lr=lr, img_per_s=result.img_per_s,
                      **({"skipped_images": result.skipped} if result.skipped else {}),
@@ -455,8 +459,9 @@ class Trainer:
         self.images_in_epoch, self.global_step = images_done, self.global_step + 1
         self._unsaved = True
         self.faults.after_step(self.global_step)
-        stop = self._agree()
-        if self.config.ckpt_every and self.global_step % self.config.ckpt_every == 0:
+        checkpoint_due = bool(self.config.ckpt_every) and self.global_step % self.config.ckpt_every == 0
+        stop = self._agree(now=checkpoint_due)  # else one step late, without waiting for the network
+        if checkpoint_due:
             self._save_checkpoint()
         if stop is not None:
             self._stop(stop)
@@ -480,16 +485,22 @@ class Trainer:
         self._compile_checked = True
         return logits
 
-    def _agree(self):
-        """All ranks, after every step: one all-reduce tells them the stop signal any rank got (or
-        None) and the earliest step whose loss was not finite on any rank (then all raise
-        :class:`~fixres_dist.finite.NonFiniteLoss` here, together)."""
-        bad = torch.tensor([finite.agreement_code(self.watch.first_bad)])
-        stop = self.stops.agree(self.control_group, also=bad)
-        step = finite.agreed_bad_step(int(bad[0]))
-        if step is not None:
-            self._diverged(step)
-        return stop
+    def _agree(self, now: bool = True) -> signal.Signals | None:
+        """All ranks: the stop signal any rank got, or None; if any rank's loss was not finite, all
+        raise :class:`~fixres_dist.finite.NonFiniteLoss` here, together, naming the earliest such step.
+
+        ``now``: about every rank's state at this point (before a checkpoint, at an epoch's end,
+        after an evaluation batch). Else (after a training step) about the state after the previous
+        step, agreed on in the background meanwhile (:meth:`StepAgreement.after_step`).
+        """
+        if now:
+            self.watch.flush()  # CUDA: this step's flag too
+            agreed = self.agreement.now(self.watch.first_bad)
+        else:
+            agreed = self.agreement.after_step(self.watch.first_bad)
+        if agreed.bad_step is not None:
+            self._diverged(agreed.bad_step)
+        return agreed.stop
 
     def _diverged(self, step: int) -> None:
         """Every rank: stop the run at a non-finite loss of optimizer step ``step``; nothing more is written."""
@@ -506,7 +517,7 @@ class Trainer:
         self._stop_if_asked()
 
     def _stop_if_asked(self) -> None:
-        """After an evaluation batch: if any rank got a stop signal, stop (:meth:`_stop`)."""
+        """After an evaluation batch or an epoch: if any rank got a stop signal, stop (:meth:`_stop`)."""
         stop = self._agree()
         if stop is not None:
             self._stop(stop)
@@ -516,6 +527,7 @@ class Trainer:
         trained since the last one, then raise Preempted."""
         where = f"epoch {self.epoch + 1}, image {self.images_in_epoch}, step {self.global_step}"
         if self._unsaved:
+            stop = self._agree() or stop  # the step just done, on every rank: it may have diverged
             self._save_checkpoint()
             done = f"checkpoint written in {self.config.job_folder}"
         elif self._checkpoint_step is not None:
@@ -524,7 +536,7 @@ class Trainer:
             done = "nothing trained yet, nothing to checkpoint"
         how = f"{'interrupted' if stop == signal.SIGINT else 'preempted'} by {stop.name}"
         self.log(f"{how} at {where}: {done}; run the same command again to resume")
-        raise Preempted(f"{how}; {done}", stop)
+        raise Preempted(f"{how}; stopped at {where}: {done}", stop)
 
     # ------------------------------------------------------------- evaluation
     def _evaluate(self, epoch: int, size: int, label: str = "") -> EvalResult:
@@ -609,7 +621,7 @@ class Trainer:
         sums = self.meter.totals() if self.meter is not None and self.images_in_epoch else \
             torch.zeros(3, dtype=torch.float64, device=self.device)
         epoch_sums = distributed.all_reduce_sum(sums).tolist()  # all ranks: a collective
-        if not all(map(math.isfinite, epoch_sums)):  # this step's loss, not yet agreed on (CUDA)
+        if not all(map(math.isfinite, epoch_sums)):  # a last guard: the callers agreed on this step first
             self._diverged(self.global_step)
         error = None
         if self.rank0:

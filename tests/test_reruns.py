@@ -34,7 +34,7 @@ def test_the_same_command_resumes_without_a_job_id_and_another_gets_its_own_fold
     assert job.startswith("scratch-resnet18-") and f"job {job} (derived from the configuration" in first.stdout
     again = run_script("scratch", *command)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stdout and "step 3" in again.stdout
+    assert "resumed from" in again.stdout and "step 4" in again.stdout  # signalled after step 3, acted on after 4
     assert job_folders(tmp_path) == [job]
     assert [(e["event"], e["epoch"]) for e in events(tmp_path / job)] == [("train", 1), ("eval", 1), ("train", 2),
                                                                           ("eval", 2)]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -43,16 +44,33 @@ def straight(tiny_data, tmp_path_factory):
     return final_model(folder, "straight")
 
 
-def test_preempted_mid_epoch_then_resumed_is_bit_identical(straight, tiny_data, tmp_path):
-    first = train(tmp_path, tiny_data, "job", fault="signal:rank=1:step=3")
+STOPPED = re.compile(r"^fixres_dist: rank (\d): preempted by SIGUSR2; stopped at epoch (\d+), image (\d+), step (\d+): "
+                     r"(checkpoint written in |its checkpoint of step \4 in .* is up to date)", re.M)
+
+
+@pytest.mark.parametrize("fault, extra, stop_step", [
+    ("signal:rank=1:step=3", [], 4),  # mid-epoch: the ranks agree in the background, one step late
+    ("signal:rank=0:step=2", ["--ckpt-every", 2], 2),  # a checkpoint step agrees at once
+    ("signal:rank=1:step=5", [], 5),  # the epoch's last step: the epoch's end agrees at once
+])
+def test_a_stop_at_a_known_step_is_acted_on_by_all_ranks_together_and_resumes_bit_identical(
+        straight, tiny_data, tmp_path, fault, extra, stop_step):
+    """The preemption signal on one rank after step S: every rank stops after the same step, S or
+    S + 1 (the bound of the pipelined stop check), writes one checkpoint of it, and the rerun ends
+    with exactly the parameters of a run never stopped (80 images, 16 a step: 5 steps an epoch)."""
+    signalled = int(fault.rsplit("=", 1)[1])
+    first = train(tmp_path, tiny_data, "job", *extra, fault=fault)
     assert first.returncode == 3, first.stderr[-3000:]
-    assert "preempted by SIGUSR2" in first.stderr
+    ranks = {int(m.group(1)): tuple(map(int, m.group(2, 3, 4))) for m in STOPPED.finditer(first.stderr)}
+    images = 16 * stop_step
+    assert ranks == {0: (1, images, stop_step), 1: (1, images, stop_step)}, first.stderr[-3000:]
+    assert signalled <= stop_step <= signalled + 1
     state = load_checkpoint(tmp_path / "job" / CHECKPOINT_FILE)
-    assert (state["epoch"], state["global_step"], state["images_in_epoch"]) == (0, 3, 48)
+    assert (state["epoch"], state["global_step"], state["images_in_epoch"]) == (0, stop_step, images)
     assert len(state["ranks"]) == 2 and state["ranks"][0]["rng"]["torch"].dtype == torch.uint8
-    second = train(tmp_path, tiny_data, "job")
+    second = train(tmp_path, tiny_data, "job", *extra)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stdout and "epoch 1, image 48" in second.stdout
+    assert "resumed from" in second.stdout and f"epoch 1, image {images}" in second.stdout
     end = final_model(tmp_path, "job")
     assert_same_parameters(end["model"], straight["model"])
     assert end["global_step"] == straight["global_step"] == 10
@@ -126,8 +144,9 @@ def test_sigterm_to_one_separately_started_rank_checkpoints_both(tiny_data, tmp_
 
 
 @pytest.fixture(scope="module")
-def preempted_at_step_2(tiny_data, tmp_path_factory):
-    """A 2-rank job folder preempted at step 2 (checkpoint inside), copied by each test that resumes it."""
+def preempted_at_step_3(tiny_data, tmp_path_factory):
+    """A 2-rank job folder signalled after step 2 and stopped after step 3 (checkpoint inside), copied by each
+    test that resumes it."""
     folder = tmp_path_factory.mktemp("preempted")
     first = train(folder, tiny_data, "w", fault="signal:rank=0:step=2")
     assert first.returncode == 3, first.stderr[-3000:]
@@ -135,13 +154,13 @@ def preempted_at_step_2(tiny_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_resume_on_another_world_size(tiny_data, tmp_path, world, preempted_at_step_2):
-    shutil.copytree(preempted_at_step_2, tmp_path / "w")
+def test_resume_on_another_world_size(tiny_data, tmp_path, world, preempted_at_step_3):
+    shutil.copytree(preempted_at_step_3, tmp_path / "w")
     proc = run_script("scratch", "--num-tasks", world, "--job-id", "w", "--shared-folder-path", tmp_path,
                       "--data-path", tiny_data, *TRAIN, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"warning: resuming a 2-rank checkpoint on {world} ranks" in proc.stdout
-    assert "epoch 1 continues at image 32 of 80" in proc.stdout
+    assert "epoch 1 continues at image 48 of 80" in proc.stdout  # the stop was acted on after step 3
     assert final_model(tmp_path, "w")["config"]["num_tasks"] == world
 
 

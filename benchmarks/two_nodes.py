@@ -11,7 +11,7 @@ included), to the end of the job, and the training speed (images/s, median over 
 later, from ``metrics.jsonl``), with the ratio two nodes / one host.
 
 Run from the repository root, as root, alone on the machine:
-    .venv/bin/python benchmarks/two_nodes.py [--epochs 4] [--architecture resnet20]
+    .venv/bin/python benchmarks/two_nodes.py [--epochs 4] [--architecture resnet20] [--json FILE]
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="images per rank and step")
     parser.add_argument("--architecture", default="resnet20")
     parser.add_argument("--train-per-class", type=int, default=100)
+    parser.add_argument("--json", metavar="FILE", help="write the figures here")
     args = parser.parse_args()
     out = subprocess.run(["bash", str(ROOT / "slurm" / "start-local-cluster.sh"), "--nodes", "2"],
                          capture_output=True, text=True)
@@ -102,6 +103,8 @@ def main() -> None:
     two, one = results["two nodes"], results["one host"]
     print(f"two nodes / one host: ranks met x{two['met'] / one['met']:.2f}, "
           f"training speed x{two['img_per_s'] / one['img_per_s']:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"load_average": load, **results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -50,8 +50,6 @@ import difflib
 import functools
 import importlib
 import importlib.util
-import math
-from pathlib import Path
 
 import torch
 import torchvision

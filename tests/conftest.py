@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,34 @@ def run_main(capsys, script: str, *args) -> tuple[int, str]:
 def start_script(script: str, *args, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / f"main_{script}.py"), *map(str, args)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or clean_env())
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    """Poll ``predicate()`` until it returns something true (returned); AssertionError naming
+    ``what`` after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def read_only_folder(folder: Path):
+    """Make ``folder`` (which exists) one this process cannot write to while the generator is
+    suspended: a read-only tmpfs mounted on it for root, mode 0500 otherwise; skips the test where
+    neither works. For fixtures: ``yield from read_only_folder(folder)``."""
+    if os.geteuid() != 0:
+        folder.chmod(0o500)
+        yield folder
+        folder.chmod(0o700)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a read-only folder here")
+    yield folder
+    subprocess.run(["umount", str(folder)], capture_output=True)
 
 
 def pytest_collection_modifyitems(config, items):

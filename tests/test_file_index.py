@@ -5,13 +5,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
-import subprocess
 import time
 
 import numpy as np
 import pytest
 
-from conftest import FAST, make_subset, run_script
+from conftest import FAST, make_subset, read_only_folder, run_script
 from fixres_dist import data, file_index
 from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from fixres_dist.config import FILE_INDEX_FOLDER, TrainerConfig
@@ -264,16 +263,7 @@ def read_only_index_folder(tmp_path):
     mode 0500 otherwise)."""
     folder = tmp_path / "shared" / FILE_INDEX_FOLDER
     folder.mkdir(parents=True)
-    if os.geteuid() != 0:
-        folder.chmod(0o500)
-        yield folder
-        folder.chmod(0o700)
-        return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a read-only folder here")
-    yield folder
-    subprocess.run(["umount", str(folder)], capture_output=True)
+    yield from read_only_folder(folder)
 
 
 def test_a_cache_folder_that_cannot_be_written_warns_and_walks(tree, tmp_path, read_only_index_folder):

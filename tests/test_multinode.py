@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, wait_for
 
 CLUSTER_DIR = "/tmp/local-cluster"
 SLURM_CONF = f"{CLUSTER_DIR}/slurm.conf"
@@ -105,16 +105,6 @@ def events(folder: Path) -> list[dict]:
 
 def final_eval(folder: Path) -> dict:
     return [e for e in events(folder) if e["event"] == "eval"][-1]
-
-
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 MET = re.compile(r"4 ranks met at the store (10\.78\.0\.1|n1):\d+ on 2 host\(s\): "

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, read_only_folder, wait_for
 from fixres_dist import FixresError, TrainerConfig
 from fixres_dist.checkpoint import load_checkpoint
 from fixres_dist.cluster import cli, inventory, monitor, submission, task
@@ -112,16 +112,6 @@ def sacct_states(job_id: str) -> list[str]:
     out = subprocess.run(["sacct", "-n", "-X", "-D", "-P", "-j", str(job_id), "-o", "State"],
                          capture_output=True, text=True, timeout=15)
     return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
-
-
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def read_events(job_folder: Path) -> list[dict]:
@@ -307,16 +297,7 @@ def unwritable(tmp_path):
     """A folder this process cannot write to (a read-only mount for root, mode 0500 otherwise)."""
     folder = tmp_path / "ro"
     folder.mkdir()
-    if os.geteuid() != 0:
-        folder.chmod(0o500)
-        yield folder
-        folder.chmod(0o700)
-        return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a read-only folder here")
-    yield folder
-    subprocess.run(["umount", str(folder)], capture_output=True)
+    yield from read_only_folder(folder)
 
 
 @pytest.mark.parametrize("case, cluster_args, main_args, message", [

@@ -311,14 +311,17 @@ class Rendezvous:
         dist.barrier()
         self.links = {peer: self.store.get(f"fixres/link/{peer}").decode() for peer in range(self.world_size)}
 
-    def describe(self) -> str:
-        """One line: where the store was reached and, per host, its ranks and the interface they use."""
+    def describe(self, most: int = 8) -> str:
+        """One line: where the store was reached and, per host, its ranks and the interface they use
+        (the first ``most`` hosts, then how many more)."""
         by_host: dict[tuple[str, str], list[int]] = {}
         for rank, host in sorted(self.hosts.items()):
             by_host.setdefault((host.name, self.links.get(rank, "?")), []).append(rank)
         hosts = len({name for name, _ in by_host})
         parts = [f"{name} rank{'s' if len(r) > 1 else ''} {_ranges(r)} over {link}"
                  for (name, link), r in by_host.items()]
+        if len(parts) > most:
+            parts = [*parts[:most], f"{len(parts) - most} more"]
         return (f"{self.world_size} ranks met at the store {self.address} on {hosts} host(s): {'; '.join(parts)} "
                 f"(interface: {self.link.reason})")
 

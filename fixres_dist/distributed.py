@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from . import network
 from .errors import FixresError, first_line
-from .rendezvous import Rendezvous, _never, make_store, meet_hosts
+from .rendezvous import LostPeers, Rendezvous, _never, make_store, meet_hosts
 
 
 def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, timeout: float,
@@ -24,7 +24,8 @@ def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, 
     while waiting at a file rendezvous (:func:`~fixres_dist.rendezvous.make_store`). Before the
     group is created the ranks exchange where they run and each picks the interface its
     collectives use (:mod:`fixres_dist.network`; sets ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``
-    where unset). Raises :class:`FixresError` on timeout or when no interface reaches the peers.
+    where unset). Raises :class:`FixresError` on timeout or when no interface reaches the peers,
+    :class:`~fixres_dist.rendezvous.LostPeers` when a peer dies or vanishes meanwhile.
     """
     if world_size == 1:
         return None
@@ -32,15 +33,18 @@ def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, 
     hosts = meet_hosts(store, rank, world_size, timeout)
     link = network.choose_link(hosts[rank].name, {r: (h.name, list(h.addresses)) for r, h in hosts.items()})
     network.apply_link(link)
+    rendezvous = Rendezvous(store, rank, world_size, address, hosts, link)
+    rendezvous.start_heartbeat()
     try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=collective_timeout(timeout)))
-    except (RuntimeError, dist.DistError) as exc:
-        raise FixresError(f"process group ({backend}) did not form within {timeout:g} s: "
-                          f"{first_line(exc)}") from None
-    rendezvous = Rendezvous(store, rank, world_size, address, hosts, link)
-    rendezvous.register()
-    rendezvous.start_heartbeat()
+        rendezvous.register()
+    except (RuntimeError, dist.DistError) as exc:  # a peer died or vanished, or the network refused
+        gone = rendezvous.lost_peers()
+        rendezvous.stop_heartbeat()
+        if gone:
+            raise LostPeers(gone) from None
+        raise FixresError(f"process group ({backend}) did not form: {first_line(exc)}") from None
     return rendezvous
 
 
@@ -53,6 +57,13 @@ def collective_timeout(dist_timeout: float) -> float:
     rank whose peers vanished without a word (a node cut off the network) names them and exits
     within ``--dist-timeout``."""
     return max(dist_timeout / 2, dist_timeout - LOST_PEERS_S)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure of torch.distributed's communication (a c10d error, or gloo's
+    timeouts and closed connections, which reach Python as plain RuntimeErrors) rather than of
+    this rank's own computation."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo" in str(exc).lower())
 
 
 def is_initialized() -> bool:

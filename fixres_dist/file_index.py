@@ -10,7 +10,7 @@ fraction of a second.
 image files relative to the split folder in ImageFolder's order and the hidden entries skipped:
 exactly what :func:`~fixres_dist.data.scan_split` gives, so the datasets made from it are those of
 a walk (same ``samples``, ``classes``, ``class_to_idx``, ``hidden``); and every folder walked
-(each split, class and sub-folder, links followed) with its inode number and modification time.
+(each split, class and sub-folder, links followed) with its inode number and change time (ctime).
 
 **Where**: ``<shared folder>/file_index/<20 hex digits of the SHA-256 of the resolved data
 root>.npz`` (:func:`index_file`), in an owner-only folder, written atomically and owner-only
@@ -24,8 +24,9 @@ were listed). ImageNet's 1.33 M paths (with names like its own) take 4.8 MB and 
 and a rank makes both datasets from them in 0.4 s more (2 cores; ``benchmarks/file_index.py``).
 
 **Validity: the dataset version is the folders' stat.** Adding, removing or renaming an entry of a
-folder changes that folder's modification time, so the index is current as long as every folder it
-walked still has the inode and the modification time (ns) recorded (one ``stat`` per folder:
+folder changes that folder's change time (ctime, which unlike the modification time no ``touch
+-d``, ``cp -a``, ``rsync -a`` or ``tar`` can set back), so the index is current as long as every
+folder it walked still has the inode and the change time (ns) recorded (one ``stat`` per folder:
 ImageNet has 2,002 folders beside its 1.28 M files), and nothing else needs checking. A folder
 replaced by another (``mv``) has another inode. A folder changed within
 :data:`RACY_MARGIN_NS` of the walk could have changed again in the same tick of a coarse clock
@@ -60,11 +61,11 @@ import numpy as np
 
 from . import data, io
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: folders' change times (ctime), no longer their modification times
 SPLITS = ("train", "val")
 INDEX_SUFFIX = ".npz"
 # A folder modified less than this before its walk began may have changed again without a new
-# modification time (coarse clocks: 1 s on some file systems; NFS takes the server's clock, so
+# change time (coarse clocks: 1 s on some file systems; NFS takes the server's clock, so
 # this also bounds the client/server clock skew tolerated).
 RACY_MARGIN_NS = 3_000_000_000
 STALE_TEMPORARY_S = 3600  # a temporary index file older than this was left by a killed builder
@@ -106,7 +107,7 @@ class DataIndex:
     gives for ``train/`` and ``val/``, the folders walked and their stat.
 
     ``root``: the data root as the caller gave it (the paths :meth:`scan` returns start with it);
-    ``folders``: every folder walked, relative to ``root``; ``inodes`` (uint64) and ``mtimes``
+    ``folders``: every folder walked, relative to ``root``; ``inodes`` (uint64) and ``ctimes``
     (int64, ns): their ``stat`` just before they were listed; ``listed_at_ns``: the wall clock (ns
     since the epoch) when the walk began. Then how this process got it: ``file`` the cache file
     (None: no cache folder), ``built`` (walked now; else loaded), ``reason`` why it was walked,
@@ -118,7 +119,7 @@ class DataIndex:
     splits: dict[str, SplitIndex]
     folders: list[str]
     inodes: np.ndarray
-    mtimes: np.ndarray
+    ctimes: np.ndarray
     listed_at_ns: int
     file: Path | None = None
     built: bool = True
@@ -150,7 +151,7 @@ class DataIndex:
         """Positions in ``folders`` of those modified within RACY_MARGIN_NS of ``listed_at_ns``
         (default the walk's): their time alone cannot prove that the index lists them as they are."""
         listed_at = self.listed_at_ns if listed_at_ns is None else listed_at_ns
-        return np.flatnonzero(self.mtimes >= listed_at - RACY_MARGIN_NS).tolist()
+        return np.flatnonzero(self.ctimes >= listed_at - RACY_MARGIN_NS).tolist()
 
     def describe(self) -> str:
         """The run's log line: walked (why, how many files, seconds) or reused, and where it is kept."""
@@ -185,7 +186,7 @@ class DataIndex:
         meta = {"format": FORMAT_VERSION, "root": os.path.realpath(self.root), "listed_at_ns": self.listed_at_ns,
                 "splits": list(self.splits)}
         arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), "folders": _pack(self.folders),
-                  "inodes": self.inodes.astype(np.uint64), "mtimes": self.mtimes.astype(np.int64)}
+                  "inodes": self.inodes.astype(np.uint64), "ctimes": self.ctimes.astype(np.int64)}
         for name, split in self.splits.items():
             arrays.update({f"{name}_classes": _pack(split.classes), f"{name}_counts": np.asarray(split.counts, np.int64),
                            f"{name}_files": _pack(split.files), f"{name}_hidden": _pack(split.hidden)})
@@ -199,7 +200,7 @@ def build(root: str | Path) -> DataIndex:
     cannot be listed."""
     root = data.check_layout(root)
     start, listed_at = time.monotonic(), time.time_ns()
-    folders, inodes, mtimes, splits = [], [], [], {}
+    folders, inodes, ctimes, splits = [], [], [], {}
     for name in SPLITS:
         split_folder = str(root / name)  # every path the walk gives starts with it
 
@@ -207,7 +208,7 @@ def build(root: str | Path) -> DataIndex:
             stat = os.stat(path)  # follows links, as the walk does
             folders.append(name + path[cut:])
             inodes.append(stat.st_ino)
-            mtimes.append(stat.st_mtime_ns)
+            ctimes.append(stat.st_ctime_ns)
 
         scan = data.scan_split(split_folder, visit)
         cut = len(os.path.join(split_folder, ""))
@@ -215,7 +216,7 @@ def build(root: str | Path) -> DataIndex:
         splits[name] = SplitIndex(classes, [len(scan.images[c]) for c in classes],
                                   [path[cut:] for c in classes for path in scan.images[c]],
                                   [path[cut:] for path in scan.hidden])
-    return DataIndex(root, splits, folders, np.array(inodes, dtype=np.uint64), np.array(mtimes, dtype=np.int64),
+    return DataIndex(root, splits, folders, np.array(inodes, dtype=np.uint64), np.array(ctimes, dtype=np.int64),
                      listed_at, seconds=time.monotonic() - start)
 
 
@@ -235,20 +236,22 @@ def load(file: str | Path, root: str | Path) -> DataIndex:
     try:
         with np.load(file, allow_pickle=False) as arrays:
             meta = json.loads(arrays["meta"].tobytes())
+            if not isinstance(meta, dict):
+                raise ValueError("meta is not an object")
             if meta.get("format") != FORMAT_VERSION or meta.get("root") != os.path.realpath(root):
                 raise StaleIndex("it is of another format or data root")
             splits = {name: SplitIndex(_unpack(arrays[f"{name}_classes"]), arrays[f"{name}_counts"].tolist(),
                                        _unpack(arrays[f"{name}_files"]), _unpack(arrays[f"{name}_hidden"]))
                       for name in meta["splits"]}
-            index = DataIndex(root, splits, _unpack(arrays["folders"]), arrays["inodes"], arrays["mtimes"],
+            index = DataIndex(root, splits, _unpack(arrays["folders"]), arrays["inodes"], arrays["ctimes"],
                               int(meta["listed_at_ns"]), file=file, built=False, unsaved=False)
     except FileNotFoundError:
         raise StaleIndex("") from None  # none yet: a first build, not a rebuild
     except OSError as exc:
         raise StaleIndex(f"its file was unreadable: {exc.strerror or type(exc).__name__}") from None
-    except (ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, zlib.error):
+    except (ValueError, KeyError, TypeError, AttributeError, EOFError, zipfile.BadZipFile, zlib.error):
         raise StaleIndex("its file was corrupt") from None
-    if (tuple(index.splits) != SPLITS or not len(index.inodes) == len(index.folders) == len(index.mtimes)
+    if (tuple(index.splits) != SPLITS or not len(index.inodes) == len(index.folders) == len(index.ctimes)
             or any(sum(s.counts) != len(s.files) or len(s.counts) != len(s.classes) for s in index.splits.values())):
         raise StaleIndex("its file was corrupt")
     _check_folders(index)
@@ -262,13 +265,13 @@ def load(file: str | Path, root: str | Path) -> DataIndex:
 
 
 def _check_folders(index: DataIndex) -> None:
-    """Every folder walked still has the inode and modification time recorded; else ``StaleIndex``."""
-    for relative, inode, mtime in zip(index.folders, index.inodes.tolist(), index.mtimes.tolist()):
+    """Every folder walked still has the inode and change time recorded; else ``StaleIndex``."""
+    for relative, inode, ctime in zip(index.folders, index.inodes.tolist(), index.ctimes.tolist()):
         try:
             stat = os.stat(index.root / relative)
         except OSError:
             raise StaleIndex(f"{relative} is gone") from None
-        if stat.st_ino != inode or stat.st_mtime_ns != mtime:
+        if stat.st_ino != inode or stat.st_ctime_ns != ctime:
             raise StaleIndex(f"{relative} changed")
 
 

@@ -100,13 +100,19 @@ def choose_link(my_host: str, peers: dict[int, tuple[str, list[str]]]) -> Link:
     """The interface this rank uses for the collectives (module docstring).
 
     ``peers``: global rank -> (host name, non-loopback IPv4 addresses) of every rank, this one
-    included. Raises :class:`FixresError` when ``GLOO_SOCKET_IFNAME`` names no usable interface, or
-    when no interface of this host routes to any address of a rank on another host.
+    included. Raises :class:`FixresError` when ``GLOO_SOCKET_IFNAME`` names no usable interface or a
+    loopback one while ranks run on other hosts, or when no interface of this host routes to any
+    address of a rank on another host.
     """
     user = _user_link()
+    elsewhere = {rank: (host, addresses) for rank, (host, addresses) in sorted(peers.items()) if host != my_host}
+    if user is not None and elsewhere and _is_loopback(user.address):
+        hosts = sorted({my_host, *(host for host, _ in elsewhere.values())})
+        raise FixresError(f"GLOO_SOCKET_IFNAME={user.interface} is a loopback interface, but the ranks run on "
+                          f"{len(hosts)} hosts ({', '.join(hosts[:4])}{', ...' if len(hosts) > 4 else ''}): "
+                          "unset it, or name an interface the hosts reach each other over")
     if user is not None:
         return user
-    elsewhere = {rank: (host, addresses) for rank, (host, addresses) in sorted(peers.items()) if host != my_host}
     if not elsewhere:
         name = interface_of("127.0.0.1") or "lo"
         return Link(name, "127.0.0.1", "all ranks on this host")

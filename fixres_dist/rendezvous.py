@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import secrets
 import socket
 import threading
@@ -49,14 +50,35 @@ HEARTBEAT_S = 1.0  # a rank adds to its heartbeat counter this often (seconds)
 STORE_ANSWER_S = 3.0  # after a failed collective, a store that does not answer this fast is lost
 
 
-class LostPeers(FixresError):
-    """A collective failed because peer ranks died, failed or were cut off; ``lost`` names them and
-    their host (:meth:`Rendezvous.lost_peers`). The job's last checkpoint is intact: running the job
-    again resumes from it."""
+class PeersUnreachable(FixresError):
+    """A collective failed because of the other ranks or the network between them, not because of
+    this rank: the job's last checkpoint is intact, and running the job again resumes from it.
+    ``reason``: what happened, as a phrase ("losing rank 2 on n2 ...")."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class LostPeers(PeersUnreachable):
+    """Peer ranks died, failed or were cut off; ``lost`` names them and their host
+    (:meth:`Rendezvous.lost_peers`)."""
 
     def __init__(self, lost: str):
-        super().__init__(f"lost {lost}; stopping")
+        super().__init__(f"lost {lost}; stopping", f"losing {lost}")
         self.lost = lost
+
+
+class NetworkInterrupted(PeersUnreachable):
+    """A collective failed (timed out, or a connection was closed) although every peer is alive
+    and answers: the network between the ranks was interrupted for longer than a collective may
+    wait (:func:`fixres_dist.distributed.collective_timeout`)."""
+
+    def __init__(self, cause: str, waited: float):
+        cause = re.sub(r"^\[[^\]]*\]\s*", "", cause).split(". ")[0].rstrip(".")  # gloo's "[file:line] What. Advice."
+        super().__init__(f"a collective failed although every peer is alive: the network between the ranks was "
+                         f"interrupted for more than {waited:g} s? ({cause}); stopping",
+                         "a collective failed with every peer alive")
 
 
 class RendezvousInterrupted(Exception):
@@ -75,7 +97,7 @@ def _tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: 
 def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop) -> tuple[dist.TCPStore, str]:
     """Rank 0 of a file rendezvous: host a store (on every interface), publish the addresses it
     may be reached at, wait for every other rank. Returns the store and its ``HOST:PORT``."""
-    hosts = [os.environ["MASTER_ADDR"]] if os.environ.get("MASTER_ADDR") else network.store_candidates()
+    hosts = list(dict.fromkeys([*filter(None, [os.environ.get("MASTER_ADDR")]), *network.store_candidates()]))
     store = _tcp_store(hosts[0], 0, world_size, True, timeout)
     nonce = secrets.token_hex(16)
     store.set("fixres/nonce", nonce)
@@ -245,7 +267,9 @@ def meet_hosts(store: dist.Store, rank: int, world_size: int, timeout: float) ->
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError):
-        missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
+        missing = _within(STORE_ANSWER_S, lambda: [k.rsplit("/", 1)[1] for k in keys if not store.check([k])])
+        if missing is None:  # the store itself is gone: rank 0 died or its host is unreachable
+            raise LostPeers("rank 0, which hosts the rendezvous store (it died, or its host is unreachable)") from None
         raise FixresError(f"rank(s) {', '.join(missing)} met the store but did not say where they run "
                           f"within {timeout:g} s") from None
     hosts = {}

@@ -44,7 +44,7 @@ from .errors import FixresError, first_line, user_message
 from .faults import FaultInjector
 from .metrics import METRICS_FILE, MetricsLog
 from .preemption import Preempted, StepAgreement, StopSignals, stop_signals
-from .rendezvous import LostPeers, RendezvousInterrupted
+from .rendezvous import LostPeers, NetworkInterrupted, RendezvousInterrupted
 
 @attrs.frozen
 class RunResult:
@@ -136,6 +136,10 @@ class Trainer:
                 if gone:  # a collective failed because a peer failed or vanished: name it, no traceback
                     self.rendezvous.announce_lost(gone)
                     raise LostPeers(gone) from None
+                if self.rendezvous and distributed.is_collective_failure(exc):  # every peer alive: the network
+                    failure = NetworkInterrupted(first_line(exc), distributed.collective_timeout(self.config.dist_timeout))
+                    self.rendezvous.announce_failure(str(failure))
+                    raise failure from None
                 if self.rendezvous:
                     self.rendezvous.announce_failure(user_message(exc) or f"{type(exc).__name__}: {first_line(exc)}")
                 raise

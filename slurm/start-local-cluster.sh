@@ -27,7 +27,7 @@ NODES=2
 SLURM=0
 while [ $# -gt 0 ]; do
     case "$1" in
-        --nodes) NODES=$2; shift 2 ;;
+        --nodes) NODES=${2:-}; shift $(( $# > 1 ? 2 : 1 )) ;;
         --slurm) SLURM=1; shift ;;
         *) echo "usage: $0 [--nodes N] [--slurm]" >&2; exit 2 ;;
     esac
@@ -63,6 +63,12 @@ hosts_for() {  # the /etc/hosts node $1 sees
     for ((i = 1; i <= NODES; i++)); do [ "$i" = "$1" ] || printf '%s.%s n%s\n' "$NET" "$i" "$i"; done
     printf '%s.254 %s\n' "$NET" "$(hostname)"
 }
+for ns in $(ip netns list | awk '$1 ~ /^fxnode[0-9]+$/ {print $1}'); do  # nodes beyond N, from a larger start
+    if [ "${ns#fxnode}" -gt "$NODES" ]; then
+        pids=$(ip netns pids "$ns"); [ -n "$pids" ] && kill -KILL $pids
+        ip netns del "$ns"; rm -rf "/etc/netns/$ns"
+    fi
+done
 for ((i = 1; i <= NODES; i++)); do
     ns=fxnode$i
     if ! ip netns list | grep -qw "$ns"; then

@@ -11,6 +11,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 BASE=${LOCAL_CLUSTER_DIR:-/tmp/local-cluster}
 RUN=$BASE/run
 . "$HERE/local-slurm-pids.sh"  # alive_as, pid_ours
+[ "$(id -u)" -eq 0 ] || { echo "stop-local-cluster: must run as root" >&2; exit 1; }
 
 stop_ours() {  # NAME PIDFILE: SIGTERM, up to 10 s, then SIGKILL
     local pid i

@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 
+import attrs
 import numpy as np
 import pytest
 
@@ -22,12 +23,12 @@ def _touch(path, text=""):
     path.write_text(text)
 
 
-def _age(root, seconds=3600, followlinks=True):
-    """Date every folder under ``root`` back by ``seconds``: data that was not changed just now (a
-    folder changed within file_index.RACY_MARGIN_NS of the walk is listed again at each check)."""
-    then = time.time_ns() - seconds * 10 ** 9
-    for folder, _, _ in os.walk(root, followlinks=followlinks):
-        os.utime(folder, ns=(then, then))
+@pytest.fixture(autouse=True)
+def settled_folders(monkeypatch):
+    """The folders a test just made count as settled, not racy (a folder changed within
+    file_index.RACY_MARGIN_NS of the walk is listed again at each check): their change time, unlike
+    a modification time, cannot be dated back. The racy-folder test restores the margin."""
+    monkeypatch.setattr(file_index, "RACY_MARGIN_NS", 0)
 
 
 @pytest.fixture
@@ -94,7 +95,6 @@ def test_one_index_per_resolved_root(tree, tmp_path, monkeypatch):
 
 
 def test_a_second_run_reuses_the_index_without_listing_a_folder(tree, tmp_path, monkeypatch):
-    _age(tree)
     first = file_index.data_index(tree, tmp_path / "cache")
     first.save()
     before = first.file.stat()
@@ -148,7 +148,6 @@ def _hidden_file(root):
 def _replace_split(root):
     shutil.copytree(root / "val", root / "val2", symlinks=True)
     _touch(root / "val2" / "a" / "new.png")
-    _age(root / "val2", followlinks=False)  # even with an old time: another folder (inode)
     shutil.rmtree(root / "val")
     (root / "val2").rename(root / "val")
 
@@ -168,7 +167,6 @@ CHANGES = {"add a file": (_add_file, "train/a changed"), "remove a file": (_remo
 @pytest.mark.parametrize("case", list(CHANGES))
 def test_a_change_of_the_folders_rebuilds_the_index(tree, tmp_path, case):
     change, reason = CHANGES[case]
-    _age(tree)
     old = file_index.data_index(tree, tmp_path / "cache")
     old.save()
     change(tree)
@@ -181,8 +179,9 @@ def test_a_change_of_the_folders_rebuilds_the_index(tree, tmp_path, case):
 
 
 def test_a_change_in_the_same_clock_tick_is_found_by_listing_racy_folders(tree, tmp_path, monkeypatch):
-    """A folder changed again within its modification time's resolution keeps its time: folders
-    modified shortly before the walk are listed again at each check, until they have settled."""
+    """A folder changed again within its time's resolution keeps its time: folders changed shortly
+    before the walk are listed again at each check, until they have settled."""
+    monkeypatch.setattr(file_index, "RACY_MARGIN_NS", 3_000_000_000)
     now = time.time_ns()
     for folder, _, _ in os.walk(tree, followlinks=True):
         os.utime(folder, ns=(now, now))
@@ -244,7 +243,6 @@ CORRUPT = {"empty": lambda f: f.write_bytes(b""), "garbage": lambda f: f.write_b
 
 @pytest.mark.parametrize("case", list(CORRUPT))
 def test_a_corrupt_index_is_rebuilt(tree, tmp_path, case):
-    _age(tree)
     index = file_index.data_index(tree, tmp_path / "cache")
     index.save()
     CORRUPT[case](index.file)
@@ -294,7 +292,6 @@ def _build_and_save(root, cache, start, rounds):
 
 
 def test_concurrent_builders_leave_one_complete_index(tree, tmp_path):
-    _age(tree)
     context = multiprocessing.get_context("fork")
     start = time.time() + 0.5
     builders = [context.Process(target=_build_and_save, args=(tree, tmp_path / "cache", start, 5)) for _ in range(4)]
@@ -342,7 +339,6 @@ def test_no_job_may_be_named_like_the_index_folder():
 def test_two_rank_runs_build_the_index_once_then_every_rank_uses_it(tiny_data, tmp_path):
     data_path = tmp_path / "data"
     shutil.copytree(tiny_data, data_path)
-    _age(data_path)
     common = ["--num-tasks", 2, "--data-path", data_path, "--shared-folder-path", tmp_path / "shared", *FAST]
     first = run_script("scratch", *common, "--job-id", "first")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -351,18 +347,22 @@ def test_two_rank_runs_build_the_index_once_then_every_rank_uses_it(tiny_data, t
     assert f" s ({file})" in first.stdout
     assert first.stdout.count("data: file index") == 1
     written = file.stat()
-    # A class the index does not know, hidden from the check (the split folder keeps its time): a rank
-    # that walked the folders would build an 11-class head, and DDP would refuse the mismatch.
-    for split in ("train", "val"):
-        folder = data_path / split
-        stat = folder.stat()
-        shutil.copytree(folder / "0_tshirt_top", folder / "z_extra")
-        os.utime(folder, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    # The index (still valid: the folders did not change) gets an 11th class made of class 0's
+    # files, which no walk would find: every rank must build an 11-class head from it (a rank that
+    # walked the folders would build a 10-class one, and DDP would refuse the mismatch).
+    index = file_index.load(file, data_path)
+    for name, split in index.splits.items():
+        extra = split.files[:split.counts[0]]
+        index.splits[name] = attrs.evolve(split, classes=[*split.classes, "z_extra"],
+                                          counts=[*split.counts, len(extra)], files=[*split.files, *extra])
+    index.unsaved = True
+    index.save()
+    written = file.stat()
     again = run_script("scratch", *common, "--job-id", "again")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"data: file index reused: 110 files in 10 classes of {data_path}, loaded and checked " in again.stdout
+    assert f"data: file index reused: 121 files in 11 classes of {data_path}, loaded and checked " in again.stdout
     assert (file.stat().st_ino, file.stat().st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
-    assert tuple(load_checkpoint(tmp_path / "shared" / "again" / CHECKPOINT_FILE)["model"]["fc.weight"].shape) == (10, 512)
+    assert tuple(load_checkpoint(tmp_path / "shared" / "again" / CHECKPOINT_FILE)["model"]["fc.weight"].shape) == (11, 512)
 
 
 def test_a_run_with_a_read_only_index_folder_warns_and_trains(tiny_data, read_only_index_folder):

@@ -45,9 +45,13 @@ def test_no_route_to_a_peer_is_one_clear_error(monkeypatch):
 
 
 def test_the_users_interface_wins_and_a_missing_one_is_refused(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", network.interface_of("127.0.0.1"))
-    link = network.choose_link("here", {1: ("elsewhere", ["192.0.2.1"])})
+    loopback = network.interface_of("127.0.0.1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", loopback)
+    link = network.choose_link("here", {0: ("here", []), 1: ("here", [])})
     assert (link.address, link.reason) == ("127.0.0.1", "GLOO_SOCKET_IFNAME")
+    with pytest.raises(FixresError, match=f"GLOO_SOCKET_IFNAME={loopback} is a loopback interface, but the ranks "
+                                          r"run on 2 hosts \(elsewhere, here\)"):
+        network.choose_link("here", {0: ("here", []), 1: ("elsewhere", ["192.0.2.1"])})
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
     with pytest.raises(FixresError, match="GLOO_SOCKET_IFNAME=nosuch0: this host has no interface nosuch0"):
         network.choose_link("here", {})

@@ -18,7 +18,8 @@ One protocol for both ways of launching, submitit (``slurm/submit.py``) and plai
    restart count + 1, and the Trainer resumes from the job folder's checkpoint. After SIGTERM
    (``scancel``, SLURM's own preemption) nothing is requeued here: SLURM decides.
 5. **Lost peers.** When ranks die or a node drops off the network, the surviving ranks name them
-   (:class:`~fixres_dist.rendezvous.LostPeers`) and every survivor asks SLURM to requeue the job
+   (:class:`~fixres_dist.rendezvous.LostPeers`; or, every peer alive, the network was interrupted:
+   :class:`~fixres_dist.rendezvous.NetworkInterrupted`) and every survivor asks SLURM to requeue the job
    (the first request wins; at most ``max_requeues`` restarts in all): the job starts again, on
    whichever nodes SLURM gives it, and resumes from its last checkpoint.
 
@@ -42,7 +43,7 @@ from ..errors import FixresError, first_line, say, user_message
 # TRAINER-SIDE: the Trainer, its preemption exception and the exit status 3 after a preemption
 # checkpoint (fixres_dist.preemption); if they move, only these imports change.
 from ..preemption import PREEMPTED_EXIT_STATUS, Preempted
-from ..rendezvous import LostPeers
+from ..rendezvous import PeersUnreachable
 from ..trainer import Trainer
 from .inventory import run_command
 
@@ -155,17 +156,17 @@ def _after_preemption(config: TrainerConfig, stops: _StopSignals, restart: int, 
     raise SystemExit(PREEMPTED_EXIT_STATUS)
 
 
-def _requeue_after_loss(config: TrainerConfig, lost: LostPeers, restart: int, max_requeues: int) -> None:
+def _requeue_after_loss(config: TrainerConfig, lost: PeersUnreachable, restart: int, max_requeues: int) -> None:
     """Step 5 of the protocol: requeue the job (any surviving rank); always raises TaskFailed."""
     if restart >= max_requeues:
-        raise TaskFailed(f"lost {lost.lost}; not requeued: requeued {restart} time(s) already (max {max_requeues})")
+        raise TaskFailed(f"{lost}; not requeued: requeued {restart} time(s) already (max {max_requeues})")
     try:
         run_command(["scontrol", "requeue", config.job_id], timeout=60)
     except FixresError as exc:  # another survivor's request was first, or SLURM refused
-        raise TaskFailed(f"lost {lost.lost}; requeue not done by this rank: {first_line(exc)}") from None
+        raise TaskFailed(f"{lost}; requeue not done by this rank: {first_line(exc)}") from None
     print(f"fixres_dist: job {config.job_id}: rank {config.global_rank} requeued it (restart {restart + 1} "
-          f"of at most {max_requeues}) after losing {lost.lost}; it resumes from its last checkpoint", flush=True)
-    raise TaskFailed(f"lost {lost.lost}; job requeued")
+          f"of at most {max_requeues}) after {lost.reason}; it resumes from its last checkpoint", flush=True)
+    raise TaskFailed(f"{lost}; job requeued")
 
 
 def _as_dict(result) -> dict:
@@ -192,7 +193,7 @@ def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3, ind
         stops.finished = True
         say(f"fixres_dist: rank {rank}: {exc}")
         _after_preemption(config, stops, restart, max_requeues)
-    except LostPeers as exc:
+    except PeersUnreachable as exc:
         stops.finished = True
         say(f"fixres_dist: rank {rank}: {exc}")
         _requeue_after_loss(config, exc, restart, max_requeues)

@@ -376,6 +376,29 @@ class Rendezvous:
         they then name those, not this rank that exits because of them."""
         _within(STORE_ANSWER_S, lambda: self.store.set(f"fixres/lost/{self.rank}", lost[:300]))
 
+    def hold_store(self, most: float = 2 * STORE_ANSWER_S, silent_after: float = 2.5 * HEARTBEAT_S) -> None:
+        """Rank 0, about to exit after a failure: the store dies with this process, so keep it up
+        until every other rank still running (its heartbeat moved within ``silent_after`` s) has
+        announced why it stops, and thus had the chance to read what this rank announced; at most
+        ``most`` seconds. Other ranks return at once."""
+        if self.rank != 0:
+            return
+        start = time.monotonic()
+        moved: dict[int, tuple[int, float]] = {}  # rank -> (beat count, when it was first seen)
+        while time.monotonic() - start < most:
+            beats = _within(STORE_ANSWER_S, lambda: self._beats(self.store))
+            told = _within(STORE_ANSWER_S, lambda: {rank for kind in ("lost", "failed")
+                                                    for rank, _ in self._announced(self.store, kind)})
+            if beats is None or told is None:
+                return
+            now = time.monotonic()
+            for rank, count in beats.items():
+                if moved.get(rank, (None,))[0] != count:
+                    moved[rank] = (count, now)
+            if all(rank in told or now - moved[rank][1] > silent_after for rank in beats):
+                return
+            time.sleep(0.2)
+
     def _announced(self, store: dist.Store, kind: str) -> list[tuple[int, str]]:
         """``(rank, text)`` of the peers that announced ``kind`` ("lost" or "failed")."""
         return [(rank, store.get(f"fixres/{kind}/{rank}").decode()) for rank in range(self.world_size)

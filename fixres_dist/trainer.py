@@ -131,20 +131,31 @@ class Trainer:
                 self.stops.chain()  # submitit's handler: it requeues the job now that the checkpoint exists
                 raise
             except Exception as exc:
-                gone = self.rendezvous.lost_peers() \
-                    if self.rendezvous and isinstance(exc, (RuntimeError, dist.DistError)) else ""
-                if gone:  # a collective failed because a peer failed or vanished: name it, no traceback
-                    self.rendezvous.announce_lost(gone)
-                    raise LostPeers(gone) from None
-                if self.rendezvous and distributed.is_collective_failure(exc):  # every peer alive: the network
-                    failure = NetworkInterrupted(first_line(exc), distributed.collective_timeout(self.config.dist_timeout))
-                    self.rendezvous.announce_failure(str(failure))
-                    raise failure from None
-                if self.rendezvous:
-                    self.rendezvous.announce_failure(user_message(exc) or f"{type(exc).__name__}: {first_line(exc)}")
+                if self.rendezvous is not None:
+                    failure = self._tell_peers(exc)
+                    self.rendezvous.hold_store()  # rank 0: until the others have read what happened
+                    if failure is not None:
+                        raise failure from None
                 raise
             finally:
                 self.close()
+
+    def _tell_peers(self, exc: Exception) -> Exception | None:
+        """After ``exc`` on this rank: say why it stops to the other ranks, through the store.
+        Returns the one-line error to raise instead of ``exc`` when the cause is elsewhere: peers
+        that failed or vanished (:class:`~fixres_dist.rendezvous.LostPeers`, named with their host),
+        or, every peer alive, the network (:class:`~fixres_dist.rendezvous.NetworkInterrupted`);
+        None when the cause is this rank's own (its traceback is shown)."""
+        gone = self.rendezvous.lost_peers() if isinstance(exc, (RuntimeError, dist.DistError)) else ""
+        if gone:
+            self.rendezvous.announce_lost(gone)
+            return LostPeers(gone)
+        if distributed.is_collective_failure(exc):
+            failure = NetworkInterrupted(first_line(exc), distributed.collective_timeout(self.config.dist_timeout))
+            self.rendezvous.announce_failure(str(failure))
+            return failure
+        self.rendezvous.announce_failure(user_message(exc) or f"{type(exc).__name__}: {first_line(exc)}")
+        return None
 
     def build(self, train_loader=None) -> None:
         """Everything before the first training step (see the module's story).

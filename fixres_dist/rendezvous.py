@@ -50,14 +50,19 @@ HEARTBEAT_S = 1.0  # a rank adds to its heartbeat counter this often (seconds)
 STORE_ANSWER_S = 3.0  # after a failed collective, a store that does not answer this fast is lost
 
 
+FAILED = ", which failed: "  # in a lost peer's description: it raised an error (the cause follows)
+
+
 class PeersUnreachable(FixresError):
     """A collective failed because of the other ranks or the network between them, not because of
-    this rank: the job's last checkpoint is intact, and running the job again resumes from it.
-    ``reason``: what happened, as a phrase ("losing rank 2 on n2 ...")."""
+    this rank: the job's last checkpoint is intact. ``reason``: what happened, as a phrase
+    ("losing rank 2 on n2 ..."); ``resumable``: whether running the job again may get past it
+    (peers killed or cut off, a network outage: yes; a peer that raised an error: no, it would
+    fail again)."""
 
-    def __init__(self, message: str, reason: str):
+    def __init__(self, message: str, reason: str, resumable: bool = True):
         super().__init__(message)
-        self.reason = reason
+        self.reason, self.resumable = reason, resumable
 
 
 class LostPeers(PeersUnreachable):
@@ -65,7 +70,7 @@ class LostPeers(PeersUnreachable):
     (:meth:`Rendezvous.lost_peers`)."""
 
     def __init__(self, lost: str):
-        super().__init__(f"lost {lost}; stopping", f"losing {lost}")
+        super().__init__(f"lost {lost}; stopping", f"losing {lost}", resumable=FAILED not in lost)
         self.lost = lost
 
 
@@ -445,7 +450,7 @@ class Rendezvous:
         lost = self._announced(store, "lost")
         if lost:
             return lost[0][1]
-        failed = [f"{_ranks_on([rank], self.hosts, me)}, which failed: {cause}"
+        failed = [f"{_ranks_on([rank], self.hosts, me)}{FAILED}{cause}"
                   for rank, cause in self._announced(store, "failed")]
         if failed:
             return "; ".join(failed)

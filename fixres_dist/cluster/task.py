@@ -17,7 +17,8 @@ One protocol for both ways of launching, submitit (``slurm/submit.py``) and plai
    let srun end the job before rank 0 requeues it). SLURM starts the job again with the same id and
    restart count + 1, and the Trainer resumes from the job folder's checkpoint. After SIGTERM
    (``scancel``, SLURM's own preemption) nothing is requeued here: SLURM decides.
-5. **Lost peers.** When ranks die or a node drops off the network, the surviving ranks name them
+5. **Lost peers.** When ranks die or a node drops off the network (not when a rank raised an
+   error: that job fails, as it would again), the surviving ranks name them
    (:class:`~fixres_dist.rendezvous.LostPeers`; or, every peer alive, the network was interrupted:
    :class:`~fixres_dist.rendezvous.NetworkInterrupted`) and every survivor asks SLURM to requeue the job
    (the first request wins; at most ``max_requeues`` restarts in all): the job starts again, on
@@ -196,6 +197,8 @@ def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3, ind
     except PeersUnreachable as exc:
         stops.finished = True
         say(f"fixres_dist: rank {rank}: {exc}")
+        if not exc.resumable:  # a peer raised an error: it would again, the job fails
+            raise TaskFailed(str(exc)) from None
         _requeue_after_loss(config, exc, restart, max_requeues)
     except Exception as exc:  # one line for every failure; bugs also get their traceback
         stops.finished = True

@@ -119,8 +119,8 @@ def choose_link(my_host: str, peers: dict[int, tuple[str, list[str]]]) -> Link:
     for host, addresses in elsewhere.values():
         for address in addresses:
             source = route_source(address)
-            if source is not None and not _is_loopback(source) and interface_of(source):
-                return Link(interface_of(source), source, f"routes to {host}")
+            if source is not None and not _is_loopback(source) and (name := interface_of(source)):
+                return Link(name, source, f"routes to {host}")
     rank, (host, addresses) = next(iter(elsewhere.items()))
     raise FixresError(f"no network interface of {my_host} routes to rank {rank} on {host} "
                       f"(addresses {', '.join(addresses) or 'none published'}); set GLOO_SOCKET_IFNAME")

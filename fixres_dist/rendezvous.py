@@ -141,22 +141,11 @@ def _stale(info: dict) -> bool:
 def _probe_store(host: str, port: int, world_size: int) -> dist.TCPStore | None:
     """A client of the store at ``host:port``, or None if none answers within PROBE_SECONDS.
 
-    Connecting runs in a daemon thread: a port taken over by another server (not a TCPStore)
-    accepts the connection and never answers the handshake, which would block this rank, deaf to
-    signals, beyond any timeout.
+    Connecting runs in a daemon thread (:func:`_within`): a port taken over by another server (not
+    a TCPStore) accepts the connection and never answers the handshake, which would block this rank,
+    deaf to signals, beyond any timeout.
     """
-    box = []
-
-    def connect():
-        try:
-            box.append(_tcp_store(host, port, world_size, False, PROBE_SECONDS))
-        except (RuntimeError, OSError):
-            pass
-
-    thread = threading.Thread(target=connect, daemon=True, name="fixres-rendezvous-probe")
-    thread.start()
-    thread.join(PROBE_SECONDS + 1.0)
-    return box[0] if box else None
+    return _within(PROBE_SECONDS + 1.0, lambda: _tcp_store(host, port, world_size, False, PROBE_SECONDS))
 
 
 def _arrive(store: dist.Store, rank: int, world_size: int) -> None:
@@ -315,7 +304,7 @@ def _ranks_on(ranks: list[int], hosts: dict[int, Host], here: str) -> str:
 class Rendezvous:
     """This rank's rendezvous store once the ranks have met, where every rank runs, and how.
 
-    Built by :func:`fixres_dist.distributed.init_process_group` (:func:`meet`): ``hosts`` (global
+    Built by :func:`fixres_dist.distributed.init_process_group` (:func:`meet_hosts`): ``hosts`` (global
     rank -> :class:`Host`) and this rank's :class:`~fixres_dist.network.Link` are known before the
     process group exists; :meth:`register` (a collective, once the group exists) collects every
     rank's link for :meth:`describe`. A heartbeat thread (:meth:`start_heartbeat`) lets
@@ -328,11 +317,6 @@ class Rendezvous:
         self.address, self.hosts, self.link = address, hosts, link  # address: the store's HOST:PORT
         self.links: dict[int, str] = {}  # rank -> "interface address", after register()
         self._beating = threading.Event()
-
-    @property
-    def peers(self) -> dict[int, tuple[str, int]]:
-        """Global rank -> (host name, process id)."""
-        return {rank: (host.name, host.pid) for rank, host in self.hosts.items()}
 
     def register(self) -> None:
         """Every rank, once the process group exists: publish this rank's link, read everyone's."""

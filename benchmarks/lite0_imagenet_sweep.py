@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         photos = foolbox_photos()
         weight_path = Path(args.weight_path) if args.weight_path else lite0_weight_file()
         model = models.build_model("efficientnet_lite0", 1000)
-        note = weights.load_weights(model, weights.read_weight_file(weight_path))
+        note = weights.load_weights(model, weights.read_weight_file(weight_path)).note
     except FixresError as exc:
         print(f"lite0_imagenet_sweep: {exc}", file=sys.stderr)
         return 1

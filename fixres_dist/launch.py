@@ -86,7 +86,14 @@ def preflight(config: TrainerConfig) -> str:
         build_size = resolutions.build_size(config)
         model = models.build_model(config.architecture, len(classes), image_size=build_size,
                                    low_res_stem=config.low_res_stem)
-        weights.load_weights(model, found)
+        loaded = weights.load_weights(model, found)
+        if config.input_size == "auto" and loaded.new_head_from is not None:
+            raise FixresError(
+                f"--input-size auto picks the finetune resolution from the sweep before finetuning, but "
+                f"{config.weight_path} gets a new {len(classes)}-class head (its head has {loaded.new_head_from} "
+                f"classes): that sweep would rank an untrained head. Train the head first at one size "
+                f"(main_finetune.py --input-size N --finetune-scope head), then FixRes-finetune that "
+                f"checkpoint.pth with --input-size auto")
         if config.mode == "finetune" and not config.eval_only:
             fixres.trainable_modules(model, build_size, config.finetune_scope, config.last_norm)
     index.save()

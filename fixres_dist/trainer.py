@@ -336,7 +336,7 @@ class Trainer:
         if cfg.weight_path:
             found = weights.read_weight_file(cfg.weight_path, cfg.weight_key)
             self.log(found.describe())
-            note = weights.load_weights(model, found)
+            note = weights.load_weights(model, found).note
             if note:
                 self.log(note)
             weight_config = found.config

@@ -261,9 +261,18 @@ def _timm_filter(model: nn.Module, state: dict, source: str) -> tuple[dict, list
     return dict(adapted), changed
 
 
-def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | None = None) -> str | None:
-    """Load ``weights`` (a :class:`WeightFile` or a state_dict) into ``model``; returns a note for the
-    log (prefixes removed, entries ignored, embeddings resampled, new head) or None.
+@attrs.frozen
+class Loaded:
+    """What :func:`load_weights` did: ``note`` for the log (prefixes removed, entries ignored,
+    embeddings resampled, new head) or None; ``new_head_from``: the class count of the weight file's
+    head when the model got a freshly initialised head instead (its class count differs), else None."""
+
+    note: str | None
+    new_head_from: int | None = None
+
+
+def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | None = None) -> Loaded:
+    """Load ``weights`` (a :class:`WeightFile` or a state_dict) into ``model``; returns :class:`Loaded`.
 
     See the module docstring for what is tolerated. ``source`` names the weights in messages
     (default: the file's path). ``weights`` is not modified. Raises a one-line
@@ -276,7 +285,7 @@ def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | Non
     else:
         source, state_dict = source or "the state_dict", weights
     own = model.state_dict()
-    notes = []
+    notes, new_head_from = [], None
     state, prefix, ignored = _common_prefix(dict(state_dict), own)
     if prefix:
         outside = (f"; ignored {len(ignored)} other {'entry' if len(ignored) == 1 else 'entries'}: "
@@ -311,8 +320,8 @@ def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | Non
         if not head_only:
             described = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in shapes]
             raise FixresError(_mismatch_message(source, missing, unexpected, described))
-        notes.append(f"new {own[weight].shape[0]}-class head {head} "
-                     f"(weights had {state[weight].shape[0]} classes)")
+        new_head_from = state[weight].shape[0]
+        notes.append(f"new {own[weight].shape[0]}-class head {head} (weights had {new_head_from} classes)")
         state = trial
     model.load_state_dict(state)
-    return "; ".join(notes) or None
+    return Loaded("; ".join(notes) or None, new_head_from)

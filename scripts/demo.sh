@@ -6,13 +6,22 @@
 #    test preprocessing, sweeping 24-40 px before and after (resolution_sweep.png/.md in its job folder);
 # 3. control: the same finetune at the train resolution, so the gain is not just extra training;
 # 4. print the table (scripts/demo_report.py) and the wall time.
-# Job folders go to $SHARED (default runs/); extra arguments go to every run (e.g. --workers 1).
+# Extra arguments go to every run, after the demo's own, so they win, e.g.
+#   bash scripts/demo.sh --shared-folder-path /tmp/runs --workers 1
+# Job folders go to --shared-folder-path if given, else to $SHARED (default runs/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
 STAMP=$(date +%Y%m%d-%H%M%S)
 SHARED=${SHARED:-runs}
 PYTHON=${PYTHON:-.venv/bin/python}
+ARGS=("$@")
+for i in "${!ARGS[@]}"; do  # the last --shared-folder-path wins, as it does for the scripts' parser
+    case "${ARGS[$i]}" in
+        --shared-folder-path) [ $((i + 1)) -lt ${#ARGS[@]} ] && SHARED=${ARGS[$((i + 1))]} ;;
+        --shared-folder-path=*) SHARED=${ARGS[$i]#--shared-folder-path=} ;;
+    esac
+done
 RUN=(--num-tasks 2 --architecture resnet20 --data-path fixres_dist/embedded_data/fashion_mnist_canvas
      --shared-folder-path "$SHARED")
 [ -t 1 ] || RUN+=(--no-progress)  # output to a file or a pipe: no progress bars in it

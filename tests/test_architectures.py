@@ -121,7 +121,7 @@ def test_vit_weights_of_another_grid_are_interpolated_on_load():
     source = models.build_model("vit_b_16", 10, image_size=64)  # 4x4 grid
     target = models.build_model("vit_b_16", 10, image_size=32)  # 2x2 grid
     state = source.state_dict()
-    note = weights.load_weights(target, state, "vit64.pth")
+    note = weights.load_weights(target, state, "vit64.pth").note
     assert note == "position embedding interpolated from 4x4 to 2x2 patches"
     assert torch.equal(target.conv_proj.weight, source.conv_proj.weight)
     assert torch.equal(target.encoder.pos_embedding[:, :1], source.encoder.pos_embedding[:, :1])
@@ -132,9 +132,10 @@ def test_head_for_another_class_count_is_replaced_other_mismatches_refused():
     model = models.build_model("resnet18", 10)
     fresh_head = model.fc.weight.detach().clone()
     seven = models.build_model("resnet18", 7).state_dict()
-    assert weights.load_weights(model, seven, "r7.pth") == "new 10-class head fc (weights had 7 classes)"
+    loaded = weights.load_weights(model, seven, "r7.pth")
+    assert loaded.note == "new 10-class head fc (weights had 7 classes)" and loaded.new_head_from == 7
     assert torch.equal(model.fc.weight, fresh_head) and torch.equal(model.conv1.weight, seven["conv1.weight"])
-    assert weights.load_weights(model, models.build_model("resnet18", 10).state_dict(), "r10.pth") is None
+    assert weights.load_weights(model, models.build_model("resnet18", 10).state_dict(), "r10.pth").note is None
     with pytest.raises(FixresError, match="unexpected keys e.g. layer1.2"):
         weights.load_weights(model, models.build_model("resnet34", 10).state_dict(), "r34.pth")
     narrow = dict(seven, **{"fc.weight": torch.zeros(7, 256)})  # another feature width: not just a class count
@@ -181,7 +182,7 @@ def test_lite0_imagenet_weights_classify_real_photos():
     labels = torch.tensor([int(PHOTO.fullmatch(p.name).group(1)) for p in photos])
     model = models.build_model("efficientnet_lite0", 1000)
     state = weights.read_weight_file(LITE_WEIGHTS).state_dict
-    assert weights.load_weights(model, state, str(LITE_WEIGHTS)) is None
+    assert weights.load_weights(model, state, str(LITE_WEIGHTS)).note is None
     transform = data.test_transform(224)
     images = torch.stack([transform(Image.open(p).convert("RGB")) for p in photos])
     with torch.no_grad():
@@ -203,7 +204,7 @@ def test_input_normalization_per_architecture():
 def test_lite0_weights_into_a_10_class_model_get_a_new_head():
     state = weights.read_weight_file(LITE_WEIGHTS).state_dict
     model = models.build_model("efficientnet_lite0", 10)
-    assert weights.load_weights(model, state, str(LITE_WEIGHTS)) == "new 10-class head _fc (weights had 1000 classes)"
+    assert weights.load_weights(model, state, str(LITE_WEIGHTS)).note == "new 10-class head _fc (weights had 1000 classes)"
     assert torch.equal(model._bn1.running_mean, state["_bn1.running_mean"])
     assert model._fc.weight.shape == (10, 1280)
     headless = {k: v for k, v in state.items() if not k.startswith("_fc.")}
@@ -223,3 +224,16 @@ def test_finetune_lite0_from_the_imagenet_weights_end_to_end(tiny_data, tmp_path
     events = [json.loads(line) for line in (tmp_path / "lite0" / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in events if e["event"] == "eval"]
     assert evals and all(e["images"] == 30 and e["resolution"] == 64 for e in evals)
+
+
+@needs_lite_weights
+def test_input_size_auto_with_a_new_head_is_refused_before_anything_starts(tiny_data, tmp_path):
+    """A sweep of an untrained head is noise: --input-size auto would pick a resolution from it."""
+    result = run_script("finetune", "--architecture", "efficientnet_lite0", "--weight-path", LITE_WEIGHTS,
+                        "--data-path", tiny_data, "--input-size", "auto", "--test-sizes", "64,96",
+                        "--shared-folder-path", tmp_path / "runs", "--workers", "0", "--no-progress")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "gets a new 10-class head (its head has 1000 classes)" in lines[0], result.stderr
+    assert "--finetune-scope head" in lines[0]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -95,7 +95,7 @@ def test_weight_key_picks_the_ema_weights(trained, tmp_path):
     assert found.key == "model_ema" and found.others == ("model",)
     target = _model(2)
     # torchvision's EMA is an AveragedModel: module. prefixes and an n_averaged counter
-    assert weights.load_weights(target, found) == "weights under 'module.'; ignored 1 other entry: n_averaged"
+    assert weights.load_weights(target, found).note == "weights under 'module.'; ignored 1 other entry: n_averaged"
     assert torch.equal(target.conv1.weight, ema.module.conv1.weight)
     assert not torch.equal(target.conv1.weight, model.conv1.weight)
     torch.save(layouts["timm"][0], tmp_path / "timm.pth")
@@ -140,7 +140,7 @@ def test_state_dicts_from_older_torch_versions_load_as_torch_loads_them(tmp_path
     reference.load_state_dict(old, strict=True)  # torch accepts it
     torch.save(old, tmp_path / "old.pth")
     target = models.build_model("resnet18", 10)
-    assert weights.load_weights(target, weights.read_weight_file(tmp_path / "old.pth")) is None
+    assert weights.load_weights(target, weights.read_weight_file(tmp_path / "old.pth")).note is None
     for name, tensor in reference.state_dict().items():
         assert torch.equal(target.state_dict()[name], tensor), name
     # a neighbour: torchvision's ViT MLP keys before torchvision 0.13 (linear_1/linear_2), upgraded by its module
@@ -149,7 +149,7 @@ def test_state_dicts_from_older_torch_versions_load_as_torch_loads_them(tmp_path
                for k, v in vit.state_dict().items()}
     assert any("linear_1" in k for k in renamed)
     fresh = models.build_model("vit_b_32", 10, image_size=64)
-    assert weights.load_weights(fresh, renamed, "vit-0.12.pth") is None
+    assert weights.load_weights(fresh, renamed, "vit-0.12.pth").note is None
     assert torch.equal(fresh.encoder.layers[0].mlp[0].weight, vit.encoder.layers[0].mlp[0].weight)
     # what torch refuses stays refused, and a refused load leaves the model as it was
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
@@ -187,7 +187,7 @@ def test_foreign_python_objects_are_placeholders_and_never_run(tmp_path):
 def test_timm_weights_for_another_size_are_resampled_by_timm():
     source = models.build_model("timm/vit_tiny_patch16_224", 10, image_size=224)
     target = models.build_model("timm/vit_tiny_patch16_224", 10, image_size=32)
-    note = weights.load_weights(target, source.state_dict(), "vit224.pth")
+    note = weights.load_weights(target, source.state_dict(), "vit224.pth").note
     assert note == "timm resampled pos_embed to this model's size"
     assert target.pos_embed.shape == (1, 5, 192)
     assert torch.equal(target.cls_token, source.cls_token)

@@ -6,9 +6,9 @@
 #    test preprocessing, sweeping 24-40 px before and after (resolution_sweep.png/.md in its job folder);
 # 3. control: the same finetune at the train resolution, so the gain is not just extra training;
 # 4. print the table (scripts/demo_report.py) and the wall time.
-# Extra arguments go to every run, after the demo's own, so they win, e.g.
-#   bash scripts/demo.sh --shared-folder-path /tmp/runs --workers 1
-# Job folders go to --shared-folder-path if given, else to $SHARED (default runs/).
+# Extra arguments go to every run, after the demo's own, so they win. Job folders go to
+# --shared-folder-path if given, else to $SHARED (default runs/). A quick check of the whole path, 1 epoch each:
+#   e.g. bash scripts/demo.sh --shared-folder-path /tmp/runs --epochs 1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS

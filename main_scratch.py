@@ -4,6 +4,6 @@ if __name__ == "__main__":
 
     startup.guard_signals()  # before torch loads: Ctrl-C or SIGTERM while starting is one line, not a traceback
     startup.quiet_native_logs()
-    from fixres_dist.launch import main_scratch
+    from fixres_dist.cli import main_scratch  # parses the command line before torch loads
 
     main_scratch()

@@ -19,7 +19,7 @@ setup(
         "timm": ["timm"],
     },
     entry_points={"console_scripts": [
-        "fixres-scratch=fixres_dist.launch:main_scratch",
-        "fixres-finetune=fixres_dist.launch:main_finetune",
+        "fixres-scratch=fixres_dist.cli:main_scratch",
+        "fixres-finetune=fixres_dist.cli:main_finetune",
     ]},
 )

@@ -1,4 +1,8 @@
-"""``TrainerConfig``: every option of a run, validated, and its JSON round trip (``config.json``)."""
+"""``TrainerConfig``: every option of a run, validated, and its JSON round trip (``config.json``).
+
+This module imports nothing heavy (no torch, torchvision or numpy): the command line
+(:mod:`fixres_dist.cli`) reads its defaults and the names below to answer ``--help`` at once.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -12,9 +16,7 @@ from urllib.parse import urlparse
 
 import attrs
 
-from .data import INTERPOLATIONS
 from .errors import FixresError
-from .fixres import SCOPES
 
 CONFIG_FILE = "config.json"
 RENDEZVOUS_FILE = "rendezvous.json"
@@ -29,6 +31,22 @@ RESUMABLE = {"resumable": True}
 ABSENT_IS_DEFAULT = {"absent_is_default": True}
 PATH_FIELDS = ("data_path", "weight_path", "resume")  # compared as absolute paths (resolved_path)
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# --interpolation: the resize interpolations (fixres_dist.data maps them to torchvision's modes), and
+# the one used unless the architecture's own preprocessing names another (fixres_dist.preprocessing).
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+DEFAULT_INTERPOLATION = "bilinear"
+CROP_RATIO = 0.875  # test-time centre crop keeps 87.5 % of the resized shorter side (--crop-ratio)
+# --finetune-scope: what trains (fixres_dist.fixres). FixRes trained the head and the last BatchNorm (section 4).
+SCOPES = ("head+last-norm", "head", "norms+head", "all")
+
+# --architecture name families besides torchvision's classifiers (fixres_dist.models builds them).
+# Our name -> the name efficientnet_lite_pytorch knows.
+LITE_MODELS = {f"efficientnet_lite{i}": f"efficientnet-lite{i}" for i in range(5)}
+TIMM_PREFIX = "timm/"
+# The CIFAR ResNets of He et al. 2016, section 4.2: name -> n (blocks per stage; depth 6n + 2).
+CIFAR_RESNETS = {"resnet20": 3, "resnet32": 5, "resnet44": 7, "resnet56": 9, "resnet110": 18}
+# Optional package (import name) -> (pip name, extra of setup.py).
+OPTIONAL_PACKAGES = {"efficientnet_lite_pytorch": ("efficientnet-lite-pytorch", "lite0"), "timm": ("timm", "timm")}
 
 
 def _finite(attribute, value):

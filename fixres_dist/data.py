@@ -50,6 +50,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from . import images, preemption
+from .config import CROP_RATIO, INTERPOLATIONS as INTERPOLATION_NAMES
 from .errors import FixresError, first_line
 from .samplers import ExactBatchSampler, SampleKey
 
@@ -57,7 +58,6 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # (mean, std) per RGB channel on the 0-1 scale: torchvision's ImageNet weights' normalisation.
 IMAGENET_NORMALIZATION = (IMAGENET_MEAN, IMAGENET_STD)
-CROP_RATIO = 0.875  # test-time centre crop keeps 87.5 % of the resized shorter side
 
 
 EMBEDDED_DATASETS = ("fashion_mnist", "fashion_mnist_canvas")
@@ -207,8 +207,9 @@ class ToUint8Tensor(v2.Transform):
         return image if isinstance(image, torch.Tensor) else TF.pil_to_tensor(image)
 
 
-INTERPOLATIONS = {"bilinear": v2.InterpolationMode.BILINEAR, "bicubic": v2.InterpolationMode.BICUBIC,
-                  "nearest": v2.InterpolationMode.NEAREST_EXACT}
+# --interpolation's names (fixres_dist.config.INTERPOLATIONS) -> torchvision's modes.
+INTERPOLATIONS = dict(zip(INTERPOLATION_NAMES, (v2.InterpolationMode.BILINEAR, v2.InterpolationMode.BICUBIC,
+                                                v2.InterpolationMode.NEAREST_EXACT), strict=True))
 
 
 def _interpolation(name: str) -> v2.InterpolationMode:

@@ -55,11 +55,10 @@ import math
 import torch
 from torch import nn
 
+from .config import SCOPES  # --finetune-scope: what trains
 from .errors import FixresError
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
-# --finetune-scope: what trains. FixRes trained the head and the last BatchNorm (section 4).
-SCOPES = ("head+last-norm", "head", "norms+head", "all")
 # torchvision RandomResizedCrop's default area range, the fraction of the image a training crop covers.
 RRC_SCALE = (0.08, 1.0)
 

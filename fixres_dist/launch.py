@@ -25,8 +25,8 @@ from pathlib import Path
 import attrs
 import torch.multiprocessing as mp
 
-from . import (checkpoint, data, distributed, extraction, file_index, fixres, io, joblock, models, placement, resolutions,
-               startup, weights)
+from . import (checkpoint, cli, data, distributed, extraction, file_index, fixres, io, joblock, models, placement,
+               resolutions, weights)
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
 from .errors import FixresError, first_line, say, user_message
@@ -259,9 +259,13 @@ def _wait_for_ranks(processes, every_second) -> tuple[int, int] | None:
     return failed
 
 
-def main(mode: str, argv: list[str] | None = None) -> None:
-    """Entry point of ``main_scratch.py`` (``mode="scratch"``) and ``main_finetune.py`` (``"finetune"``)."""
-    args = build_parser(mode).parse_args(argv)
+def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
+    """Run ``main_scratch.py`` (``mode="scratch"``) or ``main_finetune.py`` (``"finetune"``).
+
+    ``argv``: the command line (default ``sys.argv[1:]``), or what :func:`fixres_dist.cli.build_parser`
+    parsed of it (the scripts parse before importing this module: :func:`fixres_dist.cli.run_script`).
+    """
+    args = argv if isinstance(argv, argparse.Namespace) else build_parser(mode).parse_args(argv)
     try:
         config, source = build_config(mode, args)
         checked = source in ("spawn", "single") or config.global_rank == 0
@@ -281,21 +285,5 @@ def main(mode: str, argv: list[str] | None = None) -> None:
         run_rank(config, checked, announce=source in ("flags", "slurm"), index_note=index_note)
 
 
-def run_script(mode: str) -> None:
-    """:func:`main` as a script runs it: stop signals before it listens end it with one line, and
-    those that arrive once the job is over are ignored (:mod:`fixres_dist.startup`)."""
-    startup.guard_signals()
-    try:
-        main(mode)
-    finally:
-        startup.ignore_signals()
-
-
-def main_scratch() -> None:
-    """Console entry point ``fixres-scratch`` (same as ``python main_scratch.py``)."""
-    run_script("scratch")
-
-
-def main_finetune() -> None:
-    """Console entry point ``fixres-finetune`` (same as ``python main_finetune.py``)."""
-    run_script("finetune")
+# The console entry points of installs made before they moved to fixres_dist.cli (pip install -e . updates them).
+main_scratch, main_finetune = cli.main_scratch, cli.main_finetune

@@ -57,17 +57,12 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 from torchvision.models.vision_transformer import VisionTransformer, interpolate_embeddings
 
+# The name families (torch-free, for --help): LITE_MODELS, TIMM_PREFIX, CIFAR_RESNETS.
+from .config import CIFAR_RESNETS, LITE_MODELS, OPTIONAL_PACKAGES, TIMM_PREFIX
 from .errors import FixresError
 
-# Our name -> the name efficientnet_lite_pytorch knows.
-LITE_MODELS = {f"efficientnet_lite{i}": f"efficientnet-lite{i}" for i in range(5)}
-TIMM_PREFIX = "timm/"
-# Optional package (import name) -> (pip name, extra of setup.py).
-_OPTIONAL = {"efficientnet_lite_pytorch": ("efficientnet-lite-pytorch", "lite0"), "timm": ("timm", "timm")}
 # Side length (pixels) a model runs at when it was built for no particular size (torchvision's ImageNet size).
 DEFAULT_SIZE = 224
-# The CIFAR ResNets of He et al. 2016, section 4.2: name -> n (blocks per stage; depth 6n + 2).
-CIFAR_RESNETS = {"resnet20": 3, "resnet32": 5, "resnet44": 7, "resnet56": 9, "resnet110": 18}
 
 
 class CifarResNet(nn.Module):
@@ -161,7 +156,7 @@ def _replace_stem(model: nn.Module) -> nn.Module:
 def import_optional(module: str, architecture: str):
     """Import an optional package, or raise a one-line FixresError naming the pip extra."""
     if importlib.util.find_spec(module) is None:
-        package, extra = _OPTIONAL[module]
+        package, extra = OPTIONAL_PACKAGES[module]
         raise FixresError(f"--architecture {architecture} needs the package {package}: pip install -e .[{extra}]")
     return importlib.import_module(module)
 

@@ -18,11 +18,14 @@ that srun did not start (no ``SLURM_PROCID``) is not a SLURM task.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import attrs
-import torch
 
 from .errors import FixresError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @attrs.frozen
@@ -190,6 +193,8 @@ def cuda_device(local_rank: int, environ=None) -> torch.device:
     ``--gpu-bind``), that GPU, ``cuda:0``, whatever the local rank. Raises :class:`FixresError` when
     no GPU is visible or the local rank has none.
     """
+    import torch  # here, not at the top: rank resolution runs before torch is needed
+
     environ = os.environ if environ is None else environ
     count = torch.cuda.device_count()
     visible = environ.get("CUDA_VISIBLE_DEVICES")

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import attrs
 
-from .data import CROP_RATIO, IMAGENET_NORMALIZATION, INTERPOLATIONS
+from .config import CROP_RATIO, DEFAULT_INTERPOLATION, INTERPOLATIONS
+from .data import IMAGENET_NORMALIZATION
 from .models import LITE_MODELS, TIMM_PREFIX, import_optional
 
 # EfficientNet-Lite's TensorFlow Lite training normalisation: (x - 127) / 128 on the 0-255 scale.
 LITE_NORMALIZATION = ((127 / 255,) * 3, (128 / 255,) * 3)
-DEFAULT_INTERPOLATION = "bilinear"
 
 
 @attrs.frozen

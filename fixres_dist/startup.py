@@ -1,7 +1,8 @@
 """The seconds before a script listens for stop signals, and the moments after it stopped listening.
 
-``python main_scratch.py`` spends seconds importing torch, parsing and checking its inputs before
-the launcher forwards stop signals or the Trainer records them (:mod:`fixres_dist.preemption`).
+``python main_scratch.py`` parses its command line, then spends seconds importing torch and checking
+its inputs before the launcher forwards stop signals or the Trainer records them
+(:mod:`fixres_dist.preemption`).
 A SIGINT, SIGTERM or SIGUSR2 then (Ctrl-C, ``timeout``, ``scancel``) ends the script with one line
 and the usual status (130 for SIGINT, else 3) instead of a traceback out of torch's import or a
 silent death: nothing has been written yet. Once the job is over, late ones are ignored, so that a

@@ -100,7 +100,6 @@ CASES = {
     "last norm on a shortcut": (["--weight-path", "{weights}/resnet18_10.pth", "--last-norm", "layer4.0.downsample.1"],
                                 "is off the main path of ResNet (a shortcut, a shorter parallel branch, or not between "
                                 "the input and the classifier fc); the main-path last norm is layer4.1.bn2"),
-    "last norm when training from scratch": (["--last-norm", "bn1"], "--last-norm only applies to main_finetune.py"),
     "weight key the file lacks": (["--weight-path", "{weights}/timm_layout.pth", "--weight-key", "model_ema"],
                                   "has no entry 'model_ema'; its top-level keys: epoch, arch, state_dict, args"),
     "weight file without weights": (["--weight-path", "{weights}/no_weights.pth"],

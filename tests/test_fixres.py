@@ -280,7 +280,6 @@ def test_bad_test_sizes_are_refused(sizes, message, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--architecture", "vit_b_16", "--input-size", 40], "divisible by its patch size 16"),
     (["--architecture", "vit_b_16", "--input-size", 32, "--test-sizes", "32,50"], "divisible by its patch size 16"),
-    (["--input-size", "auto"], "--input-size auto only applies to main_finetune.py"),
     (["--eval-only"], "--eval-only needs --weight-path"),
 ])
 def test_bad_fixres_options_fail_in_seconds_with_one_line(args, message, tmp_path, capsys):

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import build_parser, config_fields
+from ..cli import RANK_FLAGS, build_parser, config_fields
 from ..config import TrainerConfig
 from ..errors import FixresError
 from .monitor import POLL_S, first_failure, task_outcomes, watch
@@ -21,7 +21,6 @@ from .request import SlurmRequest
 from .submission import job_folder, log_files, submit, submit_array
 from .sweep import gather_sweep, sweep_configs, sweep_table
 
-RANK_FLAGS = ("num_tasks", "global_rank", "local_rank", "job_id", "dist_url")
 PATH_FIELDS = ("data_path", "weight_path", "shared_folder_path", "resume")
 
 

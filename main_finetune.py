@@ -1,9 +1,5 @@
 """FixRes-finetune a classifier at the test resolution with DDP (see README). ``python main_finetune.py --help``"""
 if __name__ == "__main__":
-    from fixres_dist import startup
-
-    startup.guard_signals()  # before torch loads: Ctrl-C or SIGTERM while starting is one line, not a traceback
-    startup.quiet_native_logs()
-    from fixres_dist.cli import main_finetune  # parses the command line before torch loads
+    from fixres_dist.cli import main_finetune  # signals guarded and the command line parsed before torch loads
 
     main_finetune()

@@ -1,9 +1,5 @@
 """Train an image classifier from scratch with DDP (see README). ``python main_scratch.py --help``"""
 if __name__ == "__main__":
-    from fixres_dist import startup
-
-    startup.guard_signals()  # before torch loads: Ctrl-C or SIGTERM while starting is one line, not a traceback
-    startup.quiet_native_logs()
-    from fixres_dist.cli import main_scratch  # parses the command line before torch loads
+    from fixres_dist.cli import main_scratch  # signals guarded and the command line parsed before torch loads
 
     main_scratch()

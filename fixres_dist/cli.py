@@ -309,7 +309,8 @@ def run_script(mode: str, argv: list[str] | None = None) -> None:
     command line) before anything heavy is imported, then import the launcher (and torch) and run
     (:func:`fixres_dist.launch.main`). Stop signals before the launcher listens end it with one line,
     and those that arrive once the job is over are ignored (:mod:`fixres_dist.startup`)."""
-    startup.guard_signals()
+    startup.guard_signals()  # before torch loads: Ctrl-C or SIGTERM while starting is one line, not a traceback
+    startup.quiet_native_logs()
     try:
         args = build_parser(mode).parse_args(argv)
         from .launch import main

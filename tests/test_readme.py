@@ -81,8 +81,8 @@ def test_your_images_train_then_fixres_finetune(tiny_data, tmp_path):
     result = run_block(shown.block("python main_scratch.py --num-tasks 2 --data-path DATA"), home, 900,
                        DATA=tiny_data)
     assert result.returncode == 0, result.stderr[-3000:]
-    sweep = [e for e in events(home / "runs" / "mine-fixres") if e["event"] == "sweep"]
-    assert {e["stage"] for e in sweep} == {"before", "after"}
+    swept = {(e.get("label"), e["resolution"]) for e in events(home / "runs" / "mine-fixres") if e["event"] == "eval"}
+    assert {(stage, size) for stage in ("before", "after") for size in (96, 128, 160)} <= swept
     assert (home / "runs" / "mine-fixres" / "resolution_sweep.png").exists()
 
 

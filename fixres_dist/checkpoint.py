@@ -10,7 +10,9 @@ Contents (a plain dict, readable with ``torch.load(weights_only=True)``): ``form
 epochs), ``scaler`` (the fp16 GradScaler state or None), ``input_size`` (the training resolution,
 chosen by ``--input-size auto`` or given), ``epoch`` and ``images_in_epoch`` (where the
 sampler resumes), ``global_step``, ``ranks`` (per rank: RNG states of torch, CUDA, numpy, random and
-the rank's BatchNorm buffers), ``config`` (a plain dict) and ``metrics`` (the events so far).
+the rank's BatchNorm buffers), ``config`` (a plain dict), ``metrics`` (the events so far) and
+``lineage`` (the resolutions the weights were trained from scratch and FixRes-finetuned at:
+:mod:`fixres_dist.lineage`).
 """
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ def _replace_with_link(source: Path, target: Path) -> None:
     tmp.unlink(missing_ok=True)
     try:
         os.link(source, tmp)
-    except OSError:  # file systems without hard links: copy instead
-        shutil.copyfile(source, tmp)
+    except OSError:  # file systems without hard links: an owner-only copy instead
+        with open(source, "rb") as src, os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as dst:
+            shutil.copyfileobj(src, dst)
     os.replace(tmp, target)
 
 

@@ -154,7 +154,9 @@ def train_one_epoch(step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tens
 
     Before each step ``set_progress(epochs done, as a float)`` (the LR schedule); ``step(images,
     labels, global batch)`` returns the summed loss; then ``after_step(images done in the epoch)``
-    (periodic checkpoints, stop agreement). Returns the epoch's totals over all ranks.
+    (periodic checkpoints, stop agreement). ``progress_bar``: a :class:`fixres_dist.progress.Bar`
+    over the epoch's images (all ranks), given each step's summed loss unread. Returns the epoch's
+    totals over all ranks.
     """
     sampler = loader.batch_sampler
     sampler.set_epoch(epoch, skip=start_image)
@@ -166,10 +168,8 @@ def train_one_epoch(step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tens
         loss = step(images, labels, global_batches[index])
         meter.add(loss, labels.numel(), skipped)
         now = sampler.images_done(index + 1)
-        if progress_bar is not None:
-            progress_bar.update(now - done)
-            if index % 20 == 0:
-                progress_bar.set_postfix(loss=f"{loss.item() / labels.numel():.3f}")
+        if progress_bar is not None:  # the loss stays on the device until the bar redraws
+            progress_bar.advance(now - done, loss, labels.numel())
         done = now
         after_step(done)
     seconds = meter.seconds()
@@ -190,15 +190,18 @@ class EvalResult:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | None = None,
              channels_last: bool = False, normalization=IMAGENET_NORMALIZATION,
-             after_batch: Callable[[], None] | None = None) -> EvalResult:
+             after_batch: Callable[[], None] | None = None, progress_bar=None) -> EvalResult:
     """Evaluate ``model`` (unwrapped, put in eval mode) on this rank's share and reduce over ranks.
 
     ``amp``: autocast dtype (``torch.bfloat16``/``torch.float16``) or None; the sums are float64.
     ``after_batch()`` runs after each batch that every rank has (a collective is allowed there: the
-    stop agreement, which may raise to abandon the evaluation).
+    stop agreement, which may raise to abandon the evaluation). ``progress_bar``: a
+    :class:`fixres_dist.progress.Bar` over the validation images of all ranks.
     """
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # top1 hits, top5 hits, loss sum, count
-    common = loader.batch_sampler.common_batches if after_batch is not None else 0
+    sampler = loader.batch_sampler if after_batch is not None or progress_bar is not None else None
+    common = sampler.common_batches if after_batch is not None else 0
+    done = 0
     with eval_mode(model):
         for index, (images, labels, _skipped) in enumerate(loader):
             images = to_device(images, device, channels_last, normalization)
@@ -210,6 +213,10 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | 
             sums += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(),
                                  F.cross_entropy(logits, labels, reduction="sum"),
                                  torch.tensor(labels.numel(), device=device)]).double()
+            if progress_bar is not None:
+                now = sampler.images_done(index + 1)
+                progress_bar.advance(now - done)
+                done = now
             if index < common:
                 after_batch()
     top1, top5, loss, count = distributed.all_reduce_sum(sums).tolist()

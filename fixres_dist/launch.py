@@ -25,8 +25,8 @@ from pathlib import Path
 import attrs
 import torch.multiprocessing as mp
 
-from . import (checkpoint, cli, data, distributed, extraction, file_index, fixres, io, joblock, models, placement,
-               resolutions, weights)
+from . import (checkpoint, cli, data, distributed, extraction, file_index, fixres, io, joblock, lineage, models,
+               placement, resolutions, weights)
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
 from .errors import FixresError, first_line, say, user_message
@@ -80,8 +80,7 @@ def preflight(config: TrainerConfig) -> str:
     if config.extract_features:
         extraction.check_destination(config.extract_features, config.overwrite)
     found = weights.read_weight_file(config.weight_path, config.weight_key) if config.weight_path else None
-    trained_at = (found.config or {}).get("input_size") if found else None
-    resolutions.check_run_sizes(config, len(classes), trained_at if isinstance(trained_at, int) else None)
+    resolutions.check_run_sizes(config, len(classes), lineage.for_run(config, found).train_size)
     if found:
         build_size = resolutions.build_size(config)
         model = models.build_model(config.architecture, len(classes), image_size=build_size,

@@ -5,7 +5,9 @@
 * :func:`sweep_report`: the sweeps of a run as a markdown table (``resolution_sweep.md``) and a
   PNG plot (``resolution_sweep.png``, the FixRes paper's top-1 against K_test curve, drawn with
   matplotlib's object API: no global pyplot state), naming the best resolution
-  (:func:`fixres_dist.sweep.best_resolution`).
+  (:func:`fixres_dist.sweep.best_resolution`), the network's lineage (trained from scratch at,
+  FixRes-finetuned at: :mod:`fixres_dist.lineage`; an unknown train resolution is said to be
+  unknown) and the apparent-object-size estimate derived from its train resolution.
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from pathlib import Path
 
 from . import fixres
 from .io import write_private
+from .lineage import Lineage
 from .sweep import STAGE_NAMES, best_resolution, by_stage, standard_error
 
 PLOT_FILE, TABLE_FILE = "resolution_sweep.png", "resolution_sweep.md"
+MARGIN = 0.06  # the plot's x range extends this share of its span beyond the outermost point or marker
 FINETUNE_ROWS = {"train-resolution": "train resolution, no finetuning", "before": "test resolution, no finetuning"}
 
 
@@ -37,27 +41,30 @@ def finetune_table(history: list[dict], architecture: str, num_tasks: int, input
     return "\n".join(lines)
 
 
-def sweep_report(history: list[dict], train_size: int | None, title: str, folder: Path | None) -> tuple[str, dict]:
-    """Table of the sweeps in ``history``; with ``folder`` (rank 0) also writes the table and the plot there.
+def sweep_report(history: list[dict], network: Lineage, title: str, folder: Path | None) -> tuple[str, dict]:
+    """Table of the sweeps in ``history`` of the network ``network``; with ``folder`` (rank 0) also
+    writes the table and the plot there.
 
-    Returns ``(text, fields of the "sweep" event)``: the latest stage, the best resolution, the train
-    resolution and the apparent-object-size estimate of the best test resolution (FixRes section 3.1).
+    Returns ``(text, fields of the "sweep" event)``: the latest stage, the best resolution, the
+    from-scratch train resolution and the FixRes finetune resolution (pixels, None when unknown or
+    not finetuned) and the apparent-object-size estimate (pixels) of the best test resolution
+    (FixRes section 3.1; None when the train resolution is unknown).
     """
     stages = by_stage(history)
     latest = [s for s in ("sweep", "before", "trained", "after") if s in stages][-1]
     best = best_resolution(list(stages[latest].values()))
-    estimate = fixres.apparent_size_test_resolution(train_size) if train_size else None
+    estimate = fixres.apparent_size_test_resolution(network.train_size) if network.train_size else None
     images = next(iter(stages[latest].values()))["images"]
     title = f"{title}, {images} validation images"
-    text = table(stages, best, train_size, estimate, title)
+    text = table(stages, best, network, estimate, title)
     if folder is not None:
         write_private(folder / TABLE_FILE, text + "\n")
-        plot(folder / PLOT_FILE, stages, best, train_size, estimate, title)
-    return text, {"stage": latest, "best_resolution": best, "train_resolution": train_size,
-                  "apparent_size_estimate": estimate}
+        plot(folder / PLOT_FILE, stages, best, network, estimate, title)
+    return text, {"stage": latest, "best_resolution": best, "train_resolution": network.train_size,
+                  "finetuned_at": network.finetuned_at, "apparent_size_estimate": estimate}
 
 
-def table(stages: dict[str, dict[int, dict]], best: int, train_size: int | None, estimate: float | None,
+def table(stages: dict[str, dict[int, dict]], best: int, network: Lineage, estimate: float | None,
           title: str) -> str:
     """Markdown table: one row per resolution, top-1 (and top-5) per stage, the best marked."""
     names = [s for s in STAGE_NAMES if s in stages]
@@ -77,26 +84,50 @@ def table(stages: dict[str, dict[int, dict]], best: int, train_size: int | None,
     lines.append(f"best measured test resolution: {best} px (highest top-1 of the {STAGE_NAMES[names[-1]]} "
                  f"sweep; within one standard error, +-{standard_error(stages[names[-1]][best]['top1'], images):.2f} "
                  f"points on {images} images, the smallest resolution is taken)")
-    if train_size:
-        lines.append(f"train resolution: {train_size} px; apparent-object-size estimate of the best test "
+    lines.append(f"network: {network.describe()}")
+    if network.train_size:
+        lines.append(f"train resolution: {network.train_size} px; apparent-object-size estimate of the best test "
                      f"resolution (FixRes section 3.1, RandomResizedCrop scale 0.08-1): {estimate:.0f} px")
+    else:
+        lines.append("no apparent-object-size estimate (FixRes section 3.1): it needs the train resolution")
     return "\n".join(lines)
 
 
-def plot(path: Path, stages: dict[str, dict[int, dict]], best: int, train_size: int | None,
-         estimate: float | None, title: str) -> None:
-    """Write a PNG of top-1 (percent) against test resolution (pixels), one line per stage."""
+def x_limits(points, markers, margin: float = MARGIN) -> tuple[float, float]:
+    """x range (pixels) that shows every point and every marker line inside it, with ``margin`` x
+    the span (at least one pixel) free on each side."""
+    xs = [*points, *markers]
+    low, high = min(xs), max(xs)
+    pad = max(margin * (high - low), 1.0)
+    return low - pad, high + pad
+
+
+def plot(path: Path, stages: dict[str, dict[int, dict]], best: int, network: Lineage,
+         estimate: float | None, title: str):
+    """Write a PNG of top-1 (percent) against test resolution (pixels), one line per stage, with
+    marker lines at the train and finetune resolutions, the estimate and the best; returns the
+    matplotlib Figure. The x range holds every point and marker (:func:`x_limits`)."""
     from matplotlib.figure import Figure  # imported here: a second of start-up every rank would pay
     fig = Figure(figsize=(6.4, 4.2), dpi=110)
     ax = fig.add_subplot()
+    sizes = []
     for stage in (s for s in STAGE_NAMES if s in stages):
         points = sorted(stages[stage].items())
+        sizes += [r for r, _ in points]
         ax.plot([r for r, _ in points], [e["top1"] for _, e in points], marker="o", label=STAGE_NAMES[stage])
-    if train_size:
-        ax.axvline(train_size, color="grey", linestyle=":", label=f"train resolution {train_size} px")
+    markers = [best]
+    if network.train_size:
+        markers.append(network.train_size)
+        ax.axvline(network.train_size, color="grey", linestyle=":", label=f"train resolution {network.train_size} px")
+    if network.finetuned_at:
+        markers.append(network.finetuned_at)
+        ax.axvline(network.finetuned_at, color="tab:purple", linestyle="-.",
+                   label=f"FixRes-finetuned at {network.finetuned_at} px")
     if estimate:
+        markers.append(estimate)
         ax.axvline(estimate, color="tab:green", linestyle="--", label=f"apparent-size estimate {estimate:.0f} px")
     ax.axvline(best, color="tab:red", alpha=0.4, linewidth=6, label=f"best measured {best} px")
+    ax.set_xlim(*x_limits(sizes, markers))
     ax.set_xlabel("test resolution (pixels)")
     ax.set_ylabel("top-1 (%)")
     ax.set_title(title, fontsize=10)
@@ -104,3 +135,4 @@ def plot(path: Path, stages: dict[str, dict[int, dict]], best: int, train_size: 
     ax.legend(fontsize=8)
     fig.tight_layout()
     write_private(path, lambda f: fig.savefig(f, format="png"))
+    return fig

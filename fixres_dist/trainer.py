@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import time
 import warnings
 from typing import Callable
 
@@ -37,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from . import (batchnorm, checkpoint, data, distributed, engine, extraction, file_index, finite, fixres, io, joblock,
-               models, placement, preprocessing, reports, resolutions, sweep, weights)
+               lineage, models, placement, preprocessing, progress, reports, resolutions, sweep, weights)
 from .config import CONFIG_FILE, TrainerConfig
 from .engine import AMP_DTYPES, EvalResult
 from .errors import FixresError, first_line, user_message
@@ -100,8 +101,10 @@ class Trainer:
         self.train_set = self.val_set = self.train_loader = None
         self.val_loaders: dict[int, object] = {}  # resolution -> loader (persistent workers)
         # The model. The training resolution; with --input-size auto, the first test size until the
-        # sweep before the finetune picks one. train_size: what the weights were trained at.
+        # sweep before the finetune picks one. train_size: what the weights were trained at from
+        # scratch (pixels; None: unknown), from the lineage of the weights loaded (lineage.for_run).
         self.input_size = config.input_size if config.input_size != "auto" else config.test_sizes[0]
+        self.weights_lineage = lineage.Lineage()
         self.train_size: int | None = None
         self.model = self.ddp = self.forward = None  # unwrapped, DDP-wrapped, maybe compiled
         self.optimizer = self.scaler = None
@@ -120,6 +123,10 @@ class Trainer:
         self._resumed_sums, self._resumed_seconds = (0.0, 0.0, 0.0), 0.0  # the epoch so far, before a resume
         self._unsaved = False  # trained since the last checkpoint
         self._checkpoint_step: int | None = None  # global step of this job's latest checkpoint
+        # Rank 0's progress display (progress.py): measured rates, what the job still has to evaluate.
+        self.clock = progress.JobClock()
+        self._phase = "train"  # "train" (also before it), "epoch-eval" (an epoch's evaluation), "final"
+        self._sweep_rest: list[int] = []  # resolutions of the sweep in progress after the current one
 
     # ----------------------------------------------------------------- the story
     def __call__(self) -> RunResult:
@@ -193,11 +200,13 @@ class Trainer:
                 self.train_epoch()
                 if cfg.dist_bn == "reduce":
                     distributed.average_batchnorm_statistics(self.model)
-            self._evaluate(self.epoch + 1, self.eval_size)
+            self._phase = "epoch-eval"
+            self._evaluate(self.epoch + 1, self.eval_size, what=f"epoch {self.epoch + 1}/{cfg.epochs}")
             self.epoch, self.images_in_epoch = self.epoch + 1, 0
             self._save_checkpoint()
             self._stop_if_asked()
         final = [e for e in self.history if e["event"] == "eval" and e["resolution"] == self.eval_size][-1]
+        self._phase = "final"
         if cfg.test_sizes and cfg.mode == "finetune":
             self._sweep("after", self._finetune_sweep_sizes())
         elif cfg.test_sizes:
@@ -230,6 +239,23 @@ class Trainer:
             self._lock = None
 
     @property
+    def run_name(self) -> str:
+        """What this run is, in its log, metrics and reports: ``evaluation`` (``--eval-only``, whichever
+        script ran it), else ``scratch`` or ``finetune``."""
+        return "evaluation" if self.config.eval_only else self.config.mode
+
+    @property
+    def network(self) -> lineage.Lineage:
+        """The lineage of the network this run reports on and checkpoints (:mod:`fixres_dist.lineage`):
+        the weights evaluated (``--eval-only``), those trained from scratch here at the training
+        resolution, or those finetuned here at ``self.input_size`` from weights trained at ``self.train_size``."""
+        if self.config.eval_only:
+            return self.weights_lineage
+        if self.config.mode == "scratch":
+            return lineage.Lineage(self.input_size)
+        return lineage.Lineage(self.train_size, self.input_size)
+
+    @property
     def eval_size(self) -> int:
         """The test resolution in pixels: ``--test-size``, else the training resolution."""
         return self.config.test_size or self.input_size
@@ -250,7 +276,7 @@ class Trainer:
                 self._lock = joblock.JobLock.acquire(cfg.job_folder, cfg.num_tasks)
             derived = " (derived from the configuration: the same command resumes this job)" \
                 if cfg.job_id == cfg.derived_job_id() else ""
-            self.log(f"job {cfg.job_id}{derived}: {cfg.mode} {cfg.architecture}, {cfg.num_tasks} rank(s) on "
+            self.log(f"job {cfg.job_id}{derived}: {self.run_name} {cfg.architecture}, {cfg.num_tasks} rank(s) on "
                      f"{self.device.type}, folder {cfg.job_folder}")
         else:
             joblock.check_joinable(cfg.job_folder, cfg.global_rank)
@@ -332,18 +358,19 @@ class Trainer:
         size = resolutions.build_size(cfg) if cfg.eval_only else self.input_size  # resumed: the size trained at
         model = models.build_model(cfg.architecture, len(self.classes), image_size=size,
                                    low_res_stem=cfg.low_res_stem)
-        weight_config = None
+        found = None
         if cfg.weight_path:
             found = weights.read_weight_file(cfg.weight_path, cfg.weight_key)
             self.log(found.describe())
             note = weights.load_weights(model, found).note
             if note:
                 self.log(note)
-            weight_config = found.config
-        self.preprocessing = preprocessing.resolve(cfg, weight_config)
+        self.preprocessing = preprocessing.resolve(cfg, found.config if found else None)
         self.log(self.preprocessing.describe())
-        trained_at = cfg.input_size if cfg.mode == "scratch" else (weight_config or {}).get("input_size")
-        self.train_size = cfg.train_size or (trained_at if isinstance(trained_at, int) else None)
+        self.weights_lineage = lineage.for_run(cfg, found)
+        self.train_size = self.weights_lineage.train_size
+        if cfg.eval_only:
+            self.log(f"evaluating weights {self.weights_lineage.describe()}")
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model.to(self.device)  # unwrapped: evaluation and checkpoints use it
@@ -427,12 +454,16 @@ class Trainer:
         resumed = self.rank0 and self.images_in_epoch
         self.meter = engine.EpochMeter(self.device, self._resumed_sums if resumed else (0.0, 0.0, 0.0),
                                        self._resumed_seconds if resumed else 0.0)
-        bar = tqdm(total=dataset_size, initial=self.images_in_epoch, unit="img", unit_scale=True, leave=False,
-                   desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not (self.rank0 and cfg.progress))
-        result = engine.train_one_epoch(self._step, self.train_loader, self.meter, epoch=epoch,
-                                        start_image=self.images_in_epoch, set_progress=self._set_learning_rate,
-                                        after_step=self._after_step, progress_bar=bar if not bar.disable else None)
-        bar.close()
+        self._phase, started, first_image = "train", time.perf_counter(), self.images_in_epoch
+        bar = progress.Bar(dataset_size, f"epoch {epoch + 1}/{cfg.epochs}", enabled=self.show_progress,
+                           initial=self.images_in_epoch, postfix=self._job_left)
+        try:
+            result = engine.train_one_epoch(self._step, self.train_loader, self.meter, epoch=epoch,
+                                            start_image=self.images_in_epoch, set_progress=self._set_learning_rate,
+                                            after_step=self._after_step, progress_bar=bar if bar.enabled else None)
+        finally:
+            bar.close()
+        self.clock.add_training(self.images_in_epoch - first_image, time.perf_counter() - started)
         stop = self._agree()  # every rank's state after the epoch's last step, which is not yet agreed on
         if stop is not None:
             self._stop(stop)
@@ -447,6 +478,34 @@ class Trainer:
                  + (f", its last {result.left_out} images left out: fewer than 2 per rank after resuming on "
                     f"{cfg.num_tasks} ranks" if result.left_out else ""))
         return result
+
+    @property
+    def show_progress(self) -> bool:
+        """Whether this process draws progress bars: rank 0, without ``--no-progress``."""
+        return self.rank0 and self.config.progress
+
+    def _job_left(self, bar: progress.Bar, evaluating: int | None = None) -> str:
+        """A bar's postfix: the job's estimated remaining time (:class:`~fixres_dist.progress.JobClock`).
+        ``bar``: the training epoch's, or the bar of the evaluation at ``evaluating`` pixels."""
+        cfg = self.config
+        per_epoch = self.train_loader.batch_sampler.dataset_size if self.train_loader is not None else len(self.train_set)
+        train_left = 0 if cfg.eval_only else max(0, (cfg.epochs - self.epoch) * per_epoch - self.images_in_epoch)
+        evaluations = [(len(self.val_set), size) for size in self._evaluations_left()]
+        if evaluating is not None:
+            evaluations.append((bar.total - bar.done, evaluating))
+        live = (bar.done - bar.initial, bar.seconds()) if evaluating is None else (0, 0.0)
+        seconds = self.clock.remaining(train_left, self.input_size, evaluations, live)
+        return f"job {progress.format_seconds(seconds)} left"
+
+    def _evaluations_left(self) -> list[int]:
+        """Resolutions (pixels) of the evaluations the job has still to start, in order."""
+        cfg = self.config
+        if cfg.eval_only or self._phase == "final":
+            return list(self._sweep_rest)
+        epochs = cfg.epochs - self.epoch - (self._phase == "epoch-eval")
+        final = (self._finetune_sweep_sizes() if cfg.mode == "finetune" else list(cfg.test_sizes)) \
+            if cfg.test_sizes else []
+        return [*self._sweep_rest, *[self.eval_size] * epochs, *final]
 
     def _epoch_recorded(self) -> bool:
         """Whether epoch ``self.epoch`` already has its ``train`` event (trained, not yet evaluated)."""
@@ -554,13 +613,21 @@ class Trainer:
         raise Preempted(f"{how}; stopped at {where}: {done}", stop)
 
     # ------------------------------------------------------------- evaluation
-    def _evaluate(self, epoch: int, size: int, label: str = "") -> EvalResult:
-        """Exact top-1/top-5 at test resolution ``size`` (pixels); recorded as an ``eval`` event."""
+    def _evaluate(self, epoch: int, size: int, label: str = "", what: str = "") -> EvalResult:
+        """Exact top-1/top-5 at test resolution ``size`` (pixels); recorded as an ``eval`` event.
+        ``what``: where it stands in the job, for the progress bar (``"epoch 2/6"``, ``"2/3 of the sweep ..."``)."""
         if size not in self.val_loaders:
             self.val_loaders[size] = self._loader(self.val_set, self._test_transform(size), training=False)
-        result = engine.evaluate(models.for_resolution(self.model, size), self.val_loaders[size], self.device,
-                                 self.amp, self.config.channels_last, self.preprocessing.normalization,
-                                 after_batch=self._after_eval_batch)
+        started = time.perf_counter()
+        bar = progress.Bar(len(self.val_set), f"eval {size} px" + (f" ({what})" if what else ""),
+                           enabled=self.show_progress, postfix=lambda b: self._job_left(b, size))
+        try:
+            result = engine.evaluate(models.for_resolution(self.model, size), self.val_loaders[size], self.device,
+                                     self.amp, self.config.channels_last, self.preprocessing.normalization,
+                                     after_batch=self._after_eval_batch, progress_bar=bar if bar.enabled else None)
+        finally:
+            bar.close()
+        self.clock.add_evaluation(result.images, size, time.perf_counter() - started)
         if not math.isfinite(result.loss):  # all-reduced: every rank raises together
             raise finite.NonFiniteLoss(f"non-finite outputs (NaN or infinity) evaluating at {size} px"
                                        f"{f' after epoch {epoch}' if epoch else ''}: the weights diverged or "
@@ -583,7 +650,8 @@ class Trainer:
         """
         cfg = self.config
         if self.train_size:
-            self._evaluate(0, self.train_size, "train-resolution")
+            self._sweep_rest = self._finetune_sweep_sizes()  # what follows, for the job's remaining time
+            self._evaluate(0, self.train_size, "train-resolution", what="the train resolution, before finetuning")
         self._sweep("before", self._finetune_sweep_sizes())
         if cfg.input_size == "auto":
             swept = sweep.by_stage(self.history)["before"]
@@ -598,15 +666,20 @@ class Trainer:
         return sizes if self.input_size in sizes else [*sizes, self.input_size]
 
     def _sweep(self, stage: str, sizes=None) -> None:
-        for size in sizes or self.config.test_sizes:
-            self._evaluate(self.epoch, size, stage)
+        """Evaluate at each of ``sizes`` (default ``--test-sizes``), recorded with label ``stage``."""
+        sizes = list(sizes or self.config.test_sizes)
+        for index, size in enumerate(sizes):
+            self._sweep_rest = sizes[index + 1:]
+            self._evaluate(self.epoch, size, stage, what=f"{index + 1}/{len(sizes)} of the sweep"
+                           + ("" if stage == "sweep" else f" {sweep.STAGE_NAMES[stage]}"))
+        self._sweep_rest = []
 
     def _report_sweep(self) -> None:
         """Table and plot of the sweeps so far (resolution_sweep.md/.png); names the best resolution."""
         cfg = self.config
-        title = f"top-1 against test resolution: {cfg.architecture}, {cfg.mode}\njob {cfg.job_id}"
-        text, fields = reports.sweep_report(self.history, self.train_size, title, cfg.job_folder if self.rank0 else None)
-        self._record("sweep", **fields)
+        title = f"top-1 against test resolution: {cfg.architecture}, {self.run_name}\njob {cfg.job_id}"
+        text, fields = reports.sweep_report(self.history, self.network, title, cfg.job_folder if self.rank0 else None)
+        self._record("sweep", run=self.run_name, **fields)
         self.log("\n" + text + f"\nplot: {cfg.job_folder / reports.PLOT_FILE}")
 
     def _extract_features(self) -> None:
@@ -649,7 +722,7 @@ class Trainer:
                     "input_size": self.input_size, "epoch_sums": epoch_sums, "epoch": self.epoch,
                     "images_in_epoch": self.images_in_epoch, "global_step": self.global_step, "ranks": ranks,
                     "epoch_seconds": self.meter.seconds() if self.meter is not None and self.images_in_epoch else 0.0,
-                    "config": cfg.to_dict(), "metrics": self.history},
+                    "config": cfg.to_dict(), "metrics": self.history, lineage.RECORD_KEY: self.network.record()},
                     self.global_step, cfg.keep_checkpoints, self.faults.checkpoint_write, protect=cfg.resume)
             except FixresError as exc:
                 error = str(exc)

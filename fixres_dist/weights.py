@@ -90,7 +90,8 @@ class WeightFile:
     ``key``: the top-level entry it came from (None: the file is a state_dict); ``others``: the
     other entries that are state_dicts too (e.g. ``model_ema``); ``config``: a fixres_dist
     checkpoint's configuration (dict) or None; ``placeholders``: the foreign classes and functions
-    read as :class:`Placeholder` objects.
+    read as :class:`Placeholder` objects; ``lineage``: a fixres_dist checkpoint's record of the
+    resolutions its weights were trained and finetuned at (:mod:`fixres_dist.lineage`) or None.
     """
 
     path: str
@@ -99,6 +100,7 @@ class WeightFile:
     others: tuple[str, ...] = ()
     config: dict | None = None
     placeholders: tuple[str, ...] = ()
+    lineage: dict | None = None
 
     def describe(self) -> str:
         """One line for the log: where the weights came from in the file."""
@@ -178,7 +180,8 @@ def read_weight_file(path: str | Path, weight_key: str | None = None) -> WeightF
         raise FixresError(f"weight file {path}{f' entry {key!r}' if key else ''}: {describe_non_finite(bad, total)}; "
                           "these weights diverged and cannot be used")
     config = payload.get("config") if key == "model" and isinstance(payload.get("config"), dict) else None
-    return WeightFile(str(path), dict(state), key, tuple(map(str, others)), config, placeholders)
+    lineage = payload.get("lineage") if config is not None and isinstance(payload.get("lineage"), dict) else None
+    return WeightFile(str(path), dict(state), key, tuple(map(str, others)), config, placeholders, lineage)
 
 
 def _common_prefix(state: dict, own: dict) -> tuple[dict, str, list[str]]:

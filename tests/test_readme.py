@@ -122,23 +122,3 @@ def test_every_launcher_shown(tmp_path):
         assert done and done[-1]["images"] == 1000, job
 
 
-
-from test_slurm import cluster  # noqa: E402,F401  (the local SLURM fixture)
-
-def test_the_gpu_cluster_examples_are_refused_in_one_line_by_a_cluster_without_gpus(cluster, tiny_data, tmp_path):
-    """The 8-GPU examples (README and job.sbatch's comment), on the local SLURM, which has no `gpu`
-    partition and no GPUs: each is refused at once, in one line that says why, and submits nothing."""
-    home = shown.sandbox(tmp_path / "clone")
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    examples = [shown.command("python slurm/submit.py finetune --nodes 2 --gpus-per-node 8 --partition gpu"),
-                *shown.block("sbatch --nodes 2 --ntasks-per-node 8 --gpus-per-node 8"),
-                shown.command("python slurm/sweep.py --resolutions 160,224,288"),
-                shown.command("sbatch --nodes 4 --ntasks-per-node 8 --gpus-per-node 8")]
-    for example in examples:
-        text = shown.filled(example, **{"/checkpoint/$USER/fixres": shared, "/datasets/imagenet": tiny_data})
-        result = subprocess.run(["bash", "-c", text], cwd=home, env=shown.shell_env(), capture_output=True,
-                                text=True, timeout=120)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode != 0 and len(lines) == 1, (example, result.stdout, result.stderr)
-        assert re.search(r"partition|gpu|GPU|generic resource|node configuration", lines[0]), (example, lines[0])

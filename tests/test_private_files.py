@@ -1,0 +1,31 @@
+"""Owner-only means every file: whatever a run writes in its job folder is 0600, every folder 0700,
+whatever the umask."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from conftest import FAST, run_script
+
+
+@pytest.fixture
+def umask_022():
+    """The common default umask (group and others may read new files), set explicitly."""
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+def test_every_file_of_a_two_rank_run_with_a_sweep_is_owner_only(umask_022, tiny_data, tmp_path):
+    result = run_script("scratch", "--num-tasks", 2, "--job-id", "private", "--shared-folder-path", tmp_path,
+                        "--data-path", tiny_data, "--test-sizes", "32,40", "--keep-checkpoints", 2, *FAST)
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "private"
+    written = {p.name for p in folder.iterdir()}
+    assert {".lock", "config.json", "metrics.jsonl", "checkpoint.pth", "resolution_sweep.png",
+            "resolution_sweep.md"} <= written
+    modes = {str(path.relative_to(tmp_path)): stat.S_IMODE(path.lstat().st_mode)
+             for path in [folder, *folder.rglob("*")]}
+    assert modes == {name: 0o700 if (tmp_path / name).is_dir() else 0o600 for name in modes}

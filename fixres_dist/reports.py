@@ -23,21 +23,37 @@ MARGIN = 0.06  # the plot's x range extends this share of its span beyond the ou
 FINETUNE_ROWS = {"train-resolution": "train resolution, no finetuning", "before": "test resolution, no finetuning"}
 
 
-def finetune_table(history: list[dict], architecture: str, num_tasks: int, input_size: int, eval_size: int) -> str:
+def finetune_table(history: list[dict], architecture: str, num_tasks: int, input_size: int, eval_size: int,
+                   new_head: tuple[int, int] | None = None) -> str:
     """The FixRes table of a finetune from its ``eval`` events (finetuned at ``input_size``,
-    evaluated at ``eval_size``, both in pixels)."""
+    evaluated at ``eval_size``, both in pixels).
+
+    A finetune at the train resolution is a control, not FixRes (one row without finetuning, and
+    the finetuned row says so). ``new_head``: ``(classes, classes of the weight file's head)`` when the
+    model got a new, untrained head; the table then says that its gain is the head's training.
+    """
     evals = [e for e in history if e["event"] == "eval"]
     before = [e for e in evals if e.get("label") == "train-resolution"] + \
              [e for e in evals if e.get("label") == "before" and e["resolution"] == input_size][-1:]
+    if len(before) == 2 and before[0]["resolution"] == before[1]["resolution"]:
+        before = before[:1]  # finetuned at the train resolution: one evaluation without finetuning
+    control = any(e["label"] == "train-resolution" and e["resolution"] == input_size for e in before)
     after = [e for e in evals if not e.get("label") and e["resolution"] == eval_size][-1]
-    rows = [(FINETUNE_ROWS[e["label"]], e) for e in before] + [("test resolution, FixRes finetuned", after)]
+    finetuned = "train resolution, finetuned (control)" if control else "test resolution, FixRes finetuned"
+    rows = [(FINETUNE_ROWS[e["label"]], e) for e in before] + [(finetuned, after)]
     lines = ["", f"FixRes finetune of {architecture} ({num_tasks} rank(s), {after['images']} validation images)",
-             f"| {'evaluation':<36} | resolution | top-1 % | top-5 % |",
-             f"|{'-' * 38}|------------|---------|---------|"]
-    lines += [f"| {name:<36} | {e['resolution']:>7} px | {e['top1']:7.2f} | {e['top5']:7.2f} |" for name, e in rows]
+             f"| {'evaluation':<37} | resolution | top-1 % | top-5 % |",
+             f"|{'-' * 39}|------------|---------|---------|"]
+    lines += [f"| {name:<37} | {e['resolution']:>7} px | {e['top1']:7.2f} | {e['top5']:7.2f} |" for name, e in rows]
     gains = [f"{after['top1'] - e['top1']:+.2f} top-1 points over the {FINETUNE_ROWS[e['label']].split(',')[0]} "
              f"({e['resolution']} px)" for e in before]
-    lines.append("finetuning at the test resolution bought " + "; ".join(gains))
+    what = "finetuning at the train resolution (a control: no change of resolution, so no FixRes effect)" \
+        if control else "finetuning at the test resolution"
+    lines.append(f"{what} bought " + "; ".join(gains))
+    if new_head:
+        lines.append(f"new head: the weights had {new_head[1]} classes, the model has {new_head[0]}; the rows "
+                     "without finetuning evaluate an untrained head, so these points are the head's training, "
+                     "not a FixRes gain (FixRes-finetune this checkpoint to measure one)")
     return "\n".join(lines)
 
 

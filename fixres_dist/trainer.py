@@ -106,6 +106,7 @@ class Trainer:
         self.input_size = config.input_size if config.input_size != "auto" else config.test_sizes[0]
         self.weights_lineage = lineage.Lineage()
         self.train_size: int | None = None
+        self.new_head: tuple[int, int] | None = None  # (classes, the weight file's head's classes) if new
         self.model = self.ddp = self.forward = None  # unwrapped, DDP-wrapped, maybe compiled
         self.optimizer = self.scaler = None
         self.base_lr = engine.scaled_learning_rate(config.learning_rate, config.batch, config.num_tasks)
@@ -213,7 +214,7 @@ class Trainer:
             self._sweep("trained")
         if cfg.mode == "finetune":
             self.log(reports.finetune_table(self.history, cfg.architecture, cfg.num_tasks, self.input_size,
-                                            self.eval_size))
+                                            self.eval_size, self.new_head))
         return self._finish(final)
 
     def _finish(self, final: dict) -> RunResult:
@@ -362,9 +363,11 @@ class Trainer:
         if cfg.weight_path:
             found = weights.read_weight_file(cfg.weight_path, cfg.weight_key)
             self.log(found.describe())
-            note = weights.load_weights(model, found).note
-            if note:
-                self.log(note)
+            loaded = weights.load_weights(model, found)
+            if loaded.note:
+                self.log(loaded.note)
+            if loaded.new_head_from is not None:
+                self.new_head = (len(self.classes), loaded.new_head_from)
         self.preprocessing = preprocessing.resolve(cfg, found.config if found else None)
         self.log(self.preprocessing.describe())
         self.weights_lineage = lineage.for_run(cfg, found)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import FAST, run_script
-from fixres_dist import Trainer, TrainerConfig, fixres, models
+from fixres_dist import Trainer, TrainerConfig, fixres, models, reports
 from fixres_dist.checkpoint import load_checkpoint
 
 
@@ -66,3 +66,29 @@ def test_scratch_then_finetune_end_to_end_with_two_ranks(tiny_data, tmp_path):
     assert all(e["images"] == 30 and 0 <= e["top1"] <= 100 and e["top1"] <= e["top5"] for e in evals)
     train = [e for e in events if e["event"] == "train"]
     assert len(train) == 1 and {"epoch", "loss", "lr", "img_per_s"} <= set(train[0])
+
+
+def test_a_finetune_at_the_train_resolution_is_reported_as_a_control():
+    history = [{"event": "eval", "label": "train-resolution", "resolution": 24, "top1": 80.0, "top5": 99.0, "images": 9},
+               {"event": "eval", "label": "before", "resolution": 24, "top1": 80.0, "top5": 99.0, "images": 9},
+               {"event": "eval", "resolution": 24, "top1": 81.0, "top5": 99.0, "images": 9}]
+    table = reports.finetune_table(history, "resnet20", 2, 24, 24)
+    assert "test resolution" not in table  # 24 px is the train resolution here, not a test resolution
+    assert table.count("no finetuning") == 1 and "train resolution, finetuned (control)" in table
+    assert "finetuning at the train resolution (a control: no change of resolution, so no FixRes effect) bought " \
+           "+1.00 top-1 points over the train resolution (24 px)" in table
+
+
+def test_a_finetune_with_a_new_head_says_its_gain_is_the_heads_training(tiny_data, tmp_path):
+    """Weights of a 7-class network on the 10 classes: the table must not credit FixRes."""
+    weight_file = tmp_path / "seven.pth"
+    torch.save(models.build_model("resnet18", 7).state_dict(), weight_file)
+    config = TrainerConfig(mode="finetune", weight_path=str(weight_file), data_path=str(tiny_data),
+                           shared_folder_path=str(tmp_path), job_id="new-head", input_size=32, batch=8, epochs=1,
+                           workers=0, progress=False)
+    lines = []
+    Trainer(config, log=lines.append)()
+    table = "\n".join(lines)
+    assert "new 10-class head fc (weights had 7 classes)" in table
+    assert "new head: the weights had 7 classes, the model has 10; the rows without finetuning evaluate an " \
+           "untrained head, so these points are the head's training, not a FixRes gain" in table

@@ -164,7 +164,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
 
     what = "FixRes-finetune a classifier at the test resolution (Touvron et al., NeurIPS 2019)" if finetune \
         else "train a classifier from scratch"
-    p = _Parser(description=f"fixres_dist: {what} with DistributedDataParallel.", formatter_class=_Formatter)
+    p = _Parser(allow_abbrev=False, description=f"fixres_dist: {what} with DistributedDataParallel.", formatter_class=_Formatter)
     d = p.add_argument_group("distributed (see README: where a process learns its rank)")
     d.add_argument("--num-tasks", type=int, help="world size; alone and > 1: spawn that many local ranks "
                    "(default: torchrun's or SLURM's, else one process)")
@@ -240,7 +240,9 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     t.add_argument("--workers", type=int, help=f"data loader worker processes per rank ({default('workers')})")
     t.add_argument("--seed", type=int, help=f"random seed ({default('seed')})")
     t.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
-    t.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="rank 0's progress bars on stderr: epochs, evaluations, sweeps, the job's time left "
+                        "(default: on when stderr is a terminal, off when it goes to a file or a pipe)")
     f = p.add_argument_group("FixRes finetune, evaluation and feature extraction" if finetune else
                              "evaluation and feature extraction")
     if not finetune:

@@ -273,7 +273,8 @@ class TrainerConfig:
     channels_last: bool = attrs.field(default=False, metadata=RESUMABLE)
     compile: str | None = attrs.field(default=None, metadata=RESUMABLE)
     sync_bn: bool = False
-    progress: bool = attrs.field(default=True, metadata=RESUMABLE)
+    # Rank 0's progress bars (progress.py); None: when stderr is a terminal.
+    progress: bool | None = attrs.field(default=None, metadata=RESUMABLE)
 
     # Never lose work (checkpoint.py): periodic checkpoints, resume, preemption.
     ckpt_every: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)

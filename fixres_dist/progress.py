@@ -17,6 +17,7 @@ under the message, so log lines stay whole.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable, Iterable
@@ -31,6 +32,28 @@ FORWARD_SHARE = 1 / 3  # an evaluated image's cost against a trained one's, unti
 def format_seconds(seconds: float | None) -> str:
     """``"1:02:03"``/``"02:03"`` for a duration in seconds; ``"?"`` when unknown."""
     return "?" if seconds is None else tqdm.format_interval(max(0, round(seconds)))
+
+
+UNSIZED_TERMINAL = (100, 20)  # columns, rows drawn in where the terminal reports 0 x 0
+
+
+def is_terminal(file) -> bool:
+    """Whether ``file`` is a terminal (where progress bars are shown by default)."""
+    try:
+        return file.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _unsized_terminal(file) -> tuple[int, int] | None:
+    """:data:`UNSIZED_TERMINAL` for a terminal that reports no size (a pseudo-terminal nobody sized,
+    as ``script`` makes from a pipe), where tqdm would draw nothing; None otherwise (tqdm follows
+    the terminal's size as it changes)."""
+    try:
+        columns, rows = os.get_terminal_size(file.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None
+    return UNSIZED_TERMINAL if not (columns and rows) else None
 
 
 class Bar:
@@ -51,9 +74,11 @@ class Bar:
         self._drawn = initial  # units the tqdm bar has been told of
         self._loss: tuple[torch.Tensor, int] | None = None  # the latest step's (summed loss, images)
         self.shown_loss: float | None = None  # the mean loss (nats) on the bar, as last drawn
+        file = file or sys.stderr
+        size = _unsized_terminal(file)
         self._bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, unit_scale=True, leave=False,
-                         mininterval=0, miniters=1, file=file or sys.stderr, disable=not enabled,
-                         dynamic_ncols=True)
+                         mininterval=0, miniters=1, file=file, disable=not enabled, dynamic_ncols=size is None,
+                         ncols=size and size[0], nrows=size and size[1])
 
     def advance(self, units: int, loss_sum: torch.Tensor | None = None, images: int = 0) -> None:
         """``units`` more done; ``loss_sum`` (summed over ``images``) is the latest step's loss,

@@ -97,13 +97,16 @@ def table(stages: dict[str, dict[int, dict]], best: int, network: Lineage, estim
         lines.append(f"| {size} px{mark} | " + " | ".join(cells) + " |")
     images = next(iter(stages[names[-1]].values()))["images"]
     lines.append("")
-    lines.append(f"best measured test resolution: {best} px (highest top-1 of the {STAGE_NAMES[names[-1]]} "
-                 f"sweep; within one standard error, +-{standard_error(stages[names[-1]][best]['top1'], images):.2f} "
-                 f"points on {images} images, the smallest resolution is taken)")
+    last = stages[names[-1]]
+    top = max(last, key=lambda size: last[size]["top1"])
+    rule = "the highest top-1" if top == best else \
+        (f"the smallest within one standard error (+-{standard_error(last[top]['top1'], images):.2f} points on "
+         f"{images} images) of the highest top-1, {last[top]['top1']:.2f} % at {top} px")
+    lines.append(f"best measured test resolution: {best} px ({rule}, {STAGE_NAMES[names[-1]]})")
     lines.append(f"network: {network.describe()}")
     if network.train_size:
-        lines.append(f"train resolution: {network.train_size} px; apparent-object-size estimate of the best test "
-                     f"resolution (FixRes section 3.1, RandomResizedCrop scale 0.08-1): {estimate:.0f} px")
+        lines.append(f"train resolution: {network.train_size} px; from it, FixRes' apparent-object-size estimate "
+                     f"of the best test resolution (section 3.1, RandomResizedCrop scale 0.08-1): {estimate:.0f} px")
     else:
         lines.append("no apparent-object-size estimate (FixRes section 3.1): it needs the train resolution")
     return "\n".join(lines)
@@ -148,7 +151,7 @@ def plot(path: Path, stages: dict[str, dict[int, dict]], best: int, network: Lin
     ax.set_ylabel("top-1 (%)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncols=3, frameon=False)
     fig.tight_layout()
     write_private(path, lambda f: fig.savefig(f, format="png"))
     return fig

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 import warnings
 from typing import Callable
@@ -484,8 +485,10 @@ class Trainer:
 
     @property
     def show_progress(self) -> bool:
-        """Whether this process draws progress bars: rank 0, without ``--no-progress``."""
-        return self.rank0 and self.config.progress
+        """Whether this process draws progress bars: rank 0, with ``--progress``, or by default when
+        its stderr is a terminal (not a log file or a pipe)."""
+        wanted = self.config.progress
+        return self.rank0 and (progress.is_terminal(sys.stderr) if wanted is None else wanted)
 
     def _job_left(self, bar: progress.Bar, evaluating: int | None = None) -> str:
         """A bar's postfix: the job's estimated remaining time (:class:`~fixres_dist.progress.JobClock`).
@@ -652,10 +655,15 @@ class Trainer:
         (:func:`fixres_dist.sweep.best_resolution`).
         """
         cfg = self.config
-        if self.train_size:
-            self._sweep_rest = self._finetune_sweep_sizes()  # what follows, for the job's remaining time
+        swept = self._finetune_sweep_sizes()
+        if self.train_size and self.train_size not in swept:
+            self._sweep_rest = swept  # what follows, for the job's remaining time
             self._evaluate(0, self.train_size, "train-resolution", what="the train resolution, before finetuning")
-        self._sweep("before", self._finetune_sweep_sizes())
+        self._sweep("before", swept)
+        if self.train_size in swept:  # the same weights, images and preprocessing: the same evaluation
+            same = sweep.by_stage(self.history)["before"][self.train_size]
+            self._record("eval", **{k: same[k] for k in ("epoch", "resolution", "top1", "top5", "loss", "images")},
+                         label="train-resolution")
         if cfg.input_size == "auto":
             swept = sweep.by_stage(self.history)["before"]
             self.input_size = sweep.best_resolution([swept[size] for size in cfg.test_sizes])

@@ -24,7 +24,6 @@ for i in "${!ARGS[@]}"; do  # the last --shared-folder-path wins, as it does for
 done
 RUN=(--num-tasks 2 --architecture resnet20 --data-path fixres_dist/embedded_data/fashion_mnist_canvas
      --shared-folder-path "$SHARED")
-[ -t 1 ] || RUN+=(--no-progress)  # output to a file or a pipe: no progress bars in it
 WEIGHTS="$SHARED/demo-scratch-$STAMP/checkpoint.pth"
 "$PYTHON" main_scratch.py "${RUN[@]}" --input-size 24 --epochs 12 --job-id "demo-scratch-$STAMP" "$@"
 "$PYTHON" main_finetune.py "${RUN[@]}" --weight-path "$WEIGHTS" --input-size 32 --test-sizes 24,28,32,36,40 \

@@ -112,6 +112,8 @@ def test_every_default_in_the_help_is_the_one_used(mode, monkeypatch):
             for device, default in (("cuda", cuda), ("cpu", cpu)):
                 assert config_fields(build_parser(mode).parse_args(["--device", device]), mode)[action.dest] == default
             assert value == (cuda if config.device == "cuda" else cpu)
+        elif action.dest == "progress":  # decided by the run: on when stderr is a terminal
+            assert value is None and "default: on when stderr is a terminal" in text
         elif action.nargs == 0:  # an on/off flag: giving it is the other value
             assert value is (not action.const), action.dest
         elif value is not None:

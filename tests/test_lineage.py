@@ -58,7 +58,7 @@ def test_eval_only_of_a_finetuned_checkpoint_reports_an_evaluation_of_the_scratc
     table = (folder / "resolution_sweep.md").read_text()
     assert table.startswith("top-1 against test resolution: resnet18, evaluation")
     assert "network: trained from scratch at 32 px, FixRes-finetuned at 48 px" in table
-    assert "train resolution: 32 px; apparent-object-size estimate" in table and f"{estimate:.0f} px" in table
+    assert "train resolution: 32 px; from it, FixRes' apparent-object-size estimate" in table and f"{estimate:.0f} px" in table
     assert "48 px" not in table.split("train resolution:")[1].split(";")[0]
 
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import io
 import re
+import shlex
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import run_script
+from conftest import ROOT, clean_env, run_script
 from fixres_dist import TrainerConfig, progress
 from fixres_dist.trainer import Trainer
 
@@ -65,8 +69,9 @@ def test_job_clock_counts_the_remaining_epochs_and_evaluations():
     assert progress.format_seconds(3725) == "1:02:05" and progress.format_seconds(None) == "?"
 
 
-def test_evaluations_and_sweeps_show_progress_on_stderr_and_no_progress_shows_none(tiny_data, tmp_path):
-    shown = run_script("scratch", "--job-id", "shown", "--shared-folder-path", tmp_path, "--data-path", tiny_data, *RUN)
+def test_evaluations_and_sweeps_show_progress_on_stderr_and_a_log_file_gets_none(tiny_data, tmp_path):
+    shown = run_script("scratch", "--job-id", "shown", "--shared-folder-path", tmp_path, "--data-path", tiny_data, *RUN,
+                       "--progress")
     assert shown.returncode == 0, shown.stderr[-3000:]
     err = shown.stderr
     assert "epoch 1/1" in err and "eval 32 px (epoch 1/1)" in err
@@ -78,7 +83,7 @@ def test_evaluations_and_sweeps_show_progress_on_stderr_and_no_progress_shows_no
     assert lines and all(line.startswith(("job ", "data:", "input ", "lr ", "epoch 1/1: train loss", "eval", "|",
                                           "top-1", "best", "network", "train resolution", "plot")) for line in lines)
     quiet = run_script("scratch", "--job-id", "quiet", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
-                       *RUN, "--no-progress")
+                       *RUN)  # stderr is a pipe here, as a log file under SLURM: no bars by default
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     assert "eval 32 px" not in quiet.stderr and "epoch 1/1" not in quiet.stderr and "img/s" not in quiet.stderr
     assert "eval trained @40px" in quiet.stdout  # the run itself did the same work
@@ -103,3 +108,15 @@ def test_the_job_clock_counts_what_the_job_has_left(tiny_data, tmp_path):
         bar.close()
     finally:
         trainer.close()
+
+
+@pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux's script for a terminal")
+def test_a_terminal_gets_bars_by_default_even_one_that_reports_no_size(tiny_data, tmp_path):
+    """``script`` run from a pipe gives the run a pseudo-terminal of 0 x 0 characters, where tqdm alone
+    draws nothing."""
+    command = " ".join(shlex.quote(str(a)) for a in [sys.executable, ROOT / "main_scratch.py", "--job-id", "tty",
+                                                        "--shared-folder-path", tmp_path, "--data-path", tiny_data, *RUN])
+    result = subprocess.run(["script", "-qec", command, "/dev/null"], capture_output=True, text=True, timeout=300,
+                            env=clean_env(), stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "eval 32 px (epoch 1/1)" in result.stdout and "/30" in result.stdout  # the terminal's output

@@ -111,7 +111,7 @@ def test_pretrained_weights_head_first_then_fixres(tmp_path):
 @pytest.mark.slow
 def test_every_launcher_shown(tmp_path):
     """Spawn, torchrun, srun (the local SLURM; skipped without it) and ranks by hand, as shown."""
-    commands = shown.block("python main_scratch.py --num-tasks 2 --epochs 1 --job-id spawned")
+    commands = shown.block("python main_scratch.py --num-tasks 2 --architecture resnet20 --job-id spawned")
     if shutil.which("sinfo") is None or subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
         pytest.skip("no SLURM up for the srun line (.ci/run starts slurm/start-local-slurm.sh)")
     home = shown.sandbox(tmp_path / "clone")

@@ -57,19 +57,25 @@ def shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
+def _whole(text: str, unit: str = "") -> int:
+    """A positive whole number (of ``unit``, for the message); ArgumentTypeError otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number{unit}") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive whole number{unit}, got {text}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    """A count: a positive whole number."""
+    return _whole(text)
 
 
 def _pixels(text: str) -> int:
     """A resolution: a positive whole number of pixels."""
-    try:
-        return _positive_int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of pixels") from None
+    return _whole(text, " of pixels")
 
 
 def _finetune_size(text: str) -> int | str:
@@ -88,13 +94,14 @@ def _training_size(text: str) -> int:
 def _size_list(text: str) -> tuple[int, ...]:
     """``"48,64,80"`` -> ``(48, 64, 80)``; every entry a positive integer."""
     sizes = []
-    for entry in text.split(","):
+    for entry in (e.strip() for e in text.split(",")):
         try:
-            sizes.append(_positive_int(entry.strip()))
+            size = int(entry)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{entry.strip()!r} in {text!r} is not an integer number of pixels") from None
-        except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(f"{entry.strip()!r} in {text!r} is not a positive number of pixels") from None
+            raise argparse.ArgumentTypeError(f"{entry!r} in {text!r} is not an integer number of pixels") from None
+        if size <= 0:
+            raise argparse.ArgumentTypeError(f"{entry!r} in {text!r} is not a positive number of pixels")
+        sizes.append(size)
     return tuple(sizes)
 
 

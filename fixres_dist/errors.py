@@ -29,8 +29,16 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+CLEAR_LINE = "\r\033[K"  # back to the line's start, erase it: where rank 0's progress bar may be drawn
+
+
 def say(line: str) -> None:
     """Write ``line`` and its newline to stderr in one write, so that the one-line errors of ranks
-    sharing a terminal never run together on one line."""
-    sys.stderr.write(line + "\n")
+    sharing a terminal never run together on one line; on a terminal, the line is cleared first, so
+    that the message does not land after a progress bar (which another process may have drawn)."""
+    try:
+        terminal = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        terminal = False
+    sys.stderr.write((CLEAR_LINE if terminal else "") + line + "\n")
     sys.stderr.flush()

@@ -79,9 +79,11 @@ def extract(model: nn.Module, head: str, loader, device: torch.device, folder: s
         widths = {"logits": probe.shape[1], "embeddings": captured["embedding"].shape[1]}
         temporary = {name: folder / f".{name}.npy.partial" for name in FILES}
         if rank0:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
             for name, dtype in FILES.items():
                 shape = (num_images, widths[name]) if name in widths else (num_images,)
+                os.close(os.open(temporary[name], os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600))
+                os.chmod(temporary[name], 0o600)  # owner-only, as features.json, whatever the umask
                 array = np.lib.format.open_memmap(temporary[name], mode="w+", dtype=dtype, shape=shape)
                 array.flush()
                 del array  # closes the map: the rows are written through file descriptors below

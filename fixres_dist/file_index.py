@@ -173,7 +173,7 @@ class DataIndex:
             return
         folder = self.file.parent
         try:
-            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            io.private_folder(folder)  # an index is trusted only in a folder no one else can write to
             _remove_stale_temporaries(folder)
             io.write_private(self.file, lambda f: np.savez_compressed(f, **self._arrays()))
         except OSError as exc:
@@ -220,6 +220,13 @@ def build(root: str | Path) -> DataIndex:
                      listed_at, seconds=time.monotonic() - start)
 
 
+def _writable_by_others(path: Path) -> bool:
+    """Whether another user could have written ``path``: group or others may write it, or it is not
+    this process's user's (raises OSError, FileNotFoundError included, if it cannot be read)."""
+    status = path.stat()
+    return bool(status.st_mode & 0o022) or status.st_uid != os.geteuid()
+
+
 class StaleIndex(Exception):
     """The index file is not that of this data, or the data changed since (the message says how)."""
 
@@ -234,6 +241,9 @@ def load(file: str | Path, root: str | Path) -> DataIndex:
     root, file = Path(root), Path(file)
     checked_at = time.time_ns()
     try:
+        if _writable_by_others(file) or _writable_by_others(file.parent):  # the file first: missing is a first build
+            raise StaleIndex("it or its folder could be written by other users (the index is rewritten "
+                             "owner-only)")
         with np.load(file, allow_pickle=False) as arrays:
             meta = json.loads(arrays["meta"].tobytes())
             if not isinstance(meta, dict):

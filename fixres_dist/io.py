@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import stat
 import warnings
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -69,11 +70,35 @@ def remove_stale_temporaries(folder: Path, pattern: str = "*") -> None:
         stale.unlink(missing_ok=True)
 
 
-def make_private_folder(folder: Path) -> None:
-    """Create ``folder`` (and parents) and make it owner-only; FixresError if that is impossible."""
+def _make_private(path: str, mask: int) -> None:
+    """Take away what ``mask`` does not allow from ``path``'s mode if this user owns it (not links;
+    an entry removed meanwhile, such as a rank's temporary file, is no error)."""
     try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(folder, 0o700)
+        status = os.lstat(path)
+        if stat.S_IMODE(status.st_mode) & ~mask and status.st_uid == os.geteuid() and not stat.S_ISLNK(status.st_mode):
+            os.chmod(path, stat.S_IMODE(status.st_mode) & mask)
+    except FileNotFoundError:
+        pass
+
+
+def private_folder(folder: Path) -> None:
+    """Create ``folder`` (and parents) and make it owner-only, with everything already in it (files
+    0600, folders 0700: what an older version or a loose umask left behind); parents it creates are
+    never writable by others. Entries of other users are left as they are. Raises OSError."""
+    created = [p for p in Path(folder).absolute().parents if not p.exists()]
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(folder, 0o700)
+    for parent in created:  # e.g. the shared folder, whatever the umask
+        _make_private(str(parent), 0o755)
+    for parent, folders, files in os.walk(folder):
+        for name, mode in [*((f, 0o700) for f in folders), *((f, 0o600) for f in files)]:
+            _make_private(os.path.join(parent, name), mode)
+
+
+def make_private_folder(folder: Path) -> None:
+    """:func:`private_folder` for a job folder; FixresError if it cannot be made or used."""
+    try:
+        private_folder(folder)
     except OSError as exc:
         raise FixresError(f"cannot use job folder {folder}: {exc.strerror or exc}") from None
 

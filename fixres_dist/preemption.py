@@ -50,8 +50,11 @@ class Preempted(Exception):
 
 
 def stop_signals(preempt_signal: str = "SIGUSR2") -> tuple[signal.Signals, ...]:
-    """The signals that mean "checkpoint and stop": SIGINT, SIGTERM and the preemption signal."""
-    return tuple(dict.fromkeys((signal.SIGINT, signal.SIGTERM, signal.Signals[preempt_signal])))
+    """The signals that mean "checkpoint and stop": SIGINT, SIGTERM and the preemption signal, but
+    those the job was started with ignored (:func:`fixres_dist.startup.inherited_ignored`)."""
+    ignored = startup.inherited_ignored()
+    return tuple(s for s in dict.fromkeys((signal.SIGINT, signal.SIGTERM, signal.Signals[preempt_signal]))
+                 if s not in ignored)
 
 
 def ignore_signals(signals, worker_id: int | None = None) -> None:
@@ -111,7 +114,7 @@ class StopSignals:
         self.previous: dict = {}
 
     def __enter__(self) -> "StopSignals":
-        for signum in self.codes[1:]:
+        for signum in stop_signals(self.preempt.name):
             self.previous[signum] = signal.signal(signum, self._record)
         return self
 

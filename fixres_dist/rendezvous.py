@@ -48,6 +48,8 @@ from .io import write_private
 PROBE_SECONDS = 3.0
 HEARTBEAT_S = 1.0  # a rank adds to its heartbeat counter this often (seconds)
 STORE_ANSWER_S = 3.0  # after a failed collective, a store that does not answer this fast is lost
+POLL_S = 0.2  # a rank waiting to connect to a store checks for stop signals this often (seconds)
+CONNECT_GRACE_S = 30.0  # a store client's own connect timeout exceeds the rank's deadline by this (seconds)
 
 
 FAILED = ", which failed: "  # in a lost peer's description: it raised an error (the cause follows)
@@ -201,12 +203,42 @@ def _join_published(path: Path, rank: int, world_size: int, timeout: float, shou
                       "(is rank 0 running with the same --job-id and --shared-folder-path?)")
 
 
-def _tcp_rendezvous(host: str, port: int, rank: int, world_size: int, timeout: float) -> tuple[dist.TCPStore, str]:
+def _connect(host: str, port: int, world_size: int, timeout: float, should_stop, what: str) -> dist.TCPStore:
+    """A client of the TCPStore at ``host:port``, connected from a daemon thread while this one
+    polls ``should_stop()`` (a stop signal: :class:`RendezvousInterrupted`) and keeps the deadline
+    of ``timeout`` seconds (the client alone retries for longer, and a signal handler cannot run
+    while it blocks in C++). FixresError naming ``what`` when no store answers in time."""
+    box, errors = [], []
+
+    def connect():
+        try:  # the client's own timeout outlasts the deadline, so that this rank reports first, in one line
+            store = _tcp_store(host, port, world_size, False, timeout + CONNECT_GRACE_S)
+            store.set_timeout(datetime.timedelta(seconds=timeout))
+            box.append(store)
+        except (RuntimeError, OSError) as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=connect, daemon=True, name="fixres-store-connect")
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while thread.is_alive() and time.monotonic() < deadline:
+        thread.join(POLL_S)
+        if should_stop():
+            raise RendezvousInterrupted(f"stopped by a signal while waiting for {what} at {host}:{port}")
+    if box:
+        return box[0]
+    cause = first_line(errors[0]) if errors else "no store answered"
+    raise FixresError(f"cannot reach {what} at {host}:{port} within {timeout:g} s: {cause}")
+
+
+def _tcp_rendezvous(host: str, port: int, rank: int, world_size: int, timeout: float,
+                    should_stop=_never) -> tuple[dist.TCPStore, str]:
+    if rank != 0:
+        return _connect(host, port, world_size, timeout, should_stop, "rank 0's store"), f"{host}:{port}"
     try:
-        return _tcp_store(host, port, world_size, rank == 0, timeout), f"{host}:{port}"
+        return _tcp_store(host, port, world_size, True, timeout), f"{host}:{port}"
     except (RuntimeError, OSError) as exc:
-        raise FixresError(f"cannot meet the other ranks at {host}:{port} within {timeout:g} s: "
-                          f"{first_line(exc)}") from None
+        raise FixresError(f"cannot open the rendezvous store at {host}:{port}: {first_line(exc)}") from None
 
 
 def make_store(dist_url: str, rank: int, world_size: int, timeout: float, should_stop=_never,
@@ -228,19 +260,16 @@ def make_store(dist_url: str, rank: int, world_size: int, timeout: float, should
             return _publish_and_wait(path, world_size, timeout, should_stop)
         return _join_published(path, rank, world_size, timeout, should_stop, check_joinable)
     if url.scheme == "tcp":
-        return _tcp_rendezvous(url.hostname, url.port, rank, world_size, timeout)
+        return _tcp_rendezvous(url.hostname, url.port, rank, world_size, timeout, should_stop)
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         raise FixresError("--dist-url env:// needs MASTER_ADDR and MASTER_PORT in the environment")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts the store
-        try:
-            store = _tcp_store(addr, int(port), world_size, False, timeout)
-        except (RuntimeError, OSError) as exc:
-            raise FixresError(f"cannot reach torchrun's store at {addr}:{port}: {first_line(exc)}") from None
+        store = _connect(addr, int(port), world_size, timeout, should_stop, "torchrun's store")
         # as torch.distributed's env:// does: keys of an earlier attempt (--max-restarts) are not seen
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return dist.PrefixStore(f"/worker/attempt_{attempt}", store), f"{addr}:{port}"
-    return _tcp_rendezvous(addr, int(port), rank, world_size, timeout)
+    return _tcp_rendezvous(addr, int(port), rank, world_size, timeout, should_stop)
 
 
 @attrs.frozen

@@ -24,13 +24,15 @@ FINETUNE_ROWS = {"train-resolution": "train resolution, no finetuning", "before"
 
 
 def finetune_table(history: list[dict], architecture: str, num_tasks: int, input_size: int, eval_size: int,
-                   new_head: tuple[int, int] | None = None) -> str:
+                   new_head: tuple[int, int] | None = None, finetuned_before: int | None = None) -> str:
     """The FixRes table of a finetune from its ``eval`` events (finetuned at ``input_size``,
     evaluated at ``eval_size``, both in pixels).
 
     A finetune at the train resolution is a control, not FixRes (one row without finetuning, and
     the finetuned row says so). ``new_head``: ``(classes, classes of the weight file's head)`` when the
     model got a new, untrained head; the table then says that its gain is the head's training.
+    ``finetuned_before``: the resolution (pixels) the weights had already been finetuned at, if any;
+    the rows "without finetuning" are then of those weights, and the table says so.
     """
     evals = [e for e in history if e["event"] == "eval"]
     before = [e for e in evals if e.get("label") == "train-resolution"] + \
@@ -50,6 +52,9 @@ def finetune_table(history: list[dict], architecture: str, num_tasks: int, input
     what = "finetuning at the train resolution (a control: no change of resolution, so no FixRes effect)" \
         if control else "finetuning at the test resolution"
     lines.append(f"{what} bought " + "; ".join(gains))
+    if finetuned_before:
+        lines.append(f"the weights were already finetuned at {finetuned_before} px before this run: \"no finetuning\" "
+                     "above means before this finetune")
     if new_head:
         lines.append(f"new head: the weights had {new_head[1]} classes, the model has {new_head[0]}; the rows "
                      "without finetuning evaluate an untrained head, so these points are the head's training, "

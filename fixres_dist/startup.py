@@ -14,6 +14,20 @@ import signal
 import sys
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+# The stop signals that the job's first process found ignored, as signal numbers "2,15", passed to
+# every process it starts through the environment.
+INHERITED_IGNORED = "FIXRES_IGNORED_SIGNALS"
+
+
+def inherited_ignored() -> frozenset[int]:
+    """Stop signals this job was started with ignored, which it keeps ignoring: a shell script's
+    background job (``cmd &``) starts with SIGINT ignored, so that a Ctrl-C meant for the script
+    does not stop it. The first process of a job records them (in :data:`INHERITED_IGNORED`), so
+    that the ranks it starts, whose own disposition the launcher has changed, know them too."""
+    if INHERITED_IGNORED not in os.environ:
+        ignored = [str(int(s)) for s in (*SIGNALS, signal.SIGHUP) if signal.getsignal(s) is signal.SIG_IGN]
+        os.environ[INHERITED_IGNORED] = ",".join(ignored)
+    return frozenset(int(s) for s in os.environ[INHERITED_IGNORED].split(",") if s.strip().isdigit())
 
 
 def _stopped_while_starting(signum, frame) -> None:
@@ -29,9 +43,12 @@ def is_guard(handler) -> bool:
 
 
 def guard_signals() -> None:
-    """Until the launcher or Trainer installs its own handlers: stop at once, with one line."""
+    """Until the launcher or Trainer installs its own handlers: stop at once, with one line (signals
+    the job was started with ignored stay ignored: :func:`inherited_ignored`)."""
+    ignored = inherited_ignored()
     for signum in SIGNALS:
-        signal.signal(signum, _stopped_while_starting)
+        if signum not in ignored:
+            signal.signal(signum, _stopped_while_starting)
 
 
 def ignore_signals() -> None:

@@ -215,7 +215,7 @@ class Trainer:
             self._sweep("trained")
         if cfg.mode == "finetune":
             self.log(reports.finetune_table(self.history, cfg.architecture, cfg.num_tasks, self.input_size,
-                                            self.eval_size, self.new_head))
+                                            self.eval_size, self.new_head, self.weights_lineage.finetuned_at))
         return self._finish(final)
 
     def _finish(self, final: dict) -> RunResult:
@@ -374,7 +374,7 @@ class Trainer:
         self.weights_lineage = lineage.for_run(cfg, found)
         self.train_size = self.weights_lineage.train_size
         if cfg.eval_only:
-            self.log(f"evaluating weights {self.weights_lineage.describe()}")
+            self.log(f"evaluating weights: {self.weights_lineage.describe()}")
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model.to(self.device)  # unwrapped: evaluation and checkpoints use it
@@ -501,6 +501,8 @@ class Trainer:
             evaluations.append((bar.total - bar.done, evaluating))
         live = (bar.done - bar.initial, bar.seconds()) if evaluating is None else (0, 0.0)
         seconds = self.clock.remaining(train_left, self.input_size, evaluations, live)
+        if seconds is not None and evaluating is None and bar.done > bar.initial:  # never less than this epoch's
+            seconds = max(seconds, (bar.total - bar.done) * bar.seconds() / (bar.done - bar.initial))
         return f"job {progress.format_seconds(seconds)} left"
 
     def _evaluations_left(self) -> list[int]:

@@ -18,6 +18,8 @@ PYTHON=${PYTHON:-.venv/bin/python}
 ARGS=("$@")
 for i in "${!ARGS[@]}"; do  # the last --shared-folder-path wins, as it does for the scripts' parser
     case "${ARGS[$i]}" in
+        --job-id|--job-id=*) echo "demo.sh: --job-id cannot go to all three runs (each needs its own job);" \
+                                  "the demo names them demo-{scratch,fixres,control}-<time>" >&2; exit 2 ;;
         --shared-folder-path) [ $((i + 1)) -lt ${#ARGS[@]} ] && SHARED=${ARGS[$((i + 1))]} ;;
         --shared-folder-path=*) SHARED=${ARGS[$i]#--shared-folder-path=} ;;
     esac

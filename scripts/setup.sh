@@ -28,8 +28,12 @@ if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(any(importlib.uti
    || ! .venv/bin/python -c "$WANT_BUILD" 2>/dev/null; then
     .venv/bin/pip install -q --upgrade pip
     if [ "$CPU" = 1 ]; then
-        .venv/bin/pip install -q --index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}" \
-            torch==2.14.1+cpu torchvision==0.29.1+cpu
+        INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+        if ! .venv/bin/pip install -q --index-url "$INDEX" torch==2.14.1+cpu torchvision==0.29.1+cpu; then
+            echo "setup.sh: could not install torch 2.14.1+cpu and torchvision 0.29.1+cpu from $INDEX (unreachable from" \
+                 "here? set TORCH_CPU_INDEX to a mirror of PyTorch's CPU wheel index); .venv keeps what it had" >&2
+            exit 1
+        fi
         # CUDA libraries left by an earlier CUDA set-up (nothing depends on them any more)
         .venv/bin/pip uninstall -q -y $(.venv/bin/pip list --format freeze | grep -E '^(nvidia-|cuda-|triton=)' | cut -d= -f1) \
             2>/dev/null || true

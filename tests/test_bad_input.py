@@ -141,7 +141,7 @@ def test_argparse_rejects_non_positive_sizes(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main("scratch", ["--input-size", "0"])
     assert exit_info.value.code == 2
-    assert "must be a positive integer" in capsys.readouterr().err
+    assert "must be a positive whole number" in capsys.readouterr().err
 
 
 def test_real_process_exit_status_and_single_line(tmp_path):

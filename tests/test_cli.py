@@ -66,7 +66,8 @@ def test_help_answers_without_torch_or_numpy(mode, how):
 @pytest.mark.parametrize("how", ["script", "entry point"])
 @pytest.mark.parametrize("mode, argv, message", [
     ("scratch", ["--last-norm", "bn1"], "--last-norm only applies to main_finetune.py"),
-    ("finetune", ["--epochs", "0"], "argument --epochs: must be a positive integer, got 0"),
+    ("finetune", ["--epochs", "0"], "argument --epochs: must be a positive whole number, got 0"),
+    ("scratch", ["--batch", "1e3"], "argument --batch: '1e3' is not a whole number"),
 ])
 def test_usage_errors_answer_in_one_line_without_torch(mode, argv, message, how):
     status, heavy, out, err = probe(starts(mode)[how], [f"main_{mode}.py", *argv])

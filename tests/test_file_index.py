@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import stat
 import time
 
 import attrs
@@ -373,3 +374,16 @@ def test_a_run_with_a_read_only_index_folder_warns_and_trains(tiny_data, read_on
     assert (f"; warning: cannot write the file index in {read_only_index_folder} (Read-only file system): not cached, "
             "the next run walks the folders again") in proc.stdout or os.geteuid() != 0
     assert not any(read_only_index_folder.iterdir())
+
+
+@pytest.mark.parametrize("loose", ["the file", "its folder"])
+def test_an_index_others_could_write_is_not_trusted_but_rebuilt_owner_only(tree, tmp_path, loose):
+    index = file_index.data_index(tree, tmp_path / "cache")
+    index.save()
+    os.chmod(index.file if loose == "the file" else index.file.parent, 0o666 if loose == "the file" else 0o777)
+    rebuilt = file_index.data_index(tree, tmp_path / "cache")
+    assert rebuilt.built and "could be written by other users" in rebuilt.reason
+    _same_datasets(tree, rebuilt)
+    rebuilt.save()
+    assert stat.S_IMODE(index.file.stat().st_mode) == 0o600 and stat.S_IMODE(index.file.parent.stat().st_mode) == 0o700
+    assert not file_index.data_index(tree, tmp_path / "cache").built

@@ -92,3 +92,12 @@ def test_a_finetune_with_a_new_head_says_its_gain_is_the_heads_training(tiny_dat
     assert "new 10-class head fc (weights had 7 classes)" in table
     assert "new head: the weights had 7 classes, the model has 10; the rows without finetuning evaluate an " \
            "untrained head, so these points are the head's training, not a FixRes gain" in table
+
+
+def test_a_finetune_of_finetuned_weights_says_they_were_finetuned_before():
+    history = [{"event": "eval", "label": "train-resolution", "resolution": 24, "top1": 80.0, "top5": 99.0, "images": 9},
+               {"event": "eval", "label": "before", "resolution": 40, "top1": 81.0, "top5": 99.0, "images": 9},
+               {"event": "eval", "resolution": 40, "top1": 82.0, "top5": 99.0, "images": 9}]
+    table = reports.finetune_table(history, "resnet20", 1, 40, 40, finetuned_before=32)
+    assert 'the weights were already finetuned at 32 px before this run: "no finetuning" above means before ' \
+           'this finetune' in table

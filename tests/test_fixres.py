@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import stat
 import tracemalloc
 
 import numpy as np
@@ -209,6 +210,8 @@ def test_eval_only_sweep_and_features_are_exact_on_any_world_size(tiny_data, scr
         arrays[ranks] = {name: np.load(out / f"{name}.npy") for name in ("logits", "embeddings", "labels")}
         info = json.loads((out / "features.json").read_text())
         assert info["images"] == 80 and info["resolution"] == 40 and info["split"] == "train"
+        assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == \
+            {f"{name}.npy": 0o600 for name in ("logits", "embeddings", "labels")} | {"features.json": 0o600}
     assert tops[1] == tops[2] and [t[0] for t in tops[1]] == [32, 48] and all(t[2] == 30 for t in tops[1])
     targets = data.image_folder(tiny_data, "train").targets
     for ranks in (1, 2):

@@ -50,7 +50,7 @@ def test_eval_only_of_a_finetuned_checkpoint_reports_an_evaluation_of_the_scratc
     assert result.returncode == 0, result.stderr[-3000:]
     out, folder = result.stdout, tmp_path / "e"
     assert out.startswith("job e: evaluation resnet18,") and "finetune resnet18" not in out
-    assert "evaluating weights trained from scratch at 32 px, FixRes-finetuned at 48 px" in out
+    assert "evaluating weights: trained from scratch at 32 px, FixRes-finetuned at 48 px" in out
     estimate = fixres.apparent_size_test_resolution(32)
     report = [e for e in _events(folder) if e["event"] == "sweep"][0]
     assert report["run"] == "evaluation" and report["train_resolution"] == 32 and report["finetuned_at"] == 48

@@ -29,3 +29,19 @@ def test_every_file_of_a_two_rank_run_with_a_sweep_is_owner_only(umask_022, tiny
     modes = {str(path.relative_to(tmp_path)): stat.S_IMODE(path.lstat().st_mode)
              for path in [folder, *folder.rglob("*")]}
     assert modes == {name: 0o700 if (tmp_path / name).is_dir() else 0o600 for name in modes}
+
+
+def test_a_rerun_makes_what_an_older_run_left_readable_to_others_owner_only(tiny_data, tmp_path):
+    """Files of an older version, or of a run under a loose umask, are tightened when the job folder
+    is opened again (here: a finished job, whose rerun trains nothing)."""
+    args = ["scratch", "--job-id", "old", "--shared-folder-path", tmp_path, "--data-path", tiny_data, *FAST]
+    assert run_script(*args).returncode == 0
+    folder = tmp_path / "old"
+    (folder / "notes").mkdir()
+    (folder / "notes" / "mine.txt").write_text("")
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o777 if path.is_dir() else 0o666)
+    rerun = run_script(*args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    modes = {path.name: stat.S_IMODE(path.lstat().st_mode) for path in [folder, *folder.rglob("*")]}
+    assert modes == {path.name: 0o700 if path.is_dir() else 0o600 for path in [folder, *folder.rglob("*")]}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, clean_env, run_script
+from conftest import ROOT, clean_env, free_port, run_script
 from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 LONG = ["--input-size", "32", "--batch", "8", "--epochs", "40", "--no-progress"]
@@ -80,6 +80,21 @@ def test_a_signal_to_the_whole_group_checkpoints_once_and_exits_quietly(tiny_dat
     assert state["epoch"] * 80 + state["images_in_epoch"] >= 80 and len(state["ranks"]) == 2  # epoch 1 trained
     assert not list(folder.glob(".*.tmp"))
 
+
+
+def test_a_job_started_with_sigint_ignored_keeps_ignoring_it(tiny_data, tmp_path):
+    """A shell script's background job (``cmd &``) starts with SIGINT ignored, so that a Ctrl-C
+    meant for the script leaves it running: neither the launcher nor its ranks may stop on it."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "main_scratch.py"), *map(str, ["--num-tasks", 2, "--job-id", "bg", "--shared-folder-path", tmp_path, "--data-path",
+                             tiny_data, "--workers", 0, "--input-size", 32, "--batch", 8, "--epochs", 2, "--no-progress"])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    folder = tmp_path / "bg"
+    wait_for(lambda: any(e["event"] == "train" for e in events(folder)), what="the first epoch")
+    os.killpg(proc.pid, signal.SIGINT)  # the script's Ctrl-C, which the whole process group gets
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    assert [e["epoch"] for e in events(folder) if e["event"] == "train"] == [1, 2]
 
 def test_timeout_stops_the_job_with_a_checkpoint(tiny_data, tmp_path):
     """GNU timeout signals its child's whole process group."""
@@ -175,3 +190,25 @@ def test_sigterm_during_an_eval_only_sweep_exits_3_promptly(tiny_data, tmp_path)
     assert_quiet_stop(proc, err, 3, ranks=2)
     assert "nothing trained yet" in err
     assert len([e for e in events(tmp_path / "sweep") if e["event"] == "eval"]) < 7
+
+
+def test_a_rank_waiting_for_rank_0_over_env_stops_on_sigterm_and_keeps_its_deadline(tmp_path):
+    """env:// (MASTER_ADDR/MASTER_PORT) with no rank 0 there: torch's store client blocks in C++ for
+    about twice its timeout, deaf to signals. A SIGTERM stops the rank at once (exit 3, one line),
+    and without one it gives up after --dist-timeout, in one line."""
+    env = clean_env(RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    args = [sys.executable, str(ROOT / "main_scratch.py"), "--shared-folder-path", str(tmp_path), "--no-progress"]
+    waiting = subprocess.Popen([*args, "--dist-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env)
+    time.sleep(12)  # imported torch, checked its inputs, now waiting to connect (seconds on 2 cores)
+    sent = time.monotonic()
+    waiting.send_signal(signal.SIGTERM)
+    out, err = waiting.communicate(timeout=30)
+    assert waiting.returncode == 3 and time.monotonic() - sent < 5, err
+    assert err.strip().splitlines() == ["fixres_dist: rank 1: stopped by a signal while waiting for rank 0's store at "
+                                        f"127.0.0.1:{env['MASTER_PORT']}; nothing to checkpoint yet"]
+    started = time.monotonic()
+    alone = subprocess.run([*args, "--dist-timeout", "5"], capture_output=True, text=True, env=env, timeout=60)
+    assert alone.returncode == 1 and time.monotonic() - started < 5 + 15, alone.stderr  # 15 s: imports, checks
+    assert alone.stderr.strip().splitlines() == [f"fixres_dist: rank 1: cannot reach rank 0's store at 127.0.0.1:"
+                                                 f"{env['MASTER_PORT']} within 5 s: no store answered"]

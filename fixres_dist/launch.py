@@ -206,7 +206,10 @@ def spawn(config: TrainerConfig, index_note: str | None = None) -> None:
     def send(signum) -> None:
         for process in context.processes if context is not None else ():
             if process.is_alive():
-                os.kill(process.pid, signum)
+                try:
+                    os.kill(process.pid, signum)
+                except ProcessLookupError:  # it exited since is_alive()
+                    pass
 
     def forward(signum, frame):
         received[:] = [signum]

@@ -25,7 +25,7 @@ def inherited_ignored() -> frozenset[int]:
     does not stop it. The first process of a job records them (in :data:`INHERITED_IGNORED`), so
     that the ranks it starts, whose own disposition the launcher has changed, know them too."""
     if INHERITED_IGNORED not in os.environ:
-        ignored = [str(int(s)) for s in (*SIGNALS, signal.SIGHUP) if signal.getsignal(s) is signal.SIG_IGN]
+        ignored = [str(int(s)) for s in SIGNALS if signal.getsignal(s) is signal.SIG_IGN]
         os.environ[INHERITED_IGNORED] = ",".join(ignored)
     return frozenset(int(s) for s in os.environ[INHERITED_IGNORED].split(",") if s.strip().isdigit())
 

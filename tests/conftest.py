@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -12,8 +13,14 @@ from pathlib import Path
 import pytest
 
 from fixres_dist.data import embedded_data_path
+from fixres_dist.startup import INHERITED_IGNORED
 
 ROOT = Path(__file__).resolve().parents[1]
+# The scripts run by the tests start as from a terminal: with SIGINT's default action, even where
+# pytest itself was started with it ignored (a background job of a non-interactive shell, as CI
+# may run it), which they would inherit and, rightly, keep ignoring (fixres_dist.startup).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_ID",
             "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
@@ -57,7 +64,9 @@ def free_port() -> int:
 
 
 def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+    """This process's environment without launcher variables or a recorded ignored-signal set
+    (``fixres_dist.startup.INHERITED_IGNORED``), with the repository importable, and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in (*RANK_ENV, INHERITED_IGNORED)}
     env["PYTHONPATH"] = str(ROOT)
     env.update({k: str(v) for k, v in extra.items()})
     return env

@@ -32,13 +32,17 @@ def first_line(exc: BaseException) -> str:
 CLEAR_LINE = "\r\033[K"  # back to the line's start, erase it: where rank 0's progress bar may be drawn
 
 
+def is_terminal(file) -> bool:
+    """Whether ``file`` (e.g. ``sys.stderr``) is a terminal, where progress bars are drawn."""
+    try:
+        return file.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
 def say(line: str) -> None:
     """Write ``line`` and its newline to stderr in one write, so that the one-line errors of ranks
     sharing a terminal never run together on one line; on a terminal, the line is cleared first, so
     that the message does not land after a progress bar (which another process may have drawn)."""
-    try:
-        terminal = sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        terminal = False
-    sys.stderr.write((CLEAR_LINE if terminal else "") + line + "\n")
+    sys.stderr.write((CLEAR_LINE if is_terminal(sys.stderr) else "") + line + "\n")
     sys.stderr.flush()

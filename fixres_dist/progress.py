@@ -37,14 +37,6 @@ def format_seconds(seconds: float | None) -> str:
 UNSIZED_TERMINAL = (100, 20)  # columns, rows drawn in where the terminal reports 0 x 0
 
 
-def is_terminal(file) -> bool:
-    """Whether ``file`` is a terminal (where progress bars are shown by default)."""
-    try:
-        return file.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
 def _unsized_terminal(file) -> tuple[int, int] | None:
     """:data:`UNSIZED_TERMINAL` for a terminal that reports no size (a pseudo-terminal nobody sized,
     as ``script`` makes from a pipe), where tqdm would draw nothing; None otherwise (tqdm follows

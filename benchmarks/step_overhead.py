@@ -31,15 +31,27 @@ loop's timed epochs (both loops' models and optimizer states stay resident, a fe
 Medians resist short bursts of other work on the machine, not steady load: the header shows the
 load average; compare runs made on an idle machine.
 
+``--recipe-options`` turns on, in both loops, every option of the training step itself: Nesterov
+momentum, label smoothing 0.1, MixUp 0.2 and CutMix 1.0 (one of the two per micro-batch), gradient
+accumulation over 2 micro-batches (the first under DDP's ``no_sync``), gradient clipping at norm 1,
+and an EMA of the weights updated after every step (the worst case; torchvision's default is every
+32). The Trainer draws each micro-batch's mixing from (seed, step, rank, micro-batch) and restores
+the CPU generator; the raw loop calls torchvision's v2 ``RandomChoice([MixUp, CutMix])`` and
+``AveragedModel`` directly. The
+data-side options (``--auto-augment``, ``--random-erase``, ``--ra-sampler``) run in the loader
+workers, not in the step, and are left out here (``benchmarks/input_pipeline.py`` measures loading).
+
 Run from the repository root:
   .venv/bin/python benchmarks/step_overhead.py                      # CPU: resnet18 @ 32 px, 1 and 2 ranks
   .venv/bin/python benchmarks/step_overhead.py --preset gpu         # resnet50 @ 224, @ 288, vit_b_16 @ 224,
                                                                     # eager and compiled, batch 256, bf16
   .venv/bin/python benchmarks/step_overhead.py --device cuda --configs resnet50@224 --amp fp16 --compile
+  .venv/bin/python benchmarks/step_overhead.py --recipe-options             # mixing, smoothing, clipping, EMA
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -48,6 +60,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import attrs
@@ -56,14 +69,20 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchvision
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
-from fixres_dist import Trainer, TrainerConfig, distributed, placement  # noqa: E402
+from fixres_dist import FixresWarning, Trainer, TrainerConfig, distributed, placement  # noqa: E402
 from fixres_dist.data import check_image_folder, embedded_data_path, normalize  # noqa: E402
-from fixres_dist.engine import parameter_groups  # noqa: E402
+from fixres_dist.optim import parameter_groups  # noqa: E402
 from fixres_dist.samplers import ExactBatchSampler  # noqa: E402
 
 TARGET = 0.97
+# --recipe-options: the TrainerConfig fields of the step's own options, mirrored by RawLoop.
+RECIPE_OPTIONS = {"opt": "sgd-nesterov", "label_smoothing": 0.1, "mixup_alpha": 0.2, "cutmix_alpha": 1.0,
+                  "grad_accum_steps": 2, "clip_grad_norm": 1.0, "model_ema": True, "model_ema_steps": 1,
+                  "model_ema_decay": 0.999}
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
 PRESETS = {
     "gpu": {"device": "cuda", "configs": "resnet50@224,resnet50@288,vit_b_16@224", "batch": 256,
@@ -125,7 +144,7 @@ class RawLoop:
         self.memory_format = torch.channels_last if spec["channels_last"] else torch.contiguous_format
         self.model = model.to(device, memory_format=self.memory_format)
         self.optimizer = torch.optim.SGD(parameter_groups(self.model, cfg.weight_decay, cfg.norm_weight_decay),
-                                         lr=lr, momentum=cfg.momentum)
+                                         lr=lr, momentum=cfg.momentum, nesterov=cfg.opt == "sgd-nesterov")
         if world > 1:
             self.model = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None,
                                                  forward_sync_buffers=False)
@@ -134,6 +153,13 @@ class RawLoop:
         self.amp = AMP_DTYPES[spec["amp"]]
         self.device_type = device.type
         self.scaler = torch.amp.GradScaler("cuda") if spec["amp"] == "fp16" else None
+        self.options = spec.get("recipe_options", False)
+        self.unwrapped = model
+        if self.options:
+            o = RECIPE_OPTIONS
+            self.mix = v2.RandomChoice([v2.MixUp(alpha=o["mixup_alpha"], num_classes=num_classes),
+                                        v2.CutMix(alpha=o["cutmix_alpha"], num_classes=num_classes)])
+            self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(o["model_ema_decay"]), use_buffers=True)
 
     def _logits(self, images: torch.Tensor) -> torch.Tensor:
         if self.forward is self.model or self.compile_failed is not None:
@@ -145,21 +171,38 @@ class RawLoop:
             self.forward = self.model
             return self.model(images)
 
+    def _backward(self, images: torch.Tensor, labels: torch.Tensor, share: float) -> None:
+        """Forward and backward of one micro-batch; its mean loss weighted by ``share`` of the step."""
+        targets, smoothing = labels, 0.0
+        if self.options:
+            images, targets = self.mix(images, labels)
+            smoothing = RECIPE_OPTIONS["label_smoothing"]
+        with torch.autocast(self.device_type, dtype=self.amp or torch.bfloat16, enabled=self.amp is not None):
+            logits = self._logits(images)
+        loss = F.cross_entropy(logits.float(), targets, label_smoothing=smoothing) * share
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
     def epoch(self, loader: FixedBatchLoader) -> None:
         self.model.train()
+        parts = RECIPE_OPTIONS["grad_accum_steps"] if self.options else 1
         for images, labels, _ in loader:
             images = normalize(images).contiguous(memory_format=self.memory_format)
-            with torch.autocast(self.device_type, dtype=self.amp or torch.bfloat16, enabled=self.amp is not None):
-                logits = self._logits(images)
-            loss = F.cross_entropy(logits.float(), labels)
             self.optimizer.zero_grad(set_to_none=True)
+            for index, (part, part_labels) in enumerate(zip(images.tensor_split(parts), labels.tensor_split(parts))):
+                last = index == parts - 1
+                with contextlib.nullcontext() if last or self.model is self.unwrapped else self.model.no_sync():
+                    self._backward(part, part_labels, 1 / parts)
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            if self.options:
+                torch.nn.utils.clip_grad_norm_(self.unwrapped.parameters(), RECIPE_OPTIONS["clip_grad_norm"])
             if self.scaler is None:
-                loss.backward()
                 self.optimizer.step()
             else:
-                self.scaler.scale(loss).backward()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
+            if self.options:
+                self.ema.update_parameters(self.unwrapped)
 
 
 def trainer_config(spec: dict, rank: int, world: int, port: int, folder: str) -> TrainerConfig:
@@ -174,10 +217,13 @@ def trainer_config(spec: dict, rank: int, world: int, port: int, folder: str) ->
     if missing:
         raise SystemExit(f"step_overhead: this TrainerConfig has no {', '.join(missing)} field(s) yet")
     fields.update({k: v for k, v in speed.items() if k in known})
+    if spec.get("recipe_options"):
+        fields.update(RECIPE_OPTIONS)
     return TrainerConfig(**fields)
 
 
 def run_rank(rank: int, world: int, port: int, spec: dict, folder: str) -> None:
+    warnings.simplefilter("ignore", FixresWarning)  # e.g. the EMA's horizon on these short epochs
     cfg = trainer_config(spec, rank, world, port, folder)
     trainer = Trainer(cfg, log=lambda message: None)  # keep the table readable (the Trainer logs per epoch)
     result = {"name": spec["name"]}
@@ -287,6 +333,9 @@ def main() -> None:
     parser.add_argument("--compile", nargs="?", const="inductor", metavar="BACKENDS",
                         help="torch.compile backend(s), comma-separated; 'none' = not compiled; bare --compile = inductor "
                              "(dynamo's 'eager' backend traces without generating code: a cheap check)")
+    parser.add_argument("--recipe-options", action="store_true",
+                        help="both loops with Nesterov momentum, label smoothing, MixUp/CutMix, 2 accumulated micro-batches, "
+                             "gradient clipping and an EMA per step")
     parser.add_argument("--json", metavar="FILE", help="also write the rows here (list of dicts)")
     args = parser.parse_args()
 
@@ -309,7 +358,8 @@ def main() -> None:
     where = (f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()}" if device == "cuda"
              else f"{len(os.sched_getaffinity(0))} cores")
     print(f"step overhead on {device} ({where}): batch {preset['batch']}/rank, {preset['repeats']} x {preset['steps']} "
-          f"steps per loop, amp {amp}, channels_last {channels_last}; target ratio >= {TARGET}; "
+          f"steps per loop, amp {amp}, channels_last {channels_last}"
+          f"{', recipe options ' + str(RECIPE_OPTIONS) if args.recipe_options else ''}; target ratio >= {TARGET}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     print("| model @ px        | world | compile  | threads/rank | raw img/s | Trainer img/s | ratio | epoch ratio "
           "| peak GiB raw | peak GiB Trainer |")
@@ -325,7 +375,8 @@ def main() -> None:
                         continue
                     spec = {"name": f"{arch}-{size}-{backend or 'off'}-w{world}", "architecture": arch, "size": size,
                             "batch": preset["batch"], "steps": preset["steps"], "repeats": preset["repeats"],
-                            "device": device, "amp": amp, "channels_last": channels_last, "compile": backend}
+                            "device": device, "amp": amp, "channels_last": channels_last, "compile": backend,
+                            "recipe_options": args.recipe_options}
                     try:
                         mp.spawn(run_rank, args=(world, free_port(), spec, folder), nprocs=world)
                     except Exception as exc:  # the rank printed its traceback; keep going with the others

@@ -2,7 +2,8 @@
 
 ``TrainerConfig`` holds a run's options; ``Trainer(config)()`` runs one rank's part of the job and
 returns a ``RunResult``. ``Preempted`` (exit status ``PREEMPTED_EXIT_STATUS``) follows a
-preemption checkpoint; ``FixresError`` is every user-facing error (one line).
+preemption checkpoint; ``FixresError`` is every user-facing error (one line); ``FixresWarning`` a warning about a run
+that goes on.
 
 The names are imported on first use (PEP 562), so that ``import fixres_dist.startup`` does not
 import torch: the scripts guard their start-up against stop signals before torch loads.
@@ -10,7 +11,7 @@ import torch: the scripts guard their start-up against stop signals before torch
 import importlib
 
 _EXPORTS = {"Trainer": "trainer", "RunResult": "trainer", "TrainerConfig": "config", "FixresError": "errors",
-            "Preempted": "preemption", "PREEMPTED_EXIT_STATUS": "preemption"}
+            "FixresWarning": "errors", "Preempted": "preemption", "PREEMPTED_EXIT_STATUS": "preemption"}
 
 __all__ = list(_EXPORTS)
 

@@ -10,9 +10,12 @@ Contents (a plain dict, readable with ``torch.load(weights_only=True)``): ``form
 epochs), ``scaler`` (the fp16 GradScaler state or None), ``input_size`` (the training resolution,
 chosen by ``--input-size auto`` or given), ``epoch`` and ``images_in_epoch`` (where the
 sampler resumes), ``global_step``, ``ranks`` (per rank: RNG states of torch, CUDA, numpy, random and
-the rank's BatchNorm buffers), ``config`` (a plain dict), ``metrics`` (the events so far) and
+the rank's BatchNorm buffers, and its EMA's with ``--model-ema``), ``config`` (a plain dict), ``metrics`` (the events so far) and
 ``lineage`` (the resolutions the weights were trained from scratch and FixRes-finetuned at:
-:mod:`fixres_dist.lineage`).
+:mod:`fixres_dist.lineage`); with ``--model-ema`` also ``model_ema`` (the moving average's
+state_dict, rank 0's BatchNorm statistics; ``--weight-key model_ema`` loads it) and
+``model_ema_state`` (its update count, :mod:`fixres_dist.ema`). The learning-rate schedule and
+the samplers need no state of their own: both are functions of (seed, epoch, image in the epoch).
 """
 from __future__ import annotations
 
@@ -134,6 +137,25 @@ def rng_state() -> dict:
             "random": random.getstate()}
 
 
+BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's per-rank state
+
+
+def buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s BatchNorm buffers (running mean and variance, batch count) on the CPU: what
+    differs between ranks (each rank's statistics follow its own images), kept per rank."""
+    return {k: v.cpu() for k, v in module.state_dict().items() if k.endswith(BUFFER_SUFFIXES)}
+
+
+def rank_buffers(ranks: list[dict], rank: int | None, key: str = "buffers") -> dict[str, torch.Tensor]:
+    """The per-rank buffers ``key`` (``buffers``: the model's, ``ema_buffers``: its EMA's) of a
+    checkpoint's ``ranks`` for global rank ``rank``; ``None`` (resumed on another world size): their
+    average over the ranks (in float64, back to each buffer's dtype)."""
+    if rank is not None:
+        return ranks[rank][key]
+    first = ranks[0][key]
+    return {k: (sum(r[key][k].double() for r in ranks) / len(ranks)).to(first[k].dtype) for k in first}
+
+
 def set_rng_state(state: dict) -> None:
     """Restore what :func:`rng_state` returned."""
     torch.set_rng_state(state["torch"])
@@ -154,5 +176,6 @@ def check_resumable(config, saved: dict, path) -> None:
     if changed:
         diff = ", ".join(f"{k}: {saved[k]!r} -> {getattr(config, k)!r}" if k in saved else
                          f"{k}: absent (an older fixres_dist) -> {getattr(config, k)!r}" for k in changed[:3])
-        raise FixresError(f"{path} holds a checkpoint of another configuration ({diff}); "
-                          "use another --job-id, or --resume with a matching checkpoint")
+        raise FixresError(f"{path} holds a checkpoint of another configuration ({diff}); a checkpoint continues only "
+                          f"its own: for a new run from its weights give another --job-id and --weight-path {path} "
+                          "(a fresh optimizer and schedule)")

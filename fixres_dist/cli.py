@@ -9,13 +9,16 @@ command line has parsed.
 from __future__ import annotations
 
 import argparse
+import functools
+import re
 import textwrap
 
 import attrs
 
-from . import startup
-from .config import (CIFAR_RESNETS, CROP_RATIO, DEFAULT_INTERPOLATION, INTERPOLATIONS, LITE_MODELS, OPTIONAL_PACKAGES,
-                     SCOPES, TIMM_PREFIX, TrainerConfig)
+from . import recipes, startup
+from .config import (AUTO_AUGMENT_POLICIES, CIFAR_RESNETS, CROP_RATIO, DEFAULT_INTERPOLATION, INTERPOLATIONS,
+                     LITE_MODELS, LR_SCHEDULERS, OPTIMIZERS, OPTIONAL_PACKAGES, SCOPES, TIMM_PREFIX, TrainerConfig)
+from .errors import FixresError
 
 # Defaults that differ between the two scripts; every other default lives in TrainerConfig.
 # --learning-rate is per 256 images (linear scaling rule).
@@ -38,9 +41,14 @@ MODE_DEFAULTS = {
 DEVICE_DEFAULTS = {"dist_backend": ("nccl", "gloo"), "amp": ("bf16", "off"), "channels_last": (True, False)}
 # Flags that place this process in its job: resolved by fixres_dist.placement, not configuration fields.
 RANK_FLAGS = ("num_tasks", "global_rank", "local_rank", "job_id", "dist_url")
+# Flags that are not configuration fields themselves: --ra-sampler sets ra_reps (with --ra-reps, default 3).
+SWITCH_FLAGS = ("ra_sampler",)
+RA_REPS_DEFAULT = 3  # torchvision's --ra-reps default, and FixRes' repetitions
 COMPILE_BACKEND = "inductor"  # what --compile alone uses
 # main_finetune.py's own flags; main_scratch.py refuses them, naming the script they belong to.
 FINETUNE_ONLY_FLAGS = ("--finetune-scope", "--last-norm", "--finetune-augmentation")
+# main_scratch.py's only: the finetune's preprocessing is --finetune-augmentation's.
+SCRATCH_ONLY_FLAGS = ("--auto-augment", "--random-erase")
 
 
 def defaults(mode: str) -> dict:
@@ -105,6 +113,29 @@ def _size_list(text: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def _recipe(mode: str, name: str) -> str:
+    """--recipe: a preset of this script (:mod:`fixres_dist.recipes`)."""
+    try:
+        recipes.recipe_fields(name, mode)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
+def _scheduler(text: str) -> str:
+    """--lr-scheduler: ours, or torchvision's name for it."""
+    return SCHEDULER_ALIASES.get(text.lower(), text)
+
+
+def _optimizer(text: str) -> str:
+    """--opt: ours, or torchvision's spelling (``sgd_nesterov``); timm's and DeiT's names are answered
+    with ours."""
+    name = text.lower().replace("_", "-")
+    if name in TIMM_OPTIMIZERS:
+        raise argparse.ArgumentTypeError(f"timm's --opt {text} is --opt {TIMM_OPTIMIZERS[name]} here")
+    return name
+
+
 def _channels(text: str) -> tuple[float, ...]:
     """``"0.5"`` -> ``(0.5, 0.5, 0.5)``; ``"0.485,0.456,0.406"`` -> three floats (R, G, B)."""
     try:
@@ -116,11 +147,58 @@ def _channels(text: str) -> tuple[float, ...]:
     return values * 3 if len(values) == 1 else values
 
 
+# The flags of torchvision's references/classification/train.py, DeiT's main.py and timm's train.py
+# whose names differ here: an unrecognised one is answered with ours.
+OTHER_NAMES = {"--lr": "--learning-rate (per 256 images)", "--batch-size": "--batch (per rank)", "-b": "--batch",
+               "--model": "--architecture", "--wd": "--weight-decay", "--train-crop-size": "--input-size",
+               "--val-crop-size": "--test-size", "--val-resize-size": "--crop-ratio (test crop / resize)",
+               "--lr-warmup-epochs": "--warmup-epochs", "--test-only": "--eval-only",
+               "--output-dir": "--shared-folder-path and --job-id", "--smoothing": "--label-smoothing",
+               "--mixup": "--mixup-alpha", "--cutmix": "--cutmix-alpha", "--reprob": "--random-erase",
+               "--clip-grad": "--clip-grad-norm", "--repeated-aug": "--ra-sampler", "--sched": "--lr-scheduler",
+               "--decay-epochs": "--lr-step-size", "--decay-rate": "--lr-gamma", "--aa": "--auto-augment",
+               "-j": "--workers", "--grad-accum": "--grad-accum-steps", "--model-ema-force-cpu": None,
+               "--world-size": "--num-tasks", "--weights": "--weight-path (a local file)", "--sync_bn": "--sync-bn",
+               "--output_dir": "--shared-folder-path and --job-id", "--batch_size": "--batch (per rank)",
+               "--bias-weight-decay": "--norm-weight-decay (norms and every bias)",
+               "--lr-warmup-method": "--warmup-epochs (always linear from 0)",
+               "--lr-warmup-decay": "--warmup-epochs (always linear from 0)", "--data_path": "--data-path"}
+# Options that only shape training: given explicitly with --eval-only, they are refused (README: Recipes).
+TRAINING_ONLY = ("opt", "lr_scheduler", "lr_step_size", "lr_gamma", "clip_grad_norm", "grad_accum_steps", "mixup_alpha",
+                 "cutmix_alpha", "auto_augment", "random_erase", "ra_reps", "model_ema_decay", "model_ema_steps",
+                 "label_smoothing")
+NO_POLICY = "none"  # --auto-augment none: no policy (overrides a recipe's)
+# timm's (and DeiT's) --opt names: ours for them (timm's sgd and nesterov are Nesterov momentum).
+TIMM_OPTIMIZERS = {"momentum": "sgd", "nesterov": "sgd-nesterov",
+                   "rmsproptf": "rmsprop (torchvision's eps 0.0316 and alpha 0.9, close to TensorFlow's)"}
+# torchvision's --lr-scheduler and --opt spellings, accepted as ours.
+SCHEDULER_ALIASES = {"cosineannealinglr": "cosine", "steplr": "step", "exponentiallr": "exponential"}
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with usage errors in one line, ``<prog>: error: <message>`` (exit status 2), instead of
-    the whole usage message before it."""
+    the whole usage message before it; an unrecognised flag of torchvision's, DeiT's or timm's scripts
+    is answered with this tool's name for it. ``check(namespace)``, if set, runs after parsing:
+    flags given together that do not go together (raises FixresError) are usage errors too."""
+
+    check = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        if self.check is not None:
+            try:
+                self.check(parsed)
+            except FixresError as exc:
+                self.error(str(exc))
+        return parsed, rest
 
     def error(self, message: str):
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            named = [f"{flag} is {OTHER_NAMES[flag]} here" for flag in
+                     (word.split("=", 1)[0] for word in unknown.group(1).split()) if OTHER_NAMES.get(flag)]
+            if named:
+                message += f" ({'; '.join(named)}: see README, Recipes)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -132,10 +210,18 @@ class _Formatter(argparse.HelpFormatter):
 
 
 class _OtherScript(argparse.Action):
-    """A flag of main_finetune.py given to main_scratch.py: a usage error naming the script it belongs to."""
+    """A flag of the other script (``const``: its name) given to this one: a usage error naming the script
+    it belongs to."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} only applies to main_finetune.py")
+        parser.error(f"{option_string} only applies to {self.const}")
+
+
+def _other_scripts_flags(group, flags, script: str) -> None:
+    """``flags`` of ``script`` in this script's parser: hidden, and a usage error if given."""
+    for flag in flags:
+        group.add_argument(flag, action=_OtherScript, const=script, nargs="?", default=argparse.SUPPRESS,
+                           help=argparse.SUPPRESS)
 
 
 def _architecture_help(default: str) -> str:
@@ -172,6 +258,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     what = "FixRes-finetune a classifier at the test resolution (Touvron et al., NeurIPS 2019)" if finetune \
         else "train a classifier from scratch"
     p = _Parser(allow_abbrev=False, description=f"fixres_dist: {what} with DistributedDataParallel.", formatter_class=_Formatter)
+    p.check = functools.partial(_training_fields, mode=mode)
     d = p.add_argument_group("distributed (see README: where a process learns its rank)")
     d.add_argument("--num-tasks", type=int, help="world size; alone and > 1: spawn that many local ranks "
                    "(default: torchrun's or SLURM's, else one process)")
@@ -230,17 +317,17 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     lr_note = "Goyal et al." if not finetune else \
         f"FixRes' finetune used {FIXRES_FINETUNE_LR_PER_256:g} per 256 (8e-3 for 8 x 64 = 512 images) on converged " \
         f"ImageNet weights; the demo default is higher"
-    t.add_argument("--learning-rate", type=float, help=f"SGD LR per 256 images, scaled linearly to the global batch "
+    t.add_argument("--learning-rate", type=float, help=f"learning rate per 256 images, scaled linearly to the global batch "
                    f"({default('learning_rate')}; {lr_note})")
-    t.add_argument("--momentum", type=float, help=f"SGD momentum ({default('momentum')})")
+    t.add_argument("--momentum", type=float, help=f"momentum of --opt sgd, sgd-nesterov and rmsprop ({default('momentum')})")
     t.add_argument("--weight-decay", type=float, help=f"weight decay of weights ({default('weight_decay')})")
     t.add_argument("--norm-weight-decay", type=float,
                    help="weight decay of normalisation-layer parameters and of all biases instead of "
                         f"--weight-decay ({default('norm_weight_decay')}: not decayed)")
     t.add_argument("--label-smoothing", type=float, help="label smoothing of the cross-entropy training loss, "
                    f"in [0, 1) ({default('label_smoothing')}: none)")
-    t.add_argument("--warmup-epochs", type=float, help="epochs of linear learning-rate warmup before the cosine "
-                   f"decay ({default('warmup_epochs')})")
+    t.add_argument("--warmup-epochs", type=float, help="epochs of linear learning-rate warmup (from 0) before "
+                   f"--lr-scheduler's decay ({default('warmup_epochs')})")
     t.add_argument("--dist-bn", choices=["reduce", "broadcast"],
                    help="BatchNorm statistics each epoch: reduce = average over the ranks, broadcast = take rank "
                         f"0's ({default('dist_bn')})")
@@ -253,8 +340,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     f = p.add_argument_group("FixRes finetune, evaluation and feature extraction" if finetune else
                              "evaluation and feature extraction")
     if not finetune:
-        for flag in FINETUNE_ONLY_FLAGS:
-            f.add_argument(flag, action=_OtherScript, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        _other_scripts_flags(f, FINETUNE_ONLY_FLAGS, "main_finetune.py")
     else:
         f.add_argument("--finetune-scope", choices=SCOPES, help=f"what trains ({default('finetune_scope')}: the "
                        "classifier and the last normalisation layer, FixRes section 4)")
@@ -272,6 +358,57 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     f.add_argument("--extract-split", choices=["val", "train"], help=f"split to extract ({default('extract_split')})")
     f.add_argument("--overwrite", action="store_true", default=None,
                    help="let --extract-features replace results already in DIR")
+    r = p.add_argument_group("recipe options (torchvision's references/classification names; README: Recipes)")
+    mine = [name for name, recipe in recipes.RECIPES.items() if recipe.mode == mode]
+    r.add_argument("--recipe", type=functools.partial(_recipe, mode), metavar="{" + ",".join(mine) + "}", help="a named preset of the options below and above, printed in full at "
+                   "the start and stored in config.json; flags given explicitly override it (default: none)")
+    r.add_argument("--opt", type=_optimizer, choices=OPTIMIZERS, help=f"optimizer ({default('opt')}; sgd-nesterov: "
+                   "Nesterov momentum, also spelt sgd_nesterov; --momentum applies to sgd and rmsprop, adamw refuses it)")
+    r.add_argument("--lr-scheduler", type=_scheduler, choices=LR_SCHEDULERS, help="after the warmup: cosine = half a cosine to 0 "
+                   "(per step), step = x --lr-gamma every --lr-step-size epochs, exponential = x --lr-gamma every "
+                   f"epoch; torchvision's cosineannealinglr, steplr, exponentiallr are accepted ({default('lr_scheduler')})")
+    r.add_argument("--lr-step-size", type=_positive_int, help=f"epochs between decays of the step schedule "
+                   f"({default('lr_step_size')})")
+    r.add_argument("--lr-gamma", type=float, help=f"decay factor of the step and exponential schedules "
+                   f"({default('lr_gamma')})")
+    r.add_argument("--clip-grad-norm", type=float, metavar="NORM",
+                   help="clip the gradients' global L2 norm to NORM before each step (default: no clipping)")
+    r.add_argument("--grad-accum-steps", type=_positive_int, metavar="N",
+                   help="accumulate N micro-batches of --batch images per rank into one optimizer step: the global "
+                        "batch is batch x ranks x N, and the linear scaling rule counts it "
+                        f"({default('grad_accum_steps')})")
+    r.add_argument("--mixup-alpha", type=float, help="MixUp on each batch, lambda ~ Beta(alpha, alpha) "
+                   f"({default('mixup_alpha')}: off; torchvision's recipe 0.2)"
+                   + ("; with --finetune-scope all only (also --cutmix-alpha)" if finetune else ""))
+    r.add_argument("--cutmix-alpha", type=float, help="CutMix on each batch (with --mixup-alpha: one of the two per "
+                   f"batch, at random) ({default('cutmix_alpha')}: off; torchvision's recipe 1.0)")
+    if finetune:
+        _other_scripts_flags(r, SCRATCH_ONLY_FLAGS, "main_scratch.py (the finetune's preprocessing is "
+                                                    "--finetune-augmentation's)")
+    else:
+        r.add_argument("--auto-augment", choices=(*AUTO_AUGMENT_POLICIES, NO_POLICY), help="augmentation policy after "
+                       "the random crop: ra = RandAugment, ta_wide = TrivialAugmentWide, augmix = AugMix, imagenet = "
+                       "AutoAugment's ImageNet policy (default: none)")
+        r.add_argument("--random-erase", type=float, metavar="P", help="random erasing probability, the box filled "
+                       f"with the mean colour ({default('random_erase')}: off)")
+    r.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep an exponential moving average of the weights (and BatchNorm statistics), evaluated at "
+                        "every epoch and saved in the checkpoint as model_ema (--weight-key model_ema evaluates or "
+                        "loads those weights) (default: off)")
+    r.add_argument("--model-ema-decay", type=float, help="the average's decay per update "
+                   f"({default('model_ema_decay')}; see README for torchvision's rescaled value)")
+    r.add_argument("--model-ema-steps", type=_positive_int, help=f"optimizer steps between EMA updates "
+                   f"({default('model_ema_steps')})")
+    r.add_argument("--ra-sampler", action=argparse.BooleanOptionalAction, default=None,
+                   help="repeated augmentation: each image --ra-reps times per cycle of --ra-reps epochs, its copies "
+                        "in the same step with different augmentations, on different ranks when --ra-reps <= ranks "
+                        "(epochs keep their length) (default: off)")
+    r.add_argument("--ra-reps", type=_positive_int, metavar="K",
+                   help=f"copies per image with --ra-sampler ({default('ra_reps')}: no repeats; {RA_REPS_DEFAULT} when "
+                        "--ra-sampler is given without it)")
+    r.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="write TensorBoard event files into the job folder's tensorboard/ (needs the tensorboard "
+                        "extra) (default: off)")
     g = p.add_argument_group("speed")
     g.add_argument("--amp", choices=["bf16", "fp16", "off"], help="mixed precision: bf16 autocast, fp16 with a "
                    f"GradScaler (CUDA only), or off ({with_device('amp')})")
@@ -302,8 +439,7 @@ def config_fields(args: argparse.Namespace, mode: str) -> dict:
     Without ``--device``: cuda when torch sees a GPU (torch is imported here, not before), else cpu;
     the fields of :data:`DEVICE_DEFAULTS` then follow the device.
     """
-    fields = {"mode": mode, **MODE_DEFAULTS[mode]}
-    fields.update({k: v for k, v in vars(args).items() if v is not None and k not in RANK_FLAGS})
+    fields = _training_fields(args, mode)
     if "device" not in fields:
         import torch
 
@@ -311,6 +447,51 @@ def config_fields(args: argparse.Namespace, mode: str) -> dict:
     for name, (cuda, cpu) in DEVICE_DEFAULTS.items():
         fields.setdefault(name, cuda if fields["device"] == "cuda" else cpu)
     return fields
+
+
+def _training_fields(args: argparse.Namespace, mode: str) -> dict:
+    """The mode's defaults, then ``--recipe``'s fields, then the flags given (no rank fields, no
+    device-dependent ones). Raises FixresError for flags given that the rest would silently ignore."""
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in RANK_FLAGS}
+    fields = {"mode": mode, **MODE_DEFAULTS[mode]}
+    if given.get("recipe"):
+        fields.update(recipes.recipe_fields(given["recipe"], mode))
+        if given.get("eval_only"):  # an evaluation keeps no average: the recipe's training options do not apply
+            fields.pop("model_ema", None)
+    ra_sampler = given.pop("ra_sampler", None)
+    if ra_sampler:  # the recipe's copies, else torchvision's default
+        given.setdefault("ra_reps", fields.get("ra_reps", 1) if fields.get("ra_reps", 1) > 1 else RA_REPS_DEFAULT)
+    elif ra_sampler is False:  # --no-ra-sampler
+        if given.get("ra_reps", 1) > 1:
+            raise FixresError("--ra-reps needs --ra-sampler, not --no-ra-sampler")
+        given["ra_reps"] = 1
+    elif "ra_reps" in given and fields.get("ra_reps", 1) == 1:
+        raise FixresError("--ra-reps needs --ra-sampler (repeated augmentation is off without it)")
+    fields.update(given)
+    if fields.get("auto_augment") == NO_POLICY:
+        fields["auto_augment"] = None
+    _check_given_together(given, {**defaults(mode), **fields})
+    return fields
+
+
+def _check_given_together(given: dict, fields: dict) -> None:
+    """Flags given that the rest of the configuration would silently ignore: FixresError (one line)."""
+    if fields.get("eval_only"):
+        ignored = [flag for flag in TRAINING_ONLY if flag in given]
+        if ignored:
+            raise FixresError(f"--{ignored[0].replace('_', '-').replace('ra-reps', 'ra-sampler')} does not apply to "
+                              "--eval-only (it trains nothing)")
+    if "lr_step_size" in given and fields["lr_scheduler"] != "step":
+        raise FixresError(f"--lr-step-size only applies to --lr-scheduler step, not {fields['lr_scheduler']} "
+                          "(exponential decays every epoch)")
+    if "lr_gamma" in given and fields["lr_scheduler"] == "cosine":
+        raise FixresError("--lr-gamma only applies to --lr-scheduler step or exponential, not cosine")
+    if not fields["model_ema"]:
+        ignored = [flag for flag in ("model_ema_decay", "model_ema_steps") if flag in given]
+        if ignored:
+            raise FixresError(f"--{ignored[0].replace('_', '-')} needs --model-ema")
+    if fields["opt"] == "adamw" and "momentum" in given:
+        raise FixresError("--momentum does not apply to --opt adamw (its moments are Adam's betas)")
 
 
 def run_script(mode: str, argv: list[str] | None = None) -> None:

@@ -29,6 +29,10 @@ RESUMABLE = {"resumable": True}
 # Field metadata: a checkpoint written before the field existed behaved as its default does, so the
 # field's absence there is no change (unlike norm_weight_decay, whose absence means "decayed").
 ABSENT_IS_DEFAULT = {"absent_is_default": True}
+# Field metadata for options added after job ids were first derived from the configuration: absent
+# from an older checkpoint means the default, and at the default the field is left out of the
+# derived job id, so that an older job's command still finds (and resumes) its job folder.
+ADDED_LATER = {"absent_is_default": True, "hashed_if_set": True}
 PATH_FIELDS = ("data_path", "weight_path", "resume")  # compared as absolute paths (resolved_path)
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # --interpolation: the resize interpolations (fixres_dist.data maps them to torchvision's modes), and
@@ -38,6 +42,18 @@ DEFAULT_INTERPOLATION = "bilinear"
 CROP_RATIO = 0.875  # test-time centre crop keeps 87.5 % of the resized shorter side (--crop-ratio)
 # --finetune-scope: what trains (fixres_dist.fixres). FixRes trained the head and the last BatchNorm (section 4).
 SCOPES = ("head+last-norm", "head", "norms+head", "all")
+
+# The training recipes' option names (torchvision's references/classification/train.py):
+# --opt, --lr-scheduler, --auto-augment (fixres_dist.optim, fixres_dist.data).
+OPTIMIZERS = ("sgd", "sgd-nesterov", "adamw", "rmsprop")
+LR_SCHEDULERS = ("cosine", "step", "exponential")
+AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet")  # torchvision v2 policies (data.train_transform)
+# Bounds that catch typos before they reach torch as overflows or degenerate draws: weight decay above
+# 1 shrinks weights faster than any recipe (torchvision's 1e-4 to AdamW's 0.05); MixUp/CutMix alphas
+# outside [1e-3, 1e3] are Beta draws of exactly 0 or 1/2 in float32 (the recipes use 0.1 to 1);
+# repeated augmentation beyond 32 copies leaves an epoch a 32nd of its distinct images (DeiT: 3).
+MAX_WEIGHT_DECAY, MIX_ALPHAS, MAX_RA_REPS = 1.0, (1e-3, 1e3), 32
+_DECAYS = "recipes use 1e-5 to 0.05"
 
 # --architecture name families besides torchvision's classifiers (fixres_dist.models builds them).
 # Our name -> the name efficientnet_lite_pytorch knows.
@@ -190,6 +206,47 @@ def _weight_key(instance, attribute, value):
         raise FixresError(f"--weight-key must name a top-level entry of the weight file, got {value!r}")
 
 
+def _probability(instance, attribute, value):
+    _finite(attribute, value)
+    if not 0 <= value <= 1:
+        raise FixresError(f"--{attribute.name.replace('_', '-')} must be a probability in [0, 1], got {value}")
+
+
+def _gamma(instance, attribute, value):
+    _finite(attribute, value)
+    if not 0 < value <= 1:
+        raise FixresError(f"--lr-gamma must be in (0, 1] (the factor the learning rate is multiplied by), got {value}")
+
+
+def _ema_decay(instance, attribute, value):
+    _finite(attribute, value)
+    if not 0 <= value < 1:
+        raise FixresError(f"--model-ema-decay must be in [0, 1) (the weight of the average at each update, e.g. "
+                          f"0.999), got {value}")
+
+
+def _at_most(check, limit, why: str):
+    """A validator: ``check``, then at most ``limit`` (``why``: the usual values, for the message)."""
+    def bounded(instance, attribute, value):
+        check(instance, attribute, value)
+        if value > limit:
+            raise FixresError(f"--{attribute.name.replace('_', '-')} must be at most {limit:g} ({why}), got {value:g}")
+    return bounded
+
+
+def _mix_alpha(instance, attribute, value):
+    _non_negative(instance, attribute, value)
+    low, high = MIX_ALPHAS
+    if value and not low <= value <= high:
+        raise FixresError(f"--{attribute.name.replace('_', '-')} must be 0 (off) or in [{low:g}, {high:g}] (the "
+                          f"Beta(alpha, alpha) parameter; recipes use 0.1 to 1), got {value:g}")
+
+
+def _at_least_one(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FixresError(f"--{attribute.name.replace('_', '-')} must be a whole number >= 1, got {value!r}")
+
+
 def _seed(instance, attribute, value):
     if not 0 <= value < 2 ** 63:
         raise FixresError(f"--seed must be in [0, 2**63), got {value}")
@@ -251,11 +308,35 @@ class TrainerConfig:
     # Per 256 images (linear scaling rule); 0.1 is Goyal et al.'s ResNet rate for batch 256.
     learning_rate: float = attrs.field(default=0.1, validator=_positive)
     momentum: float = attrs.field(default=0.9, validator=_non_negative)
-    weight_decay: float = attrs.field(default=5e-5, validator=_non_negative)
+    weight_decay: float = attrs.field(default=5e-5, validator=_at_most(_non_negative, MAX_WEIGHT_DECAY, _DECAYS))
     # Weight decay of normalisation-layer parameters and of every bias (0: none, the usual choice).
-    norm_weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
+    norm_weight_decay: float = attrs.field(default=0.0, validator=_at_most(_non_negative, MAX_WEIGHT_DECAY, _DECAYS))
     label_smoothing: float = attrs.field(default=0.0, validator=_fraction)
     warmup_epochs: float = attrs.field(default=1.0, validator=_non_negative)
+    # The recipes users bring from torchvision's references, DeiT and timm (README, "Recipes").
+    opt: str = attrs.field(default="sgd", validator=_one_of(*OPTIMIZERS), metadata=ADDED_LATER)
+    lr_scheduler: str = attrs.field(default="cosine", validator=_one_of(*LR_SCHEDULERS), metadata=ADDED_LATER)
+    lr_step_size: int = attrs.field(default=30, validator=_at_least_one, metadata=ADDED_LATER)  # epochs
+    lr_gamma: float = attrs.field(default=0.1, validator=_gamma, metadata=ADDED_LATER)
+    clip_grad_norm: float | None = attrs.field(default=None, validator=_positive, metadata=ADDED_LATER)
+    # Micro-batches of `batch` images per rank accumulated into one optimizer step.
+    grad_accum_steps: int = attrs.field(default=1, validator=_at_least_one, metadata=ADDED_LATER)
+    mixup_alpha: float = attrs.field(default=0.0, validator=_mix_alpha, metadata=ADDED_LATER)
+    cutmix_alpha: float = attrs.field(default=0.0, validator=_mix_alpha, metadata=ADDED_LATER)
+    auto_augment: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        _one_of(*AUTO_AUGMENT_POLICIES)), metadata=ADDED_LATER)
+    random_erase: float = attrs.field(default=0.0, validator=_probability, metadata=ADDED_LATER)
+    # Exponential moving average of the weights (fixres_dist.ema): decay per update, an update
+    # every model_ema_steps optimizer steps.
+    model_ema: bool = attrs.field(default=False, metadata=ADDED_LATER)
+    model_ema_decay: float = attrs.field(default=0.999, validator=_ema_decay, metadata=ADDED_LATER)
+    model_ema_steps: int = attrs.field(default=32, validator=_at_least_one, metadata=ADDED_LATER)
+    # Repeated augmentation: copies of each image per epoch cycle (1: off; fixres_dist.samplers).
+    ra_reps: int = attrs.field(default=1, validator=_at_most(_at_least_one, MAX_RA_REPS, "copies of each image per "
+                               "cycle; DeiT and FixRes use 3, torchvision 4"), metadata=ADDED_LATER)
+    # The --recipe preset these values started from (fixres_dist.recipes); the values are the fields.
+    recipe: str | None = attrs.field(default=None, metadata=RESUMABLE)
+    tensorboard: bool = attrs.field(default=False, metadata=RESUMABLE)
     dist_bn: str = attrs.field(default="reduce", validator=_one_of("reduce", "broadcast"))
     workers: int = attrs.field(default=2, validator=_non_negative, metadata=RESUMABLE)
     seed: int = attrs.field(default=0, validator=_seed)
@@ -302,12 +383,38 @@ class TrainerConfig:
             raise FixresError("--mean and --std go together (the normalisation (x - mean) / std needs both)")
         if self.weight_key is not None and not self.weight_path:
             raise FixresError("--weight-key needs --weight-path (it names an entry of that file)")
+        if self.opt == "sgd-nesterov" and not self.momentum and not self.eval_only:
+            raise FixresError("--opt sgd-nesterov needs a --momentum above 0 (Nesterov momentum without momentum is "
+                              "plain SGD: use --opt sgd)")
+        if self.eval_only and self.model_ema:
+            raise FixresError("--model-ema keeps an average while training; to evaluate the average a checkpoint "
+                              "holds, give --eval-only --weight-key model_ema")
+        if self.mode == "finetune" and not self.eval_only:
+            self._check_finetune_regularisation()
         if self.input_size == "auto":
             if self.mode != "finetune" or self.eval_only:
                 raise FixresError("--input-size auto only applies to main_finetune.py (finetune at the best "
                                   "swept test resolution)")
             if not self.test_sizes:
                 raise FixresError("--input-size auto needs --test-sizes, the resolutions to choose from")
+
+    def _check_finetune_regularisation(self) -> None:
+        """The FixRes finetune adapts the classifier and the last normalisation to the statistics of
+        test-time images (FixRes, section 4): mixing images or stronger augmentation would train them
+        on other statistics. Mixing is allowed only with ``--finetune-scope all`` (a plain finetune of
+        the whole network at a new resolution); the finetune's preprocessing is always
+        ``--finetune-augmentation``'s, and repeated augmentation needs one that is random."""
+        if (self.mixup_alpha or self.cutmix_alpha) and self.finetune_scope != "all":
+            raise FixresError(f"--mixup-alpha/--cutmix-alpha do not go with --finetune-scope {self.finetune_scope}: the "
+                              "FixRes finetune fits the head and norms to test-time image statistics, which mixed "
+                              "images are not; use --finetune-scope all to mix")
+        if self.auto_augment or self.random_erase:
+            flag = "--auto-augment" if self.auto_augment else "--random-erase"
+            raise FixresError(f"{flag} does not apply to main_finetune.py: the finetune's preprocessing is "
+                              "--finetune-augmentation's (test = the test transform, FixRes' choice; or fixres)")
+        if self.ra_reps > 1 and self.finetune_augmentation == "test":
+            raise FixresError("--ra-sampler with --finetune-augmentation test would train on identical copies (the test "
+                              "transform is deterministic): use --finetune-augmentation fixres to repeat augmentations")
 
     @property
     def job_folder(self) -> Path:
@@ -344,9 +451,11 @@ class TrainerConfig:
         command run again (after a preemption, a crash, a reboot) finds its own job folder and
         resumes, from any launcher and any number of ranks, while a different configuration gets
         another folder. Where a run executes and how it reports (ranks, workers, speed options,
-        ``--resume``) do not change the id.
+        ``--resume``) do not change the id, nor do options added later (``ADDED_LATER``) at their default.
         """
-        fields = {k: v for k, v in self.to_dict().items() if k not in self.resumable_fields()}
+        defaults = {f.name: f.default for f in attrs.fields(type(self)) if f.metadata.get("hashed_if_set")}
+        fields = {k: v for k, v in self.to_dict().items() if k not in self.resumable_fields()
+                  and not (k in defaults and v == defaults[k])}
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
         architecture = re.sub(r"[^A-Za-z0-9._-]+", "-", self.architecture).strip("-.")[:64] or "model"
         return f"{self.mode}-{architecture}-{digest}"

@@ -14,7 +14,9 @@ once per dataset version.
 Preprocessing (FixRes, section 2; torchvision reference scripts):
 
 * train (``scratch``): ``RandomResizedCrop(K_train)`` (scale 8-100 %, aspect 3/4-4/3) and a
-  horizontal flip;
+  horizontal flip; optionally (:func:`train_transform`) an automatic augmentation policy
+  (RandAugment, TrivialAugment, AugMix, AutoAugment) and random erasing, as torchvision's reference
+  recipes (``references/classification/presets.py``);
 * test, and FixRes finetuning: ``Resize(round(K_test / 0.875))`` of the *shorter* side, then
   ``CenterCrop(K_test)`` (torchvision Resize semantics; FixRes' own height-only resize lost
   ~0.35 top-1 on portrait images, FixRes issue #4).
@@ -32,6 +34,7 @@ did with PIL).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
@@ -50,7 +53,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from . import images, preemption
-from .config import CROP_RATIO, INTERPOLATIONS as INTERPOLATION_NAMES
+from .config import AUTO_AUGMENT_POLICIES, CROP_RATIO, INTERPOLATIONS as INTERPOLATION_NAMES
 from .errors import FixresError, first_line
 from .samplers import ExactBatchSampler, SampleKey
 
@@ -200,11 +203,18 @@ def check_image_folder(root: str | Path, min_train_images: int = 1, index=None) 
 
 
 class ToUint8Tensor(v2.Transform):
-    """The last step of every transform here: a PIL image -> uint8 (C, H, W) tensor (as
-    ``v2.PILToTensor``); a tensor (a decoded JPEG, already uint8) passes through unchanged."""
+    """A PIL image -> uint8 (C, H, W) tensor (as ``v2.PILToTensor``); a tensor (a decoded JPEG,
+    already uint8) passes through unchanged. Every transform here has it, last or before steps that
+    need a tensor (random erasing)."""
 
     def forward(self, image):
         return image if isinstance(image, torch.Tensor) else TF.pil_to_tensor(image)
+
+
+class Uint8Pipeline(v2.Compose):
+    """A transform of this module: takes an 8-bit RGB PIL image or a uint8 (3, H, W) tensor and
+    returns a uint8 (3, K, K) tensor, the same image from either up to resampling rounding (the mark
+    by which :class:`SeededDataset` knows it may hand it decoded JPEG tensors)."""
 
 
 # --interpolation's names (fixres_dist.config.INTERPOLATIONS) -> torchvision's modes.
@@ -225,14 +235,58 @@ def _resize_for_crop(size: int, crop_ratio: float, interpolation: str) -> v2.Res
     return v2.Resize(round(size / crop_ratio), interpolation=_interpolation(interpolation), antialias=True)
 
 
-def train_transform(size: int, interpolation: str = "bilinear") -> v2.Transform:
-    """RandomResizedCrop(size) + horizontal flip, to a uint8 (3, size, size) tensor.
+# --auto-augment's names (fixres_dist.config.AUTO_AUGMENT_POLICIES) -> torchvision v2 policies, made
+# with ``interpolation=`` as torchvision's references/classification/presets.py make them.
+AUTO_AUGMENTS = dict(zip(AUTO_AUGMENT_POLICIES, (
+    v2.RandAugment,  # Cubuk et al. 2020, arXiv 1909.13719: 2 random ops of magnitude 9 of 31
+    v2.TrivialAugmentWide,  # Mueller & Hutter 2021, arXiv 2103.10158: 1 op, random magnitude
+    v2.AugMix,  # Hendrycks et al. 2020, arXiv 1912.02781: a Dirichlet mix of 3 op chains
+    functools.partial(v2.AutoAugment, v2.AutoAugmentPolicy.IMAGENET),  # Cubuk et al. 2019, arXiv 1805.09501
+), strict=True))
+
+
+def _erase_colour(fill) -> list[float]:
+    """The normalisation mean ``fill`` (3 floats on the 0-1 scale) on the uint8 scale: round(255 mean)."""
+    if (not isinstance(fill, (tuple, list)) or len(fill) != 3
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 for v in fill)):
+        raise FixresError(f"random erasing fill must be 3 numbers in [0, 1] (the normalisation mean), got {fill!r}")
+    return [float(round(255 * v)) for v in fill]
+
+
+def train_transform(size: int, interpolation: str = "bilinear", auto_augment: str | None = None,
+                    random_erase: float = 0.0, fill=None) -> v2.Transform:
+    """RandomResizedCrop(size) + horizontal flip [+ auto-augment] [+ random erasing], to a uint8
+    (3, size, size) tensor.
 
     Takes a PIL RGB image or a uint8 (3, H, W) tensor (what :class:`SeededDataset` gives for JPEGs).
-    ``interpolation``: ``bilinear`` (default), ``bicubic`` or ``nearest`` (:data:`INTERPOLATIONS`).
+    ``interpolation``: ``bilinear`` (default), ``bicubic`` or ``nearest`` (:data:`INTERPOLATIONS`)
+    for the crop's resize; the policy's rotations, shears and shifts use ``nearest`` for
+    ``nearest`` and ``bilinear`` otherwise (the two modes torchvision warps tensors with).
+    ``auto_augment``: ``None`` (default) or a policy of :data:`AUTO_AUGMENTS` after the flip:
+    ``ra`` RandAugment, ``ta_wide`` TrivialAugmentWide, ``augmix`` AugMix, ``imagenet`` AutoAugment's
+    ImageNet policy (torchvision defaults; pixels uncovered by a rotation or shift are black).
+    ``random_erase``: probability in [0, 1] of ``v2.RandomErasing`` (Zhong et al. 2020, arXiv
+    1708.04896; area 2-33 %, aspect 0.3-3.3), applied last as torchvision's references do, on the
+    uint8 tensor. The box is filled with ``fill``, the normalisation mean (3 floats on the 0-1 scale;
+    default ImageNet's, :data:`IMAGENET_MEAN`) as uint8 levels ``round(255 mean)``, so that after
+    :func:`normalize` it is 0 (within half a level), as the references' ``RandomErasing(value=0)``
+    on normalised images. With the defaults the output is bit for bit that of the crop and flip
+    alone. Raises :class:`FixresError` for values outside those.
     """
-    return v2.Compose([v2.RandomResizedCrop(size, interpolation=_interpolation(interpolation), antialias=True),
-                       v2.RandomHorizontalFlip(), ToUint8Tensor()])
+    mode = _interpolation(interpolation)
+    steps = [v2.RandomResizedCrop(size, interpolation=mode, antialias=True), v2.RandomHorizontalFlip()]
+    if auto_augment is not None:
+        if auto_augment not in AUTO_AUGMENTS:
+            raise FixresError(f"unknown auto-augment policy {auto_augment!r}; use one of {', '.join(AUTO_AUGMENTS)}")
+        warp = v2.InterpolationMode.NEAREST if interpolation == "nearest" else v2.InterpolationMode.BILINEAR
+        steps.append(AUTO_AUGMENTS[auto_augment](interpolation=warp))
+    steps.append(ToUint8Tensor())
+    if isinstance(random_erase, bool) or not isinstance(random_erase, (int, float)) or not 0 <= random_erase <= 1:
+        raise FixresError(f"random erasing probability must be in [0, 1], got {random_erase!r}")
+    colour = _erase_colour(IMAGENET_MEAN if fill is None else fill)
+    if random_erase > 0:
+        steps.append(v2.RandomErasing(p=random_erase, value=colour))
+    return Uint8Pipeline(steps)
 
 
 def test_transform(size: int, crop_ratio: float = CROP_RATIO, interpolation: str = "bilinear") -> v2.Transform:
@@ -242,7 +296,7 @@ def test_transform(size: int, crop_ratio: float = CROP_RATIO, interpolation: str
     ImageNet convention: 224 of 256 px; the model's own, :mod:`fixres_dist.preprocessing`);
     ``interpolation`` as :func:`train_transform`. Raises :class:`FixresError` for values outside those.
     """
-    return v2.Compose([_resize_for_crop(size, crop_ratio, interpolation), v2.CenterCrop(size), ToUint8Tensor()])
+    return Uint8Pipeline([_resize_for_crop(size, crop_ratio, interpolation), v2.CenterCrop(size), ToUint8Tensor()])
 
 
 def finetune_transform(size: int, augmentation: str = "test", crop_ratio: float = CROP_RATIO,
@@ -261,9 +315,9 @@ def finetune_transform(size: int, augmentation: str = "test", crop_ratio: float 
     if augmentation != "fixres":
         raise FixresError(f"unknown finetune augmentation {augmentation!r}; use test or fixres")
     shift = max(1, round(0.04 * size))
-    return v2.Compose([_resize_for_crop(size, crop_ratio, interpolation), v2.CenterCrop(size + 2 * shift),
-                       v2.RandomCrop(size), v2.RandomHorizontalFlip(),
-                       v2.ColorJitter(brightness=0.1, contrast=0.1, saturation=0.1), ToUint8Tensor()])
+    return Uint8Pipeline([_resize_for_crop(size, crop_ratio, interpolation), v2.CenterCrop(size + 2 * shift),
+                          v2.RandomCrop(size), v2.RandomHorizontalFlip(),
+                          v2.ColorJitter(brightness=0.1, contrast=0.1, saturation=0.1), ToUint8Tensor()])
 
 
 def normalize(images: torch.Tensor, normalization=IMAGENET_NORMALIZATION) -> torch.Tensor:
@@ -288,18 +342,36 @@ def to_device(images: torch.Tensor, device: torch.device, channels_last: bool = 
     return images.contiguous(memory_format=torch.channels_last) if channels_last else images
 
 
+@contextlib.contextmanager
+def seeded_cpu_generator(entropy):
+    """Within the block, torch's default CPU generator is seeded from
+    ``numpy.random.SeedSequence(entropy)`` (``entropy``: non-negative ints); its state is restored
+    afterwards. What ``torch.random.fork_rng(devices=[])`` + ``torch.manual_seed`` do for the CPU
+    generator alone, without their cost (0.4 ms a call) or reseeding CUDA's: torchvision's random
+    transforms draw their parameters from this generator whatever the data's device."""
+    generator = torch.default_generator
+    state = generator.get_state()
+    generator.manual_seed(int(np.random.SeedSequence(entropy).generate_state(1)[0]))
+    try:
+        yield
+    finally:
+        generator.set_state(state)
+
+
 class SeededDataset(Dataset):
-    """Applies ``transform`` with randomness that depends only on (seed, epoch, index).
+    """Applies ``transform`` with randomness that depends only on (seed, epoch, index, copy).
 
     Indexed by :class:`~fixres_dist.samplers.SampleKey`. The CPU torch generator is reseeded per
-    sample from ``numpy.random.SeedSequence([seed, epoch, index])`` (and restored afterwards), so the
-    same image gets the same crop whatever the rank, the loader worker or the restart point.
+    sample from ``numpy.random.SeedSequence([seed, epoch, index])`` for copy 0 (every sample without
+    repeated augmentation), ``[seed, epoch, index, copy]`` for the other copies of a repeated
+    augmentation (each its own draw), and restored afterwards, so the same image gets the same crop
+    whatever the rank, the loader worker or the restart point.
     Returns ``(uint8 tensor (3, H, W), int label)``, or ``None`` for an unreadable image when
     ``skip_bad_images`` (else :class:`FixresError` naming the file).
 
     For an :class:`ImageFolder` as made by :func:`image_folder` (loader
     :func:`fixres_dist.images.open_rgb`, no transforms of its own) and a transform of this module
-    (:func:`train_transform`, :func:`test_transform`, :func:`finetune_transform`), JPEG files reach
+    (a :class:`Uint8Pipeline`: :func:`train_transform`, :func:`test_transform`, :func:`finetune_transform`), JPEG files reach
     ``transform`` as decoded uint8 tensors (:func:`fixres_dist.images.read_image`), other formats as
     8-bit RGB PIL images; otherwise the dataset's own items (PIL images).
     """
@@ -310,7 +382,7 @@ class SeededDataset(Dataset):
         # ImageFolder transforms, and one of this module's transforms (they take tensors).
         self._read_files = (getattr(base, "loader", None) is images.open_rgb
                             and base.transform is None and base.target_transform is None
-                            and isinstance(transform, v2.Compose) and isinstance(transform.transforms[-1], ToUint8Tensor))
+                            and isinstance(transform, Uint8Pipeline))
 
     def __len__(self) -> int:
         return len(self.base)
@@ -329,16 +401,8 @@ class SeededDataset(Dataset):
                 return None
             raise FixresError(f"unreadable image {self.base.samples[key.index][0]} ({type(exc).__name__}: "
                               f"{first_line(exc)}); fix or remove it, or pass --skip-bad-images") from None
-        sample_seed = int(np.random.SeedSequence([self.seed, key.epoch, key.index]).generate_state(1)[0])
-        # What torch.random.fork_rng(devices=[]) + torch.manual_seed did, for the CPU generator alone
-        # (the transforms draw from it), without their cost (0.4 ms a sample) or reseeding CUDA's.
-        generator = torch.default_generator
-        state = generator.get_state()
-        generator.manual_seed(sample_seed)
-        try:
+        with seeded_cpu_generator([self.seed, key.epoch, key.index] + ([key.copy] if key.copy else [])):
             return self.transform(image), label
-        finally:
-            generator.set_state(state)
 
 
 def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -397,9 +461,10 @@ def close_loader(loader) -> None:
 def make_loader(dataset: ImageFolder, transform: v2.Transform, *, batch_size: int,
                 world_size: int, rank: int, shuffle: bool, seed: int, workers: int,
                 pin_memory: bool = False, skip_bad_images: bool = False, training: bool = False,
-                ignored_signals: tuple[signal.Signals, ...] = ()) -> DataLoader:
+                reps: int = 1, ignored_signals: tuple[signal.Signals, ...] = ()) -> DataLoader:
     """A DataLoader over ``dataset`` for one rank with an :class:`ExactBatchSampler` (``training``:
-    its training semantics, see :mod:`fixres_dist.samplers`).
+    its training semantics; ``reps``: repeated augmentation, K copies of each image per cycle of K
+    epochs, training only; see :mod:`fixres_dist.samplers`).
 
     Loader workers ignore ``ignored_signals`` (the job's stop signals): SLURM, ``timeout``, ``kill
     -- -PGID`` and Ctrl-C signal every process of a job, and a worker that died of it would take
@@ -410,7 +475,7 @@ def make_loader(dataset: ImageFolder, transform: v2.Transform, *, batch_size: in
     worker); augmentation itself is seeded per sample by :class:`SeededDataset`.
     """
     sampler = ExactBatchSampler(len(dataset), world_size, rank, batch_size, shuffle=shuffle, seed=seed,
-                                training=training)
+                                training=training, reps=reps)
     # Ranks started by torch.multiprocessing's spawn inherit "spawn" as the default start method,
     # and spawned loader workers re-import torch (seconds each on a small CPU); fork them instead,
     # with the stop signals blocked from the fork until the worker ignores them.

@@ -1,11 +1,10 @@
 """The training and evaluation loops, as functions of explicit arguments (no Trainer state).
 
-* :func:`train_step`: one optimizer step on this rank's share of a global batch;
+* :func:`train_step`: one optimizer step on this rank's share of a global batch (accumulated
+  micro-batches, MixUp/CutMix, gradient clipping as asked);
 * :func:`train_one_epoch`: the steps of one epoch (or of its rest, after a mid-epoch resume),
   with the caller's hooks for the learning rate and for what happens after each step;
 * :func:`evaluate`: exact top-1/top-5 over every validation image once, whatever the world size;
-* :func:`parameter_groups`: weight decay for weights, ``norm_weight_decay`` for norms and biases;
-* :func:`scaled_learning_rate`, :func:`warmup_cosine`: the learning rate and its schedule.
 
 Evaluation counts every validation image exactly once: each rank runs the *unwrapped* model on its
 share (an :class:`~fixres_dist.samplers.ExactBatchSampler` without shuffling; no padding
@@ -15,7 +14,6 @@ all-reduced in float64. Top-1/top-5 are percentages of the images counted.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from typing import Callable
 
@@ -26,30 +24,9 @@ from torch import nn
 
 from . import distributed
 from .data import IMAGENET_NORMALIZATION, to_device
-from .fixres import NORM_TYPES, eval_mode
+from .fixres import eval_mode
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
-REFERENCE_BATCH = 256  # --learning-rate is per this many images
-
-
-def scaled_learning_rate(base_lr: float, batch_per_rank: int, num_tasks: int) -> float:
-    """Linear scaling rule: ``base_lr x (batch_per_rank x num_tasks) / 256``.
-
-    ``base_lr`` is the rate for a global batch of 256 images (Goyal et al., "Accurate, Large
-    Minibatch SGD: Training ImageNet in 1 Hour", arXiv 1706.02677, section 2.1).
-    """
-    return base_lr * batch_per_rank * num_tasks / REFERENCE_BATCH
-
-
-def warmup_cosine(progress: float, epochs: int, warmup_epochs: float) -> float:
-    """LR factor at ``progress`` epochs: linear warmup (Goyal et al., section 2.2), then half a cosine.
-
-    A function of progress in epochs (not of a step count), so that it is unchanged when a run
-    resumes on another world size.
-    """
-    if progress < warmup_epochs:
-        return progress / warmup_epochs
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup_epochs) / max(1e-12, epochs - warmup_epochs))))
 
 
 def autocast(device: torch.device, amp: torch.dtype | None):
@@ -59,48 +36,68 @@ def autocast(device: torch.device, amp: torch.dtype | None):
     return torch.autocast(device.type, dtype=amp)
 
 
-def parameter_groups(model: nn.Module, weight_decay: float, norm_weight_decay: float) -> list[dict]:
-    """The trainable parameters of ``model`` as SGD groups: weights get ``weight_decay``, the
-    parameters of normalisation layers and every bias get ``norm_weight_decay``.
-
-    Decaying a BatchNorm scale or a bias towards zero does not regularise the function a network
-    computes the way a decayed weight does (the next normalisation undoes the scale), so common
-    recipes exempt them (``--norm-weight-decay 0``). Groups without parameters are left out.
-    """
-    norm_params = {id(p) for m in model.modules() if isinstance(m, NORM_TYPES) for p in m.parameters(recurse=False)}
-    weights, others = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            exempt = id(param) in norm_params or name.rsplit(".", 1)[-1] == "bias"
-            (others if exempt else weights).append(param)
-    groups = [{"params": weights, "weight_decay": weight_decay},
-              {"params": others, "weight_decay": norm_weight_decay}]
-    return [g for g in groups if g["params"]]
+def micro_batches(images: int, accumulation: int) -> int:
+    """How many micro-batches a share of ``images`` images is cut into for ``accumulation``
+    accumulated micro-batches per optimizer step: ``accumulation``, fewer for a small last share so
+    that every micro-batch keeps at least 2 images (BatchNorm cannot train on one), at least 1.
+    :func:`train_step` passes the smallest rank's share, so that every rank takes as many forward
+    passes (synchronised BatchNorm meets the other ranks in each)."""
+    return max(1, min(accumulation, images // 2))
 
 
 def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                images: torch.Tensor, labels: torch.Tensor, *, device: torch.device, world: int,
                global_batch: int | None = None, amp: torch.dtype | None = None, channels_last: bool = False,
-               label_smoothing: float = 0.0, normalization=IMAGENET_NORMALIZATION) -> torch.Tensor:
+               label_smoothing: float = 0.0, normalization=IMAGENET_NORMALIZATION, accumulation: int = 1,
+               no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+               mix: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+               clip_grad_norm: float | None = None) -> torch.Tensor:
     """One optimizer step on this rank's uint8 (B, 3, H, W) share of a global batch.
 
     The loss is the mean over the *global* batch (``global_batch`` images on all ``world`` ranks;
     default B x world): this rank's summed cross-entropy x world / global batch, which DDP's gradient
     averaging turns into exactly the gradient of one process on the whole batch, even when the last
-    batch is split unevenly. ``forward`` is the (DDP-wrapped, maybe compiled) model. Returns the
-    detached *summed* loss of this rank's images. ``normalization``: the model's input (mean, std).
+    batch is split unevenly. ``forward`` is the (DDP-wrapped, maybe compiled) model.
+
+    ``accumulation``: the share is cut into that many micro-batches (:func:`micro_batches`), each
+    forward and backward in turn, gradients summed; all but the last under ``no_sync()`` (DDP's, so
+    that gradients are all-reduced once per step). The step's gradient is the same as one pass over
+    the whole share (up to float rounding and BatchNorm, whose statistics are per micro-batch).
+    ``mix(images, labels, micro-batch index)``: MixUp/CutMix (:mod:`fixres_dist.mixing`) on the
+    normalised float images; returns them and float (b, classes) soft targets.
+    ``clip_grad_norm``: clip the global gradient norm (L2 over all parameters, after unscaling
+    fp16) to this before the step (``torch.nn.utils.clip_grad_norm_``).
+    Returns the detached *summed* loss of this rank's images (against the mixed targets if mixing).
     """
     images = to_device(images, device, channels_last, normalization)
     labels = labels.to(device, non_blocking=True)
-    with autocast(device, amp):
-        logits = forward(images)
-    loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum", label_smoothing=label_smoothing)
-    loss = loss_sum * (world / (global_batch or labels.numel() * world))
+    global_batch = global_batch or labels.numel() * world
+    scale = world / global_batch
     optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()  # fp16: scaled against underflow; otherwise as is
+    # The same count on every rank (shares differ by one image at most), unless unreadable images
+    # skipped left this share too small for it.
+    count = micro_batches(global_batch // world, accumulation)
+    if labels.numel() < 2 * count:
+        count = micro_batches(labels.numel(), accumulation)
+    total = None
+    for index, (part, part_labels) in enumerate(zip(images.tensor_split(count), labels.tensor_split(count))):
+        targets = part_labels
+        if mix is not None:
+            part, targets = mix(part, part_labels, index)
+        syncing = no_sync is None or index == count - 1
+        with contextlib.nullcontext() if syncing else no_sync():
+            with autocast(device, amp):
+                logits = forward(part)
+            loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum", label_smoothing=label_smoothing)
+            scaler.scale(loss_sum * scale).backward()  # fp16: scaled against underflow; otherwise as is
+        total = loss_sum.detach() if total is None else total + loss_sum.detach()
+    if clip_grad_norm is not None:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]],
+                                       clip_grad_norm)
     scaler.step(optimizer)
     scaler.update()
-    return loss_sum.detach()
+    return total
 
 
 class EpochMeter:

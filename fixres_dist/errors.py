@@ -12,6 +12,12 @@ class FixresError(Exception):
     """A user-facing error; its message is one line that says what is wrong and what to do."""
 
 
+class FixresWarning(UserWarning):
+    """A warning about a run that goes on (an EMA too slow to move, a finetune below the train
+    resolution, a TensorBoard log that stopped). The Trainer also logs it as a ``warning:`` line, so a
+    run started with ``Trainer(config)()`` (as the scripts do) shows only that line."""
+
+
 def user_message(exc: BaseException) -> str | None:
     """The one-line message of a FixresError, also when a DataLoader worker re-raised it wrapped."""
     if isinstance(exc, FixresError) and "Original Traceback" not in str(exc):
@@ -21,6 +27,11 @@ def user_message(exc: BaseException) -> str | None:
     if marker in text:
         return text.rsplit(marker, 1)[1].strip().splitlines()[0]
     return None
+
+
+def plural(count: int, word: str) -> str:
+    """``"1 rank"``, ``"2 ranks"``, ``"0 updates"``: a count and its noun, for messages."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def first_line(exc: BaseException) -> str:

@@ -26,7 +26,7 @@ import attrs
 import torch.multiprocessing as mp
 
 from . import (checkpoint, cli, data, distributed, extraction, file_index, fixres, io, joblock, lineage, models,
-               placement, resolutions, weights)
+               placement, resolutions, tensorboard_events, weights)
 from .cli import build_parser, config_fields
 from .config import TrainerConfig
 from .errors import FixresError, first_line, say, user_message
@@ -59,6 +59,14 @@ def preflight(config: TrainerConfig) -> str:
     root = config.data_path or data.embedded_data_path()
     index = file_index.data_index(root, config.file_index_folder)
     classes = data.check_image_folder(root, 2 * config.num_tasks, index)
+    if config.grad_accum_steps > 1 and not config.eval_only:
+        train_images = sum(len(paths) for paths in index.scan("train").images.values())
+        step = config.batch * config.num_tasks * config.grad_accum_steps
+        if step > train_images:
+            raise FixresError(f"--grad-accum-steps {config.grad_accum_steps}: one step would take {step:,} images "
+                              f"(--batch {config.batch} x {config.num_tasks} rank(s) x {config.grad_accum_steps}), more "
+                              f"than the {train_images:,} training images; the linear scaling rule would count images "
+                              "that are not there")
     shared = Path(config.shared_folder_path).absolute()
     existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
@@ -79,6 +87,9 @@ def preflight(config: TrainerConfig) -> str:
         models.check_resolution(config.architecture, size)
     if config.extract_features:
         extraction.check_destination(config.extract_features, config.overwrite)
+    if config.tensorboard:
+        tensorboard_events.check_available()
+        tensorboard_events.check_folder(config.job_folder)
     found = weights.read_weight_file(config.weight_path, config.weight_key) if config.weight_path else None
     resolutions.check_run_sizes(config, len(classes), lineage.for_run(config, found).train_size)
     if found:

@@ -62,9 +62,11 @@ def finetune_table(history: list[dict], architecture: str, num_tasks: int, input
     return "\n".join(lines)
 
 
-def sweep_report(history: list[dict], network: Lineage, title: str, folder: Path | None) -> tuple[str, dict]:
+def sweep_report(history: list[dict], network: Lineage, title: str, folder: Path | None,
+                 on_figure=None) -> tuple[str, dict]:
     """Table of the sweeps in ``history`` of the network ``network``; with ``folder`` (rank 0) also
-    writes the table and the plot there.
+    writes the table and the plot there, and gives the plot's matplotlib Figure to ``on_figure``
+    (e.g. TensorBoard's, :mod:`fixres_dist.tensorboard_events`) if given.
 
     Returns ``(text, fields of the "sweep" event)``: the latest stage, the best resolution, the
     from-scratch train resolution and the FixRes finetune resolution (pixels, None when unknown or
@@ -80,7 +82,9 @@ def sweep_report(history: list[dict], network: Lineage, title: str, folder: Path
     text = table(stages, best, network, estimate, title)
     if folder is not None:
         write_private(folder / TABLE_FILE, text + "\n")
-        plot(folder / PLOT_FILE, stages, best, network, estimate, title)
+        figure = plot(folder / PLOT_FILE, stages, best, network, estimate, title)
+        if on_figure is not None:
+            on_figure(figure)
     return text, {"stage": latest, "best_resolution": best, "train_resolution": network.train_size,
                   "finetuned_at": network.finetuned_at, "apparent_size_estimate": estimate}
 

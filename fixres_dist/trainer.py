@@ -9,8 +9,13 @@ the story, top to bottom:
   resolution if ``--input-size auto``); freeze what does not train, build the optimizer and wrap in
   DDP; restore the checkpoint;
 * :meth:`Trainer.fit`: (``--eval-only``: evaluate, report and stop) train epoch by epoch, averaging
-  BatchNorm statistics over ranks, evaluating exactly, checkpointing; then the resolution sweep,
-  the FixRes table and the feature extraction, as asked.
+  BatchNorm statistics over ranks, evaluating exactly (and the weights' EMA, ``--model-ema``),
+  checkpointing; then the resolution sweep, the FixRes table and the feature extraction, as asked.
+
+A step (:func:`fixres_dist.engine.train_step`) takes this rank's share of a global batch, in
+``--grad-accum-steps`` micro-batches, mixed (:mod:`fixres_dist.mixing`) and clipped as asked; the
+optimizer and the learning-rate schedule are :mod:`fixres_dist.optim`'s; rank 0 also writes
+TensorBoard curves (:mod:`fixres_dist.tensorboard_events`).
 
 The loops are :mod:`fixres_dist.engine`, the stop agreement :mod:`fixres_dist.preemption`, the
 tables :mod:`fixres_dist.reports`. Rank 0 alone logs, shows progress and writes files; checkpoints
@@ -30,6 +35,7 @@ import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import attrs
@@ -38,15 +44,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from . import (batchnorm, checkpoint, data, distributed, engine, extraction, file_index, finite, fixres, io, joblock,
-               lineage, models, placement, preprocessing, progress, reports, resolutions, sweep, weights)
+from . import (batchnorm, mixing, checkpoint, data, distributed, engine, extraction, file_index, finite, fixres, io, joblock,
+               lineage, models, optim, placement, preprocessing, progress, recipes, reports, resolutions, sweep, weights)
+from .ema import ModelEMA
 from .config import CONFIG_FILE, TrainerConfig
 from .engine import AMP_DTYPES, EvalResult
-from .errors import FixresError, first_line, is_terminal, user_message
+from .errors import FixresError, FixresWarning, first_line, is_terminal, plural, user_message
 from .faults import FaultInjector
 from .metrics import METRICS_FILE, MetricsLog
 from .preemption import Preempted, StepAgreement, StopSignals, stop_signals
 from .rendezvous import LostPeers, NetworkInterrupted, RendezvousInterrupted
+
+BOARD_KEY = "tensorboard_at"  # checkpoint entry: where the job's TensorBoard event files stop (images trained on)
 
 @attrs.frozen
 class RunResult:
@@ -110,7 +119,14 @@ class Trainer:
         self.new_head: tuple[int, int] | None = None  # (classes, the weight file's head's classes) if new
         self.model = self.ddp = self.forward = None  # unwrapped, DDP-wrapped, maybe compiled
         self.optimizer = self.scaler = None
-        self.base_lr = engine.scaled_learning_rate(config.learning_rate, config.batch, config.num_tasks)
+        self.ema: ModelEMA | None = None  # --model-ema
+        self.mixing: mixing.BatchMixing | None = None  # --mixup-alpha/--cutmix-alpha (enabled or not)
+        self.board = None  # rank 0's TensorBoard event files with --tensorboard (tensorboard_events.py)
+        self._board_every = 1  # optimizer steps between two per-step points of the training curves
+        self._board_until = 0  # images trained on at the last checkpoint written while the event log worked
+        self._progress = 0.0  # epochs of training done when the current step started (the LR schedule's)
+        self.base_lr = optim.scaled_learning_rate(config.learning_rate, config.batch, config.num_tasks,
+                                                  config.grad_accum_steps)
         self.amp = AMP_DTYPES[config.amp]
         # What the weights expect of their input (normalisation, test crop, interpolation); the
         # architecture's until _build_model has read the weight file (preprocessing.resolve).
@@ -124,15 +140,17 @@ class Trainer:
         self.resumed = None  # (path, state) of the checkpoint to resume from
         self._resumed_sums, self._resumed_seconds = (0.0, 0.0, 0.0), 0.0  # the epoch so far, before a resume
         self._unsaved = False  # trained since the last checkpoint
-        self._checkpoint_step: int | None = None  # global step of this job's latest checkpoint
         # Rank 0's progress display (progress.py): measured rates, what the job still has to evaluate.
         self.clock = progress.JobClock()
-        self._phase = "train"  # "train" (also before it), "epoch-eval" (an epoch's evaluation), "final"
+        # "train" (also before it), "epoch-eval" / "epoch-eval-ema" (an epoch's evaluation of the weights /
+        # of their EMA), "final"
+        self._phase = "train"
         self._sweep_rest: list[int] = []  # resolutions of the sweep in progress after the current one
 
     # ----------------------------------------------------------------- the story
     def __call__(self) -> RunResult:
-        with self.stops:
+        with self.stops, warnings.catch_warnings():
+            warnings.simplefilter("ignore", FixresWarning)  # rank 0 logs each as a "warning:" line
             try:
                 self.build()
                 return self.fit()
@@ -182,6 +200,7 @@ class Trainer:
         if self.rank0:  # only now: a refused resume must leave the folder as it was
             io.write_private(cfg.job_folder / CONFIG_FILE, cfg.to_json() + "\n")
             self.metrics.rewrite(self.history)  # drops events the checkpoint does not know of
+            self._open_board()
         self._build_model()
         if cfg.eval_only:
             return
@@ -202,8 +221,15 @@ class Trainer:
                 self.train_epoch()
                 if cfg.dist_bn == "reduce":
                     distributed.average_batchnorm_statistics(self.model)
+                if self.ema is not None:
+                    self.ema.average_statistics(self.model)
             self._phase = "epoch-eval"
-            self._evaluate(self.epoch + 1, self.eval_size, what=f"epoch {self.epoch + 1}/{cfg.epochs}")
+            what = f"epoch {self.epoch + 1}/{cfg.epochs}"
+            if not self._evaluated(self.epoch + 1, "eval"):
+                self._evaluate(self.epoch + 1, self.eval_size, what=what)
+            if self.ema is not None and not self._evaluated(self.epoch + 1, "ema_eval"):
+                self._phase = "epoch-eval-ema"
+                self._evaluate(self.epoch + 1, self.eval_size, what=what, ema=True)
             self.epoch, self.images_in_epoch = self.epoch + 1, 0
             self._save_checkpoint()
             self._stop_if_asked()
@@ -236,6 +262,9 @@ class Trainer:
             self.rendezvous.stop_heartbeat()
         distributed.destroy_process_group()
         self.rendezvous = self.control_group = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -280,6 +309,8 @@ class Trainer:
                 if cfg.job_id == cfg.derived_job_id() else ""
             self.log(f"job {cfg.job_id}{derived}: {self.run_name} {cfg.architecture}, {cfg.num_tasks} rank(s) on "
                      f"{self.device.type}, folder {cfg.job_folder}")
+            if cfg.recipe:
+                self.log(recipes.describe(cfg))
         else:
             joblock.check_joinable(cfg.job_folder, cfg.global_rank)
         try:
@@ -331,9 +362,11 @@ class Trainer:
             raise FixresError(f"{len(self.train_set)} training images are too few for {cfg.num_tasks} ranks")
 
     def _loader(self, dataset, transform, training: bool):
-        """A loader of this rank's share: shuffled with training semantics, or in order (evaluation)."""
+        """A loader of this rank's share: shuffled with training semantics (an optimizer step's share:
+        ``--grad-accum-steps`` micro-batches; ``--ra-sampler``'s repeats), or in order (evaluation)."""
         cfg = self.config
-        return data.make_loader(dataset, transform, batch_size=cfg.batch, world_size=cfg.num_tasks,
+        return data.make_loader(dataset, transform, batch_size=cfg.batch * (cfg.grad_accum_steps if training else 1),
+                                reps=cfg.ra_reps if training else 1, world_size=cfg.num_tasks,
                                 rank=cfg.global_rank, shuffle=training, seed=cfg.seed, workers=cfg.workers,
                                 pin_memory=self.device.type == "cuda", skip_bad_images=cfg.skip_bad_images,
                                 training=training, ignored_signals=stop_signals(cfg.preempt_signal))
@@ -352,6 +385,46 @@ class Trainer:
         self.history = list(state["metrics"])
         self.input_size = state.get("input_size", self.input_size)  # --input-size auto: the size chosen
         self.resumed = (path, state)
+
+    def _open_board(self) -> None:
+        """Rank 0, ``--tensorboard``: open the job's event files where the checkpoint resumed from, or
+        where they stop if that is earlier (the log was off or had failed); what an interrupted run
+        wrote after that point is hidden and the events the checkpoint knows are rewritten from it (no
+        duplicate points on a curve, no gap in the per-epoch ones)."""
+        per_epoch = self._images_per_epoch
+        path, state = self.resumed if self.resumed is not None else (None, {"epoch": 0, "images_in_epoch": 0})
+        resume_at = state["epoch"] * per_epoch + state["images_in_epoch"]
+        if path is not None and Path(path).resolve().parent == self.config.job_folder.resolve():  # else this folder holds no events yet
+            self._board_until = state.get(BOARD_KEY, resume_at if state["config"].get("tensorboard") else 0)
+        if not self.config.tensorboard:
+            return  # the checkpoints carry on where the event files stop
+        from .tensorboard_events import TensorBoardLog
+
+        since = min(resume_at, self._board_until)
+        self.board = TensorBoardLog(self.config.job_folder, per_epoch, resume_at=since, on_failure=self._board_failed)
+        self.log(f"TensorBoard: event files in {self.board.folder} (x axis: images trained on; "
+                 f"tensorboard --logdir {self.board.folder})"
+                 + (f"; the curves from image {since:,} on rewritten from the checkpoint's history" if since < resume_at
+                    else ""))
+        self.board.replay(self.history, since=since)
+        self._board_until = since
+        steps = -(-per_epoch // (self.config.batch * self.config.grad_accum_steps * self.config.num_tasks))
+        self._board_every = max(1, steps // 50)  # about 50 points an epoch
+
+    def _board_failed(self, message: str) -> None:
+        """The TensorBoard log stopped (a write failed): say so once; training goes on."""
+        self.board = None
+        self._warn(f"{message}; training goes on (metrics.jsonl has every figure)")
+
+    @property
+    def _board_position(self) -> int:
+        """Images trained on since the job started: the x axis of the TensorBoard curves."""
+        return self.epoch * self._images_per_epoch + self.images_in_epoch
+
+    @property
+    def _images_per_epoch(self) -> int:
+        """Training images per epoch (the x axis of the TensorBoard curves counts images trained on)."""
+        return self.train_loader.batch_sampler.dataset_size if self.train_loader is not None else len(self.train_set)
 
     def _build_model(self) -> None:
         """The unwrapped classifier at ``self.input_size`` (``--eval-only``: the first size evaluated),
@@ -389,9 +462,8 @@ class Trainer:
             self.log(f"finetuning ({cfg.finetune_scope}) {count:,} of {sum(p.numel() for p in self.model.parameters()):,} "
                      f"parameters in {len(trainable)} tensors: {', '.join(trainable)}")
             below = fixres.finetune_resolution_warning(self.train_size, self.input_size)
-            if below and self.rank0:
-                warnings.warn(below, stacklevel=2)
-                self.log(f"warning: {below}")
+            if below:
+                self._warn(below)
             if cfg.num_tasks > 1:  # trainable BatchNorms see the union of all ranks' images
                 norms = [name for name, m in self.model.named_modules() if isinstance(m, fixres.NORM_TYPES)
                          and any(p.requires_grad for p in m.parameters(recurse=False))]
@@ -402,20 +474,57 @@ class Trainer:
             synchronised = batchnorm.synchronise(self.model, None, self.device.type)
             self.log(f"--sync-bn: {len(synchronised)} BatchNorm layers synchronised over {cfg.num_tasks} ranks")
         prep = self.preprocessing
-        transform = data.train_transform(self.input_size, prep.interpolation) if cfg.mode == "scratch" else \
+        transform = data.train_transform(self.input_size, prep.interpolation, cfg.auto_augment, cfg.random_erase,
+                                         prep.normalization[0]) if cfg.mode == "scratch" else \
             data.finetune_transform(self.input_size, cfg.finetune_augmentation, prep.crop_ratio, prep.interpolation)
         if self.train_loader is None:
             self.train_loader = self._loader(self.train_set, transform, training=True)
-        self.optimizer = torch.optim.SGD(engine.parameter_groups(self.model, cfg.weight_decay, cfg.norm_weight_decay),
-                                         lr=self.base_lr, momentum=cfg.momentum)
-        self.log(f"lr {self.base_lr:g} = {cfg.learning_rate:g} x {cfg.batch} x {cfg.num_tasks} / {engine.REFERENCE_BATCH} "
-                 f"(linear scaling rule), {len(self.train_loader)} steps per epoch")
+        self.optimizer = optim.build_optimizer(cfg.opt, optim.parameter_groups(self.model, cfg.weight_decay,
+                                                                               cfg.norm_weight_decay),
+                                               self.base_lr, cfg.momentum)
+        accumulated = f" x {cfg.grad_accum_steps} accumulated" if cfg.grad_accum_steps > 1 else ""
+        self.log(f"{cfg.opt} lr {self.base_lr:g} = {cfg.learning_rate:g} x {cfg.batch} x {cfg.num_tasks}{accumulated} / "
+                 f"{optim.REFERENCE_BATCH} (linear scaling rule), {len(self.train_loader)} steps per epoch"
+                 + (f", repeated augmentation x{cfg.ra_reps} (an epoch: about {-(-len(self.train_set) // cfg.ra_reps):,} "
+                    f"images, {cfg.ra_reps} copies each)" if cfg.ra_reps > 1 else "")
+                 + (" (more copies than ranks: some copies of an image share a rank)" if cfg.ra_reps > cfg.num_tasks
+                    else ""))
+        self._check_schedule()
+        self.mixing = mixing.BatchMixing(cfg.mixup_alpha, cfg.cutmix_alpha, len(self.classes), cfg.seed)
+        if cfg.model_ema:
+            self.ema = ModelEMA(self.model, cfg.model_ema_decay, cfg.model_ema_steps)
+            self._check_ema_horizon()
         self.ddp = self.model if cfg.num_tasks == 1 else DistributedDataParallel(
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
             forward_sync_buffers=cfg.dist_bn == "broadcast")
         self.scaler = torch.amp.GradScaler("cuda", enabled=cfg.amp == "fp16")
         # compiled lazily, at the first step (see _forward)
         self.forward = torch.compile(self.ddp, backend=cfg.compile) if cfg.compile else self.ddp
+
+    def _check_schedule(self) -> None:
+        """Warn when the learning-rate schedule cannot run its course in this run (a recipe's or the
+        default warmup kept on a much shorter run): the rate would only rise, or never step down."""
+        cfg = self.config
+        after = cfg.epochs - cfg.warmup_epochs
+        if cfg.warmup_epochs and after <= 0:
+            self._warn(f"--warmup-epochs {cfg.warmup_epochs:g} covers the whole run ({plural(cfg.epochs, 'epoch')}): the "
+                       "learning rate only rises and never decays; lower --warmup-epochs")
+        elif cfg.lr_scheduler == "step" and cfg.lr_step_size >= after:
+            self._warn(f"--lr-step-size {cfg.lr_step_size} is not less than the {after:g} epochs after the warmup: "
+                       "the step schedule never decays in this run; lower --lr-step-size")
+
+    def _check_ema_horizon(self) -> None:
+        """Warn when the run gives the EMA too few updates after the warmup to move from where it started
+        (a recipe's decay kept on a much shorter run): it would report the starting weights."""
+        cfg = self.config
+        steps = len(self.train_loader) * cfg.epochs
+        updates = max(0, steps - math.ceil(cfg.warmup_epochs * len(self.train_loader))) // cfg.model_ema_steps
+        kept = cfg.model_ema_decay ** updates
+        if kept > 0.1:
+            message = (f"--model-ema gets {plural(updates, 'update')} after the warmup in this run (one every "
+                       f"{cfg.model_ema_steps} of {steps} steps): with decay {cfg.model_ema_decay:g} the average keeps "
+                       f"{100 * kept:.0f} % of the weights it started from; lower --model-ema-steps or --model-ema-decay")
+            self._warn(message)
 
     def _restore(self, path, state: dict) -> None:
         """Continue from ``state``: parameters, optimizer, position in the epoch, RNG and BatchNorm buffers."""
@@ -429,18 +538,19 @@ class Trainer:
         self._resumed_sums = state.get("epoch_sums") or (0.0, 0.0, 0.0)  # the epoch's loss so far
         self._resumed_seconds = state.get("epoch_seconds", 0.0)
         ranks = state["ranks"]
-        if len(ranks) == cfg.num_tasks:
-            mine = ranks[cfg.global_rank]
-            checkpoint.set_rng_state(mine["rng"])
-            self.model.load_state_dict({**self.model.state_dict(), **mine["buffers"]})
-        else:
-            averaged = {k: sum(r["buffers"][k].double() for r in ranks) / len(ranks) for k in ranks[0]["buffers"]}
-            self.model.load_state_dict({**self.model.state_dict(),
-                                        **{k: v.to(ranks[0]["buffers"][k].dtype) for k, v in averaged.items()}})
-            self.log(f"warning: resuming a {len(ranks)}-rank checkpoint on {cfg.num_tasks} ranks: lr re-derived "
-                     f"by the linear scaling rule ({self.base_lr:g}), BatchNorm statistics averaged, epoch "
-                     f"{self.epoch + 1} continues at image {self.images_in_epoch} of {len(self.train_set)} "
-                     "of the same permutation (no image repeated); RNG streams restart")
+        same_world = len(ranks) == cfg.num_tasks
+        if same_world:
+            checkpoint.set_rng_state(ranks[cfg.global_rank]["rng"])
+        buffers = checkpoint.rank_buffers(ranks, cfg.global_rank if same_world else None)
+        self.model.load_state_dict({**self.model.state_dict(), **buffers})
+        if self.ema is not None:
+            self.ema.load(state["model_ema"], state["model_ema_state"],
+                          checkpoint.rank_buffers(ranks, cfg.global_rank if same_world else None, "ema_buffers"))
+        if not same_world:
+            self._warn(f"resuming a {len(ranks)}-rank checkpoint on {plural(cfg.num_tasks, 'rank')}: lr re-derived "
+                       f"by the linear scaling rule ({self.base_lr:g}), BatchNorm statistics averaged, epoch "
+                       f"{self.epoch + 1} continues at image {self.images_in_epoch} of {len(self.train_set)} "
+                       "of the same permutation (no image repeated); RNG streams restart")
         if self.epoch >= cfg.epochs:
             self.log(f"{path}: this job already completed its {cfg.epochs} epochs; nothing to do "
                      "(use another --job-id for a new run)")
@@ -510,10 +620,17 @@ class Trainer:
         cfg = self.config
         if cfg.eval_only or self._phase == "final":
             return list(self._sweep_rest)
-        epochs = cfg.epochs - self.epoch - (self._phase == "epoch-eval")
+        epochs = cfg.epochs - self.epoch - self._phase.startswith("epoch-eval")
+        this_epochs_ema = [self.eval_size] if self._phase == "epoch-eval" and self.ema is not None else []
         final = (self._finetune_sweep_sizes() if cfg.mode == "finetune" else list(cfg.test_sizes)) \
             if cfg.test_sizes else []
-        return [*self._sweep_rest, *[self.eval_size] * epochs, *final]
+        return [*self._sweep_rest, *this_epochs_ema, *[self.eval_size] * (epochs * (2 if self.ema is not None else 1)),
+                *final]
+
+    def _evaluated(self, epoch: int, event: str) -> bool:
+        """Whether epoch ``epoch``'s evaluation (``eval``, or ``ema_eval`` of the EMA) is recorded: a stop
+        during the epoch's evaluations leaves the ones done in the checkpoint."""
+        return any(e["event"] == event and e["epoch"] == epoch and "label" not in e for e in self.history)
 
     def _epoch_recorded(self) -> bool:
         """Whether epoch ``self.epoch`` already has its ``train`` event (trained, not yet evaluated)."""
@@ -528,17 +645,32 @@ class Trainer:
         loss = engine.train_step(self._forward, self.optimizer, self.scaler, images, labels, device=self.device,
                                  world=cfg.num_tasks, global_batch=global_batch, amp=self.amp,
                                  channels_last=cfg.channels_last, label_smoothing=cfg.label_smoothing,
-                                 normalization=self.preprocessing.normalization)
+                                 normalization=self.preprocessing.normalization, accumulation=cfg.grad_accum_steps,
+                                 no_sync=self.ddp.no_sync if self.ddp is not self.model else None,
+                                 mix=self._mix if self.mixing.enabled else None, clip_grad_norm=cfg.clip_grad_norm)
         self.watch.observe(self.global_step + 1, loss)
+        if self.board is not None and self.global_step % self._board_every == 0:  # rank 0's images' loss
+            self.board.step_scalars(self._board_position, loss.item() / labels.numel(),
+                                    self.optimizer.param_groups[0]["lr"])
         return loss
 
+    def _mix(self, images: torch.Tensor, labels: torch.Tensor, micro_batch: int):
+        """MixUp/CutMix of one micro-batch, drawn from (seed, step, rank, micro-batch) alone: the same
+        after a resume (:mod:`fixres_dist.mixing`)."""
+        return self.mixing(images, labels, (self.global_step + 1, self.config.global_rank, micro_batch))
+
     def _set_learning_rate(self, progress: float) -> None:
-        lr = self.base_lr * engine.warmup_cosine(progress, self.config.epochs, self.config.warmup_epochs)
+        cfg = self.config
+        self._progress = progress
+        lr = self.base_lr * optim.lr_factor(progress, cfg.epochs, cfg.warmup_epochs, cfg.lr_scheduler,
+                                            cfg.lr_step_size, cfg.lr_gamma)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def _after_step(self, images_done: int) -> None:
         self.images_in_epoch, self.global_step = images_done, self.global_step + 1
+        if self.ema is not None:
+            self.ema.after_step(self.model, self.global_step, warming_up=self._progress < self.config.warmup_epochs)
         self._unsaved = True
         self.faults.after_step(self.global_step)
         checkpoint_due = bool(self.config.ckpt_every) and self.global_step % self.config.ckpt_every == 0
@@ -559,9 +691,8 @@ class Trainer:
         try:
             logits = self.forward(images)
         except Exception as exc:  # any compiler failure; a genuine error recurs below, uncompiled
-            warnings.warn(f"--compile {self.config.compile} failed ({type(exc).__name__}: {first_line(exc)}); "
-                          "continuing uncompiled", stacklevel=2)
-            self.log(f"warning: torch.compile failed ({type(exc).__name__}: {first_line(exc)}); continuing uncompiled")
+            self._warn(f"--compile {self.config.compile} failed ({type(exc).__name__}: {first_line(exc)}); "
+                       "continuing uncompiled")
             self.forward, self._compile_checked = self.ddp, True
             return self.ddp(images)
         self._compile_checked = True
@@ -621,16 +752,18 @@ class Trainer:
         raise Preempted(f"{how}; stopped at {where}: {done}", stop)
 
     # ------------------------------------------------------------- evaluation
-    def _evaluate(self, epoch: int, size: int, label: str = "", what: str = "") -> EvalResult:
-        """Exact top-1/top-5 at test resolution ``size`` (pixels); recorded as an ``eval`` event.
-        ``what``: where it stands in the job, for the progress bar (``"epoch 2/6"``, ``"2/3 of the sweep ..."``)."""
+    def _evaluate(self, epoch: int, size: int, label: str = "", what: str = "", ema: bool = False) -> EvalResult:
+        """Exact top-1/top-5 at test resolution ``size`` (pixels); recorded as an ``eval`` event, or with
+        ``ema`` of the weights' moving average, as an ``ema_eval`` event. ``what``: where it stands in
+        the job, for the progress bar (``"epoch 2/6"``, ``"2/3 of the sweep ..."``)."""
         if size not in self.val_loaders:
             self.val_loaders[size] = self._loader(self.val_set, self._test_transform(size), training=False)
         started = time.perf_counter()
-        bar = progress.Bar(len(self.val_set), f"eval {size} px" + (f" ({what})" if what else ""),
+        network = self.ema.module if ema else self.model
+        bar = progress.Bar(len(self.val_set), f"eval{' EMA' if ema else ''} {size} px" + (f" ({what})" if what else ""),
                            enabled=self.show_progress, postfix=lambda b: self._job_left(b, size))
         try:
-            result = engine.evaluate(models.for_resolution(self.model, size), self.val_loaders[size], self.device,
+            result = engine.evaluate(models.for_resolution(network, size), self.val_loaders[size], self.device,
                                      self.amp, self.config.channels_last, self.preprocessing.normalization,
                                      after_batch=self._after_eval_batch, progress_bar=bar if bar.enabled else None)
         finally:
@@ -640,9 +773,9 @@ class Trainer:
             raise finite.NonFiniteLoss(f"non-finite outputs (NaN or infinity) evaluating at {size} px"
                                        f"{f' after epoch {epoch}' if epoch else ''}: the weights diverged or "
                                        "overflow; nothing more is written")
-        self._record("eval", epoch=epoch, resolution=size, top1=result.top1, top5=result.top5,
+        self._record("ema_eval" if ema else "eval", epoch=epoch, resolution=size, top1=result.top1, top5=result.top5,
                      loss=result.loss, images=result.images, **({"label": label} if label else {}))
-        self.log(f"eval{' ' + label if label else ''} @{size}px: top-1 {result.top1:.2f} %, "
+        self.log(f"eval{' EMA' if ema else ''}{' ' + label if label else ''} @{size}px: top-1 {result.top1:.2f} %, "
                  f"top-5 {result.top5:.2f} %, loss {result.loss:.4f} ({result.images} images)")
         return result
 
@@ -691,9 +824,14 @@ class Trainer:
         """Table and plot of the sweeps so far (resolution_sweep.md/.png); names the best resolution."""
         cfg = self.config
         title = f"top-1 against test resolution: {cfg.architecture}, {self.run_name}\njob {cfg.job_id}"
-        text, fields = reports.sweep_report(self.history, self.network, title, cfg.job_folder if self.rank0 else None)
+        text, fields = reports.sweep_report(self.history, self.network, title, cfg.job_folder if self.rank0 else None,
+                                            on_figure=self._board_figure)
         self._record("sweep", run=self.run_name, **fields)
         self.log("\n" + text + f"\nplot: {cfg.job_folder / reports.PLOT_FILE}")
+
+    def _board_figure(self, figure) -> None:
+        if self.board is not None:
+            self.board.figure("resolution_sweep", figure, self._board_position)
 
     def _extract_features(self) -> None:
         """Logits, embeddings and labels of ``--extract-split`` at the test resolution (extraction.py)."""
@@ -715,9 +853,8 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         """All ranks: gather per-rank RNG and BatchNorm buffers; rank 0 writes; all learn the outcome."""
         cfg = self.config
-        mine = {"rng": checkpoint.rng_state(),
-                "buffers": {k: v.cpu() for k, v in self.model.state_dict().items()
-                            if k.endswith(("running_mean", "running_var", "num_batches_tracked"))}}
+        mine = {"rng": checkpoint.rng_state(), "buffers": checkpoint.buffers_of(self.model),
+                **({"ema_buffers": checkpoint.buffers_of(self.ema.module)} if self.ema is not None else {})}
         ranks = distributed.gather_object(mine, self.control_group)
         sums = self.meter.totals() if self.meter is not None and self.images_in_epoch else \
             torch.zeros(3, dtype=torch.float64, device=self.device)
@@ -726,6 +863,8 @@ class Trainer:
             self._diverged(self.global_step)
         error = None
         if self.rank0:
+            if self.board is not None:  # the event files hold the curves up to here
+                self._board_until = self._board_position
             dataset_size = self.train_loader.batch_sampler.dataset_size
             try:
                 checkpoint.save_checkpoint(cfg.job_folder, {
@@ -735,7 +874,10 @@ class Trainer:
                     "input_size": self.input_size, "epoch_sums": epoch_sums, "epoch": self.epoch,
                     "images_in_epoch": self.images_in_epoch, "global_step": self.global_step, "ranks": ranks,
                     "epoch_seconds": self.meter.seconds() if self.meter is not None and self.images_in_epoch else 0.0,
-                    "config": cfg.to_dict(), "metrics": self.history, lineage.RECORD_KEY: self.network.record()},
+                    "config": cfg.to_dict(), "metrics": self.history, lineage.RECORD_KEY: self.network.record(),
+                    BOARD_KEY: self._board_until,
+                    **({"model_ema": self.ema.state_dict(), "model_ema_state": self.ema.extra_state()}
+                       if self.ema is not None else {})},
                     self.global_step, cfg.keep_checkpoints, self.faults.checkpoint_write, protect=cfg.resume)
             except FixresError as exc:
                 error = str(exc)
@@ -748,7 +890,16 @@ class Trainer:
         entry = MetricsLog.event(event, **fields)  # with its time, which a resumed run's rewrite keeps
         self.history.append(entry)
         self.metrics.write(entry)
+        if self.board is not None:
+            self.board.event(entry)
 
     def log(self, message: str) -> None:
         if self.rank0:
             self._log(message)
+
+    def _warn(self, message: str) -> None:
+        """Rank 0: a :class:`~fixres_dist.errors.FixresWarning` and a ``warning:`` line in the log
+        (``Trainer(config)()`` shows only the line)."""
+        if self.rank0:
+            warnings.warn(message, FixresWarning, stacklevel=3)
+            self.log(f"warning: {message}")

@@ -136,6 +136,7 @@ def _is_state_dict(value) -> bool:
 def _pick(path: Path, payload, weight_key: str | None, placeholders: tuple[str, ...]) -> tuple[str | None, list[str]]:
     """``(entry holding the weights or None for a plain state_dict, other state_dict entries)``."""
     top = list(payload) if isinstance(payload, dict) else []
+    top.sort(key=lambda k: not _is_state_dict(payload[k]))  # the entries that could hold weights first
     listed = ", ".join(map(str, top[:12])) + (", ..." if len(top) > 12 else "") if top else \
         f"none: it holds a {type(payload).__name__}"
     foreign = f"; read as inert placeholders: {', '.join(placeholders)}" if placeholders else ""
@@ -169,17 +170,25 @@ def read_weight_file(path: str | Path, weight_key: str | None = None) -> WeightF
 
     Raises :class:`FixresError` if the file is missing, unreadable, truncated, holds code from a
     blocked module, has no entry that fits (the message lists its top-level keys), has no entry
-    ``weight_key``, or holds NaN or infinite weights.
+    ``weight_key``, holds NaN or infinite weights, or if ``weight_key`` is a checkpoint's
+    ``model_ema`` that was never updated (the starting weights, not an average).
     """
     path = Path(path)
     payload, placeholders = _load_payload(path)
     key, others = _pick(path, payload, weight_key, placeholders)
     state = payload if key is None else payload[key]
+    ema = payload.get("model_ema_state") if key == "model_ema" and isinstance(payload, dict) else None
+    if isinstance(ema, dict) and ema.get("updates") == 0:
+        raise FixresError(f"--weight-key model_ema: the average in {path} was never updated (the run trained fewer "
+                          "than --model-ema-steps steps): it holds the weights training started from; use its "
+                          "trained weights (leave --weight-key out)")
     bad, total = non_finite_tensors(state)
     if bad:
         raise FixresError(f"weight file {path}{f' entry {key!r}' if key else ''}: {describe_non_finite(bad, total)}; "
                           "these weights diverged and cannot be used")
-    config = payload.get("config") if key == "model" and isinstance(payload.get("config"), dict) else None
+    # A fixres_dist checkpoint's configuration and lineage describe its weights and their EMA alike.
+    config = payload.get("config") if key in ("model", "model_ema") and isinstance(payload.get("config"), dict) \
+        else None
     lineage = payload.get("lineage") if config is not None and isinstance(payload.get("lineage"), dict) else None
     return WeightFile(str(path), dict(state), key, tuple(map(str, others)), config, placeholders, lineage)
 
@@ -237,7 +246,10 @@ def _head_name(model: nn.Module) -> str | None:
         return None
 
 
-def _mismatch_message(source: str, missing: list[str], unexpected: list[str], shapes: list[str]) -> str:
+def _mismatch_message(source: str, missing: list[str], unexpected: list[str], shapes: list[str],
+                      trained: dict | None = None) -> str:
+    """One line on why ``source``'s weights do not fit; ``trained``: the fixres_dist checkpoint's
+    configuration, whose architecture is then named as the likely fix."""
     parts = []
     if shapes:
         parts.append(f"shape mismatch {'; '.join(shapes[:3])}{' ...' if len(shapes) > 3 else ''}")
@@ -245,8 +257,10 @@ def _mismatch_message(source: str, missing: list[str], unexpected: list[str], sh
         parts.append(f"{len(missing)} missing keys e.g. {', '.join(missing[:3])}")
     if unexpected:
         parts.append(f"{len(unexpected)} unexpected keys e.g. {', '.join(unexpected[:3])}")
-    return (f"weights in {source} do not fit this model: {'; '.join(parts)} "
-            "(other --architecture, class count or --low-res-stem?)")
+    arch = (trained or {}).get("architecture")
+    hint = (f"its run trained --architecture {arch}{' --low-res-stem' if trained.get('low_res_stem') else ''}: "
+            "give the same") if arch else "other --architecture, class count or --low-res-stem?"
+    return f"weights in {source} do not fit this model: {'; '.join(parts)} ({hint})"
 
 
 def _timm_filter(model: nn.Module, state: dict, source: str) -> tuple[dict, list[str]]:
@@ -322,7 +336,8 @@ def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | Non
                      and state[weight].shape[1] == own[weight].shape[1])
         if not head_only:
             described = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in shapes]
-            raise FixresError(_mismatch_message(source, missing, unexpected, described))
+            raise FixresError(_mismatch_message(source, missing, unexpected, described,
+                                                weights.config if isinstance(weights, WeightFile) else None))
         new_head_from = state[weight].shape[0]
         notes.append(f"new {own[weight].shape[0]}-class head {head} (weights had {new_head_from} classes)")
         state = trial

@@ -73,7 +73,7 @@ def table(args) -> None:
     for name, e in rows:
         se = standard_error(e["top1"], e["images"])
         print(f"| {name:<42} | {e['resolution']:>7} px | {e['top1']:6.2f} ± {se:4.2f}  | {e['top5']:7.2f} |")
-    for name, base in (("the train resolution", train), ("the control", ctrl)):
+    for name, base in (("the train resolution", train), ("no finetuning", before), ("the control", ctrl)):
         gain = after["top1"] - base["top1"]
         se = math.hypot(standard_error(after["top1"], after["images"]), standard_error(base["top1"], base["images"]))
         print(f"FixRes at {after['resolution']} px vs {name} ({base['resolution']} px): {gain:+.2f} top-1 points "

@@ -101,7 +101,7 @@ CASES = {
                                 "is off the main path of ResNet (a shortcut, a shorter parallel branch, or not between "
                                 "the input and the classifier fc); the main-path last norm is layer4.1.bn2"),
     "weight key the file lacks": (["--weight-path", "{weights}/timm_layout.pth", "--weight-key", "model_ema"],
-                                  "has no entry 'model_ema'; its top-level keys: epoch, arch, state_dict, args"),
+                                  "has no entry 'model_ema'; its top-level keys: state_dict, epoch, arch, args"),
     "weight file without weights": (["--weight-path", "{weights}/no_weights.pth"],
                                     "holds no state_dict (a dict of tensors); its top-level keys: epoch, optimizer; "
                                     "if one of them holds the weights, name it with --weight-key"),

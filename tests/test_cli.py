@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env
-from fixres_dist.cli import DEVICE_DEFAULTS, FINETUNE_ONLY_FLAGS, RANK_FLAGS, build_parser, config_fields, shown
+from fixres_dist.cli import (DEVICE_DEFAULTS, FINETUNE_ONLY_FLAGS, RANK_FLAGS, SCRATCH_ONLY_FLAGS, build_parser,
+                             config_fields, shown)
 from fixres_dist.config import CIFAR_RESNETS, LITE_MODELS, TIMM_PREFIX, TrainerConfig
 
 MODES = ("scratch", "finetune")
@@ -115,6 +116,8 @@ def test_every_default_in_the_help_is_the_one_used(mode, monkeypatch):
             assert value == (cuda if config.device == "cuda" else cpu)
         elif action.dest == "progress":  # decided by the run: on when stderr is a terminal
             assert value is None and "default: on when stderr is a terminal" in text
+        elif isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: off unless given
+            assert value is False and "(default: off)" in text, (action.dest, text)
         elif action.nargs == 0:  # an on/off flag: giving it is the other value
             assert value is (not action.const), action.dest
         elif value is not None:
@@ -149,21 +152,23 @@ def visible_flags(mode: str) -> set[str]:
 def test_each_script_lists_only_its_own_flags(monkeypatch):
     monkeypatch.setenv("COLUMNS", "10000")
     assert visible_flags("finetune") - visible_flags("scratch") == set(FINETUNE_ONLY_FLAGS)
-    assert visible_flags("scratch") <= visible_flags("finetune")
+    assert visible_flags("scratch") - visible_flags("finetune") == set(SCRATCH_ONLY_FLAGS)
     scratch = build_parser("scratch").format_help()
     assert "finetune" not in scratch.lower() and "'auto'" not in scratch, scratch
     finetune = build_parser("finetune").format_help()
     assert "FixRes finetune, evaluation and feature extraction:" in finetune and "'auto'" in finetune
 
 
-@pytest.mark.parametrize("flag", FINETUNE_ONLY_FLAGS)
-def test_finetune_flags_are_usage_errors_for_scratch(flag, capsys):
+@pytest.mark.parametrize("mode, flag", [("scratch", flag) for flag in FINETUNE_ONLY_FLAGS] +
+                         [("finetune", flag) for flag in SCRATCH_ONLY_FLAGS])
+def test_the_other_scripts_flags_are_usage_errors(mode, flag, capsys):
+    other = "main_finetune.py" if mode == "scratch" else "main_scratch.py"
     for argv in ([flag], [flag, "x"]):
         with pytest.raises(SystemExit) as exit_info:
-            build_parser("scratch").parse_args(argv)
+            build_parser(mode).parse_args(argv)
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and f"error: {flag} only applies to main_finetune.py" in err, err
+        assert err.count("\n") == 1 and f"error: {flag} only applies to {other}" in err, err
 
 
 def test_input_size_auto_is_main_finetune_s(capsys):

@@ -1,4 +1,5 @@
-"""The fast input path of fixres_dist.data: JPEGs decoded to uint8 tensors give what the PIL path gave.
+"""The fast input path of fixres_dist.data (JPEGs decoded to uint8 tensors give what the PIL path gave)
+and its training augmentation recipes (auto-augment policies, random erasing, repeated-augmentation copies).
 
 ``SeededDataset`` reads JPEG files with ``torchvision.io.decode_jpeg`` and runs the transforms on
 uint8 tensors (benchmarks/input_pipeline.py: 1.6-1.7x the torchvision reference per core); other
@@ -105,3 +106,97 @@ def test_normalize_in_place_is_exact_and_keeps_channels_last():
     channels_last = data.normalize(images.contiguous(memory_format=torch.channels_last))
     assert channels_last.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(channels_last, (images.float() - mean) / std)
+
+
+# ----------------------------------------------------------------- training augmentation recipes
+from torchvision.transforms import v2  # noqa: E402
+
+
+def _inputs():
+    """The same picture as a uint8 tensor (a decoded JPEG) and as a PIL image (other formats)."""
+    picture = _photo(6, (80, 60))
+    return {"tensor": torch.from_numpy(np.array(picture)).permute(2, 0, 1).contiguous(), "pil": picture}
+
+
+@pytest.mark.parametrize("interpolation", data.INTERPOLATIONS)
+@pytest.mark.parametrize("policy", data.AUTO_AUGMENT_POLICIES)
+def test_each_policy_gives_uint8_crops_from_tensors_and_pil_images(policy, interpolation):
+    transform = data.train_transform(40, interpolation, auto_augment=policy, random_erase=0.5)
+    for kind, image in _inputs().items():
+        for seed in range(4):
+            torch.manual_seed(seed)
+            out = transform(image)
+            assert isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.shape == (3, 40, 40), kind
+
+
+@pytest.mark.parametrize("interpolation", data.INTERPOLATIONS)
+def test_default_train_transform_is_the_crop_and_flip_bit_for_bit(interpolation):
+    mode = data.INTERPOLATIONS[interpolation]
+    before = v2.Compose([v2.RandomResizedCrop(24, interpolation=mode, antialias=True), v2.RandomHorizontalFlip(),
+                         data.ToUint8Tensor()])
+    for transform in (data.train_transform(24, interpolation),
+                      data.train_transform(24, interpolation, auto_augment=None, random_erase=0.0, fill=(0.5,) * 3)):
+        for kind, image in _inputs().items():
+            for seed in range(6):
+                torch.manual_seed(seed)
+                expected = before(image)
+                torch.manual_seed(seed)
+                assert torch.equal(transform(image), expected), (kind, seed)
+
+
+@pytest.mark.parametrize("fill", [None, (0.2, 0.6, 1.0)])
+def test_erasing_fills_a_box_with_the_mean_colour_that_normalises_to_zero(fill):
+    mean = data.IMAGENET_MEAN if fill is None else fill
+    colour = torch.tensor([round(255 * m) for m in mean], dtype=torch.uint8).view(3, 1, 1)
+    image = torch.full((3, 64, 64), 7, dtype=torch.uint8)  # far from any mean colour
+    transform = data.train_transform(64, random_erase=1.0, fill=fill)
+    for seed in range(8):
+        torch.manual_seed(seed)
+        out = transform(image)
+        erased = (out == colour).all(0)
+        assert (out[:, ~erased] == 7).all(), "only the box changes"
+        rows, cols = erased.any(1).nonzero().flatten(), erased.any(0).nonzero().flatten()
+        box = erased[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
+        assert box.all() and 0.02 * 64 * 64 - 64 <= box.numel() <= 0.33 * 64 * 64 + 64, "one box of 2-33 %"
+        normalised = data.normalize(out[None], (mean, data.IMAGENET_STD))[0][:, erased]
+        assert normalised.abs().max() <= 0.5 / 255 / min(data.IMAGENET_STD)
+
+
+def test_augmented_samples_are_seeded_and_each_copy_draws_its_own(jpeg_folder):
+    transform = data.train_transform(32, auto_augment="ta_wide", random_erase=0.5)
+    dataset = data.SeededDataset(data.image_folder(jpeg_folder, "train"), transform, seed=3)
+    assert dataset._read_files, "JPEGs still reach our transforms decoded"
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    first = dataset[SampleKey(index=0, epoch=1)][0]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(first, dataset[SampleKey(0, 1, 0)][0]) and torch.equal(first, dataset[SampleKey(0, 1)][0])
+    copies = [dataset[SampleKey(0, 1, copy)][0] for copy in range(4)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(copies) for b in copies[i + 1:]), "copies differ"
+    assert torch.equal(copies[2], dataset[SampleKey(0, 1, 2)][0])
+
+
+def test_copy_zero_is_seeded_as_before(jpeg_folder):
+    transform = data.train_transform(32)
+    dataset = data.SeededDataset(data.image_folder(jpeg_folder, "train"), transform, seed=9)
+    image = dataset._load(2)[0]
+    torch.manual_seed(int(np.random.SeedSequence([9, 4, 2]).generate_state(1)[0]))
+    assert torch.equal(dataset[SampleKey(index=2, epoch=4, copy=0)][0], transform(image))
+
+
+def test_bad_recipe_values_are_one_line_errors():
+    for kwargs, match in [({"auto_augment": "rand-m9"}, "unknown auto-augment policy 'rand-m9'; use one of ra, "),
+                          ({"random_erase": 1.5}, "random erasing probability"),
+                          ({"random_erase": -0.1}, "random erasing probability"),
+                          ({"fill": (0.5, 0.5)}, "fill must be 3 numbers"),
+                          ({"fill": (0.5, 0.5, 128)}, "fill must be 3 numbers")]:
+        with pytest.raises(FixresError, match=match):
+            data.train_transform(32, **kwargs)
+
+
+def test_loader_passes_repeated_augmentation_to_its_sampler(jpeg_folder):
+    base = data.image_folder(jpeg_folder, "train")
+    loader = data.make_loader(base, data.train_transform(16), batch_size=2, world_size=1, rank=0, shuffle=True,
+                              seed=0, workers=0, training=True, reps=2)
+    assert loader.batch_sampler.reps == 2
+    assert sum(len(labels) for _, labels, _ in loader) == len(base)

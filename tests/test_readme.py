@@ -86,6 +86,22 @@ def test_your_images_train_then_fixres_finetune(tiny_data, tmp_path):
     assert (home / "runs" / "mine-fixres" / "resolution_sweep.png").exists()
 
 
+def test_a_recipe_scaled_down_with_tensorboard(tmp_path):
+    """The torchvision recipe with its overrides: printed in full, every option on, EMA evaluated, curves written."""
+    home = shown.sandbox(tmp_path / "clone")
+    result = run_block(shown.block("python main_scratch.py --num-tasks 2 --recipe torchvision-resnet50"), home, 600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "recipe torchvision-resnet50: torchvision's ResNet50_Weights.IMAGENET1K_V2 recipe" in result.stdout
+    assert "--epochs 2 (overrides the recipe's 600)" in result.stdout and "\n  --model-ema\n" in result.stdout
+    assert "repeated augmentation x4" in result.stdout and "eval EMA @28px" in result.stdout
+    assert "--ra-sampler --ra-reps 4" in result.stdout and "warning: --model-ema gets" not in result.stdout
+    assert "TensorBoard: event files in runs/tv-recipe/tensorboard" in result.stdout
+    config = json.loads((home / "runs" / "tv-recipe" / "config.json").read_text())
+    assert (config["recipe"], config["auto_augment"], config["ra_reps"], config["epochs"]) == \
+        ("torchvision-resnet50", "ta_wide", 4, 2)
+    assert list((home / "runs" / "tv-recipe" / "tensorboard").glob("events.out.tfevents.*"))
+
+
 @pytest.mark.slow
 def test_the_main_command(tmp_path):
     """The README's first command, as a new user runs it (the set-up finds .venv ready)."""
@@ -111,7 +127,7 @@ def test_pretrained_weights_head_first_then_fixres(tmp_path):
 @pytest.mark.slow
 def test_every_launcher_shown(tmp_path):
     """Spawn, torchrun, srun (the local SLURM; skipped without it) and ranks by hand, as shown."""
-    commands = shown.block("python main_scratch.py --num-tasks 2 --architecture resnet20 --job-id spawned")
+    commands = shown.block("python main_scratch.py --num-tasks 2 --architecture resnet20 --epochs 2 --job-id spawned")
     if shutil.which("sinfo") is None or subprocess.run(["sinfo", "-h"], capture_output=True).returncode != 0:
         pytest.skip("no SLURM up for the srun line (.ci/run starts slurm/start-local-slurm.sh)")
     home = shown.sandbox(tmp_path / "clone")

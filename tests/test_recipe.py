@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import FAST
-from fixres_dist import FixresError, TrainerConfig, engine, fixres, models
+from fixres_dist import FixresError, TrainerConfig, engine, fixres, models, optim
 from fixres_dist.checkpoint import check_resumable
 from fixres_dist.cli import FIXRES_FINETUNE_LR_PER_256, MODE_DEFAULTS, build_parser, config_fields
 from fixres_dist.launch import main
@@ -54,7 +54,7 @@ def test_bad_recipe_values_are_refused_in_one_line(args, message, tmp_path, caps
 
 def test_norms_and_biases_get_their_own_weight_decay():
     model = models.build_model("resnet18", 10)
-    groups = engine.parameter_groups(model, weight_decay=5e-5, norm_weight_decay=0.0)
+    groups = optim.parameter_groups(model, weight_decay=5e-5, norm_weight_decay=0.0)
     assert [g["weight_decay"] for g in groups] == [5e-5, 0.0]
     names = {id(p): n for n, p in model.named_parameters()}
     decayed, exempt = ({names[id(p)] for p in g["params"]} for g in groups)
@@ -63,14 +63,15 @@ def test_norms_and_biases_get_their_own_weight_decay():
     assert decayed | exempt == set(names.values()) and not decayed & exempt
     # frozen parameters are left out; empty groups too
     fixres.freeze_for_finetune(model, 32, "head")
-    groups = engine.parameter_groups(model, 5e-5, 0.0)
+    groups = optim.parameter_groups(model, 5e-5, 0.0)
     assert [sorted(names[id(p)] for p in g["params"]) for g in groups] == [["fc.weight"], ["fc.bias"]]
 
 
 def test_norm_weight_decay_reaches_the_optimizer(tiny_data, tmp_path):
     from fixres_dist import Trainer
     config = TrainerConfig(data_path=str(tiny_data), shared_folder_path=str(tmp_path), job_id="wd", batch=8,
-                           epochs=1, workers=0, progress=False, weight_decay=1e-4, norm_weight_decay=3e-6)
+                           epochs=1, warmup_epochs=0, workers=0, progress=False, weight_decay=1e-4,
+                           norm_weight_decay=3e-6)
     trainer = Trainer(config)
     try:
         trainer.build()

@@ -90,3 +90,129 @@ def test_one_rank_checkpoint_with_two_images_left_resumed_on_three_ranks():
     for s in samplers:
         s.set_epoch(0, skip=78)
     assert [list(s) for s in samplers] == [[], [], []] and samplers[0].left_out == 2
+
+
+# ----------------------------------------------------------------- repeated augmentation
+from collections import Counter  # noqa: E402
+
+from fixres_dist.samplers import SampleKey, epoch_stream, global_batches  # noqa: E402
+
+
+def ra_epoch(n, world, batch, epoch, reps, skip=0, seed=5):
+    """Every rank's batches of one training epoch with ``reps`` copies per cycle."""
+    samplers = [ExactBatchSampler(n, world, r, batch, training=True, seed=seed, reps=reps) for r in range(world)]
+    for s in samplers:
+        s.set_epoch(epoch, skip=skip)
+    return samplers, [list(s) for s in samplers]
+
+
+def global_stream(batches):
+    """The global order of the keys that the ranks' batches came from (rank r took chunk[r::W])."""
+    world, stream = len(batches), []
+    for step in zip(*batches):
+        chunk = [None] * sum(len(b) for b in step)
+        for rank, keys in enumerate(step):
+            chunk[rank::world] = keys
+        stream.extend(chunk)
+    return stream
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("world,batch,epoch,skip", [(1, 8, 0, 0), (3, 4, 2, 0), (4, 16, 7, 33), (2, 3, 1, 95)])
+def test_one_rep_is_the_order_without_repetition_bit_for_bit(training, world, batch, epoch, skip):
+    n, seed = 100, 11
+    before = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    for chunks in (global_batches(n, world, batch, True, seed, epoch, skip, training),
+                   global_batches(n, world, batch, True, seed, epoch, skip, training, reps=1)):
+        flat = torch.cat(chunks)
+        assert flat.dtype == torch.int64 and (flat[:, 1] == 0).all()
+        assert torch.equal(flat[:, 0], before[skip:skip + len(flat)])
+    for rank in range(world):
+        default = ExactBatchSampler(n, world, rank, batch, seed=seed, training=training)
+        explicit = ExactBatchSampler(n, world, rank, batch, seed=seed, training=training, reps=1)
+        default.set_epoch(epoch, skip), explicit.set_epoch(epoch, skip)
+        assert list(default) == list(explicit)
+        assert all(key == (key.index, key.epoch) + (0,) for b in default for key in b)
+
+
+@pytest.mark.parametrize("n,world,batch,reps", [(37, 2, 4, 2), (100, 4, 8, 3), (64, 8, 2, 4), (50, 2, 7, 5),
+                                                (9, 1, 4, 3), (130, 3, 16, 2)])
+def test_every_image_exactly_reps_times_per_cycle_with_each_copy_once(n, world, batch, reps):
+    for cycle in (0, 3):
+        keys = []
+        for epoch in range(cycle * reps, (cycle + 1) * reps):
+            samplers, batches = ra_epoch(n, world, batch, epoch, reps)
+            assert {len(b) for b in batches} == {len(samplers[0])}, "every rank takes the same steps"
+            assert samplers[0].left_out == 0 and samplers[0].images_done(len(samplers[0])) == n
+            epoch_keys = [key for rank in batches for b in rank for key in b]
+            assert len(epoch_keys) == n and {key.epoch for key in epoch_keys} == {epoch}, "an epoch keeps its length"
+            keys += epoch_keys
+        assert Counter(key.index for key in keys) == {i: reps for i in range(n)}
+        assert sorted((key.index, key.copy) for key in keys) == [(i, c) for i in range(n) for c in range(reps)]
+
+
+def test_cycle_stream_is_one_permutation_with_each_index_repeated_in_a_row():
+    n, reps, seed, cycle = 23, 3, 4, 2
+    stream = torch.cat([epoch_stream(n, True, seed, cycle * reps + part, reps) for part in range(reps)])
+    permutation = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + cycle))
+    assert torch.equal(stream[:, 0], permutation.repeat_interleave(reps))
+    assert torch.equal(stream[:, 1], torch.arange(reps).repeat(n))
+    assert not torch.equal(epoch_stream(n, True, seed, 0, reps), epoch_stream(n, True, seed, reps, reps))
+
+
+@pytest.mark.parametrize("world,reps", [(2, 2), (4, 3), (4, 4), (8, 3)])
+def test_copies_of_an_image_go_to_distinct_ranks_of_one_global_batch(world, reps):
+    n, batch = 200, 6
+    for epoch in range(reps):
+        _, batches = ra_epoch(n, world, batch, epoch, reps)
+        for step in zip(*batches):
+            ranks = {}
+            for rank, keys in enumerate(step):
+                for key in keys:
+                    ranks.setdefault(key.index, []).append(rank)
+            assert all(len(set(r)) == len(r) for r in ranks.values()), "two copies of an image on one rank"
+        # apart from runs cut at a batch or epoch boundary, the K copies share a global batch
+        together = sum(1 for step in zip(*batches) for index, count in
+                       Counter(key.index for keys in step for key in keys).items() if count == reps)
+        assert together >= n // reps - 2 - (len(batches[0]) - 1)
+
+
+@st.composite
+def resumed_ra_epochs(draw):
+    """An RA training epoch interrupted after some steps on W0 ranks x B0 images, resumed on W x B."""
+    world, reps = draw(st.integers(1, 8)), draw(st.integers(1, 4))
+    size = draw(st.integers(2 * world, 300))
+    first_world, first_batch = draw(st.integers(1, 8)), draw(st.integers(2, 32))
+    first = ExactBatchSampler(size, first_world, 0, first_batch, training=True, reps=reps)
+    steps_done = draw(st.integers(0, len(first)))
+    skip = first.images_done(steps_done) if size >= 2 * first_world else 0
+    return size, world, draw(st.integers(2, 32)), skip, draw(st.integers(0, 9)), reps, first_world, first_batch
+
+
+@settings(max_examples=300, deadline=None)
+@given(resumed_ra_epochs())
+def test_a_resumed_ra_epoch_gives_exactly_the_rest_of_the_same_stream(case):
+    size, world, batch, skip, epoch, reps, first_world, first_batch = case
+    samplers, batches = ra_epoch(size, world, batch, epoch, reps, skip=skip, seed=3)
+    assert {len(b) for b in batches} == {len(samplers[0])}, "every rank takes the same number of steps"
+    assert all(len(b) >= 2 for rank in batches for b in rank)
+    expected = [SampleKey(i, epoch, c) for i, c in epoch_stream(size, True, 3, epoch, reps).tolist()]
+    resumed = global_stream(batches)
+    assert resumed == expected[skip:skip + len(resumed)], "the stream continues where it stopped"
+    assert len(resumed) + samplers[0].left_out == size - skip
+    # the interrupted run's first steps and the resumed run together are the whole epoch, once
+    _, first = ra_epoch(size, first_world, first_batch, epoch, reps, seed=3)
+    done = global_stream(first)[:skip]
+    assert done + resumed == expected[:len(done) + len(resumed)]
+
+
+def test_reps_is_validated():
+    for bad in (0, -1, 1.0, 2.5, "2", True, None):
+        with pytest.raises(ValueError, match="reps"):
+            ExactBatchSampler(10, 1, 0, 2, training=True, reps=bad)
+    with pytest.raises(ValueError, match="training"):
+        ExactBatchSampler(10, 1, 0, 2, shuffle=False, training=True, reps=2)
+    with pytest.raises(ValueError, match="training"):
+        ExactBatchSampler(10, 1, 0, 2, training=False, reps=2)
+    with pytest.raises(ValueError, match="reps"):
+        epoch_stream(10, True, 0, 0, reps=0)

@@ -433,15 +433,21 @@ def test_after_a_preemption_checkpoint_rank_0_requeues_only_on_the_warning_signa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["scancel --signal=TERM", "time limit"])
-def test_sigterm_to_every_process_of_a_plain_srun_job_checkpoints_without_a_traceback(cluster, tiny_data, tmp_path,
-                                                                                     how):
+def test_sigterm_to_every_process_of_an_srun_job_checkpoints_without_a_traceback(cluster, tiny_data, tmp_path, how):
     """SLURM signals every process of a step (loader workers too): at the time limit, and with
-    ``scancel --signal=TERM``. Both ranks checkpoint and exit 3 with one line each; no traceback."""
+    ``scancel --signal=TERM``. Both ranks checkpoint and exit 3 with one line each; no traceback.
+
+    The job leaves squeue, its state already TIMEOUT (or FAILED), while its step still ends: the
+    ranks checkpoint and print their lines after that, so the test waits for them. The network is
+    a ResNet-20 (2 MB checkpoints): the ranks must be done within KillWait (5 s on the local SLURM)
+    on a 2-core machine they share with 4 loader workers, which a ResNet-18's 90 MB checkpoint
+    written just after an epoch's own did not always manage.
+    """
     shared = tmp_path / "shared"
     shared.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     main = f"{sys.executable} -u {ROOT / 'main_scratch.py'} --data-path {tiny_data} --shared-folder-path {shared} " \
-           "--input-size 32 --batch 8 --epochs 10000 --workers 2 --no-progress"
+           "--architecture resnet20 --input-size 32 --batch 8 --epochs 10000 --workers 2 --no-progress"
     out = subprocess.run(["sbatch", "--parsable", "--ntasks", "2", "--time", "1" if how == "time limit" else "5",
                           "--output", str(tmp_path / "job.out"), "--wrap", f"srun {main}"],
                          capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
@@ -452,14 +458,25 @@ def test_sigterm_to_every_process_of_a_plain_srun_job_checkpoints_without_a_trac
     if how == "scancel --signal=TERM":
         subprocess.run(["scancel", "--signal=TERM", job_id], check=True, timeout=30)
     wait_gone(job_id, timeout=300)
-    log = (tmp_path / "job.out").read_text()
-    assert "Traceback" not in log and "DataLoader worker" not in log, log[-3000:]
-    for rank in (0, 1):
-        assert f"fixres_dist: rank {rank}: preempted by SIGTERM; " in log, log[-3000:]
-    state = load_checkpoint(folder / "checkpoint.pth")
-    assert len(state["ranks"]) == 2 and state["global_step"] > 0
     expected = "TIMEOUT" if how == "time limit" else "FAILED"
     assert wait_for(lambda: sacct_states(job_id) == [expected], 15, f"sacct {expected}"), sacct_states(job_id)
+    seen = []  # the step's state in sacct: TIMEOUT|0:0 until its ranks have exited, then FAILED|3:0
+    step = lambda: seen.append(subprocess.run(["sacct", "-n", "-P", "-j", f"{job_id}.0", "-o", "State,ExitCode"],
+                                              capture_output=True, text=True, timeout=15).stdout.split()) or seen[-1]
+    try:
+        wait_for(lambda: step() == ["FAILED|3:0"], 60, "every rank's exit status 3 in sacct")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the step's state: {seen[-1]}") from None
+    lines = [f"fixres_dist: rank {rank}: preempted by SIGTERM; " for rank in (0, 1)]
+    log_path = tmp_path / "job.out"
+    try:  # srun relays the ranks' last lines, then ends
+        wait_for(lambda: all(line in log_path.read_text() for line in lines), 30, "both ranks' lines in the log")
+    finally:
+        log = log_path.read_text()
+        print(log[-3000:])
+    assert "Traceback" not in log and "DataLoader worker" not in log, log[-3000:]
+    state = load_checkpoint(folder / "checkpoint.pth")
+    assert len(state["ranks"]) == 2 and state["global_step"] > 0
 
 
 # ----------------------------------------------- the README's GPU cluster examples (tests/test_readme.py)

@@ -24,6 +24,7 @@ from .errors import FixresError
 
 LOCK_FILE = ".lock"
 ACQUIRE_SECONDS = 2.0  # a joining rank's probe holds a shared lock for microseconds: retry that long
+CONFIRM_SECONDS = 1.0  # how long a joining rank watches a "met" record before it believes it
 
 
 def _describe(info: dict | None) -> str:
@@ -113,9 +114,18 @@ def check_joinable(folder: str | Path, rank: int) -> None:
     """A non-zero rank before its rendezvous: refuse to join a live job whose ranks have all met.
 
     Raises :class:`FixresError` "job folder ... in use"; a stale lock file (no live holder) is ignored.
+
+    The record and the lock are read one after the other, so a record from a finished run can be
+    seen just as the lock passes to a new launch (a requeued SLURM job's rank 0), before that
+    launch rewrites the record. A "met" record is therefore believed only if, the lock still held,
+    it is unchanged :data:`CONFIRM_SECONDS` later (a new holder rewrites it at once on acquiring).
     """
+    folder = Path(folder)
     info = read_holder(folder)
-    if info and info.get("met") and is_held(Path(folder)):
+    if not (info and info.get("met") and is_held(folder)):
+        return
+    time.sleep(CONFIRM_SECONDS)
+    if read_holder(folder) == info and is_held(folder):
         raise FixresError(f"job folder {folder} in use by a running job whose {info.get('num_tasks')} ranks have all "
                           f"met ({_describe(info)}); this rank {rank} has no place in it: wait for it to end, stop it, "
                           "or use another --job-id")

@@ -460,13 +460,13 @@ def test_sigterm_to_every_process_of_an_srun_job_checkpoints_without_a_traceback
     wait_gone(job_id, timeout=300)
     expected = "TIMEOUT" if how == "time limit" else "FAILED"
     assert wait_for(lambda: sacct_states(job_id) == [expected], 15, f"sacct {expected}"), sacct_states(job_id)
-    seen = []  # the step's state in sacct: TIMEOUT|0:0 until its ranks have exited, then FAILED|3:0
-    step = lambda: seen.append(subprocess.run(["sacct", "-n", "-P", "-j", f"{job_id}.0", "-o", "State,ExitCode"],
-                                              capture_output=True, text=True, timeout=15).stdout.split()) or seen[-1]
+    # The step's state in sacct: TIMEOUT|0:0 until its ranks have exited, then FAILED|3:0.
+    step = lambda: subprocess.run(["sacct", "-n", "-P", "-j", f"{job_id}.0", "-o", "State,ExitCode"],
+                                  capture_output=True, text=True, timeout=15).stdout.split()
     try:
         wait_for(lambda: step() == ["FAILED|3:0"], 60, "every rank's exit status 3 in sacct")
     except AssertionError as exc:
-        raise AssertionError(f"{exc}; the step's state: {seen[-1]}") from None
+        raise AssertionError(f"{exc}; the step's state: {step()}") from None
     lines = [f"fixres_dist: rank {rank}: preempted by SIGTERM; " for rank in (0, 1)]
     log_path = tmp_path / "job.out"
     try:  # srun relays the ranks' last lines, then ends

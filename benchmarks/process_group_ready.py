@@ -88,7 +88,7 @@ def launcher(folder: str, ranks: int, method: str) -> None:
             multiprocessing.resource_tracker.ensure_running()
             if method == "forkserver":
                 multiprocessing.forkserver.ensure_running()
-    mp.start_processes(rank_ready, args=(config, launch.SharedJobLock(lock.fd), folder), nprocs=ranks,
+    mp.start_processes(rank_ready, args=(config, launch.PassedFd(lock.fd), folder), nprocs=ranks,
                        start_method=method)
     lock.release()
     Path(folder, "launcher.json").write_text(json.dumps({

@@ -18,6 +18,7 @@ import multiprocessing.reduction
 import multiprocessing.resource_tracker
 import os
 import signal
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -161,19 +162,48 @@ def _stop_with_launcher() -> None:
         raise SystemExit(PREEMPTED_EXIT_STATUS)
 
 
-class SharedJobLock:
-    """The launcher's job lock, passed to a spawned rank: the rank gets a duplicate of the lock's
-    open file, so the lock is held as long as the launcher *or any rank* lives (a rank that
-    outlives a killed launcher still keeps a rerun out of its folder)."""
+class PassedFd:
+    """An open file descriptor of the launcher, passed to a spawned rank as a duplicate (the rank
+    gets its own number for the same open file). The job lock passed so is held as long as the
+    launcher *or any rank* lives (a rank that outlives a killed launcher still keeps a rerun out of
+    its folder)."""
 
     def __init__(self, fd):
         self.fd = fd.detach() if hasattr(fd, "detach") else fd  # in the rank: the duplicate's number
 
     def __reduce__(self):
-        return SharedJobLock, (multiprocessing.reduction.DupFd(self.fd),)
+        return PassedFd, (multiprocessing.reduction.DupFd(self.fd),)
 
 
-def _spawned_rank(index: int, config: TrainerConfig, lock, index_note: str | None) -> None:
+@attrs.frozen
+class LauncherContext:
+    """What a spawned rank takes from its launcher as it starts: the environment and where stdout
+    and stderr go *now*. A rank is forked from the forkserver, which has what the launcher had when
+    the server started; the two differ when one Python process launches several jobs (a notebook,
+    a test session) after changing its environment or redirecting its output."""
+
+    environ: dict
+    stdout: PassedFd
+    stderr: PassedFd
+
+    @classmethod
+    def of_this_process(cls) -> "LauncherContext":
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        return cls(dict(os.environ), PassedFd(1), PassedFd(2))
+
+    def adopt(self) -> None:
+        """In the rank: the launcher's environment and standard output and error."""
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for passed, target in ((self.stdout, 1), (self.stderr, 2)):
+            os.dup2(passed.fd, target)
+            os.close(passed.fd)
+
+
+def _spawned_rank(index: int, config: TrainerConfig, lock: PassedFd, index_note: str | None,
+                  launcher: LauncherContext) -> None:
+    launcher.adopt()
     _stop_with_launcher()
     run_rank(attrs.evolve(config, global_rank=index, local_rank=index), checked=True, locked=True,
              index_note=index_note)
@@ -228,10 +258,14 @@ def spawn(config: TrainerConfig, index_note: str | None = None) -> None:
 
     previous = {s: signal.signal(s, forward) for s in signals}
     try:
-        context = mp.start_processes(_spawned_rank, args=(config, SharedJobLock(lock.fd), index_note),
+        context = mp.start_processes(_spawned_rank, args=(config, PassedFd(lock.fd), index_note,
+                                           LauncherContext.of_this_process()),
                                      nprocs=config.num_tasks,
                                      join=False, start_method=method)
         failed = _wait_for_ranks(context.processes, lambda: [send(signum) for signum in received])
+    except BaseException:  # leaving without the ranks' end (a bug, a caller's time limit): none outlives this
+        _stop_ranks(context.processes if context is not None else [])
+        raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -245,6 +279,20 @@ def spawn(config: TrainerConfig, index_note: str | None = None) -> None:
     for status in (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS):
         if status in codes:
             raise SystemExit(status)
+
+
+def _stop_ranks(processes) -> None:
+    """SIGTERM to the ranks still running (each checkpoints and exits), SIGKILL to those still
+    running :data:`TERMINATE_GRACE_S` later."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 STOPPED = (0, PREEMPTED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS)  # how a rank ends without failing

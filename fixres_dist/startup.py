@@ -34,7 +34,10 @@ def _stopped_while_starting(signum, frame) -> None:
     sys.stderr.write(f"fixres_dist: stopped by {signal.Signals(signum).name} while starting; nothing was "
                      "written\n")
     sys.stderr.flush()
-    raise SystemExit(130 if signum == signal.SIGINT else 3)
+    # Not SystemExit: raised by a handler in the middle of an import, it can be swallowed by C code
+    # that clears errors (the job then trained on) or leave a module half-imported (numpy's
+    # RecursionError, exit 1). Nothing was written yet, so there is nothing to clean up.
+    os._exit(130 if signum == signal.SIGINT else 3)
 
 
 def is_guard(handler) -> bool:

@@ -1,6 +1,7 @@
 """Shared fixtures: small real ImageFolders cut from the embedded Fashion-MNIST, clean environment."""
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
 import shutil
 import signal
@@ -12,19 +13,31 @@ from pathlib import Path
 
 import pytest
 
+from fixres_dist import startup
+
+startup.quiet_native_logs()  # before torch loads, as the scripts do (the jobs' output has no c10d warnings)
+
+import launched  # noqa: E402  (imports torch)
+from fixres_dist import launch as launcher
 from fixres_dist.data import embedded_data_path
 from fixres_dist.startup import INHERITED_IGNORED
 
 ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["jobs_fixtures"]  # session jobs several files share
 # The scripts run by the tests start as from a terminal: with SIGINT's default action, even where
 # pytest itself was started with it ignored (a background job of a non-interactive shell, as CI
 # may run it), which they would inherit and, rightly, keep ignoring (fixres_dist.startup).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_JOB_ID",
-            "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
-            "SLURM_CPUS_PER_TASK")
+RANK_ENV = launched.RANK_ENV
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forkserver():
+    """The forkserver that forks every job and rank the tests start (torch imported once), started
+    before any test: with this process's signal handling, which jobs started from it inherit."""
+    if launcher.start_method() == "forkserver":
+        multiprocessing.forkserver.ensure_running()
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +70,23 @@ def odd_val_data(tmp_path_factory) -> Path:
     return make_subset(tmp_path_factory.mktemp("odd"), 4, 7, classes=5)
 
 
+# A short scratch run on tiny_data: 2 epochs of 5 steps (16 images a step on 2 ranks), loader workers.
+SCRATCH = ["--input-size", "32", "--batch", "8", "--epochs", "2", "--workers", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="session")
+def scratch_job(tiny_data, tmp_path_factory) -> Path:
+    """The folder of a finished, never interrupted 2-rank job: resnet18 trained from scratch at 32 px
+    on :func:`tiny_data` with :data:`SCRATCH` (job id ``straight``). Shared by the whole session:
+    read it, copy it (``shutil.copytree``) to change or resume it, or pass its checkpoint.pth as
+    ``--weight-path``."""
+    shared = tmp_path_factory.mktemp("scratch_job")
+    result = run_script("scratch", "--num-tasks", 2, "--job-id", "straight", "--shared-folder-path", shared,
+                        "--data-path", tiny_data, *SCRATCH)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return shared / "straight"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -75,10 +105,25 @@ def clean_env(**extra) -> dict:
 FAST = ["--input-size", "32", "--batch", "8", "--epochs", "1", "--workers", "0", "--no-progress"]
 
 
-def run_script(script: str, *args, timeout: float = 240, env: dict | None = None, cwd=None):
-    """Run ``main_<script>.py`` as a real process; returns CompletedProcess (text)."""
+def run_interpreter(script: str, *args, timeout: float = 240, env: dict | None = None, cwd=None):
+    """Run ``python main_<script>.py args`` as a new interpreter (for what happens as it starts:
+    imports, the signal guard, ``--help``); returns CompletedProcess (text). Other tests use
+    :func:`run_script`, which skips the interpreter's start."""
     cmd = [sys.executable, str(ROOT / f"main_{script}.py"), *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env(), cwd=cwd)
+
+
+def run_script(script: str, *args, env: dict | None = None, cwd=None) -> launched.Finished:
+    """Run ``main_<script>.py args`` to its end without starting an interpreter
+    (:func:`launched.launch`); ``env``: variables set for the job. A hang fails the test at the
+    suite's time limit (pytest.ini)."""
+    return launched.launch(script, *args, env=env, cwd=cwd)
+
+
+def start_script(script: str, *args, env: dict | None = None, new_session: bool = False) -> launched.Started:
+    """``main_<script>.py args`` as a process of its own, forked with torch imported
+    (:func:`launched.start`)."""
+    return launched.start(script, *args, env=env, new_session=new_session)
 
 
 def run_two_ranks_and_one(script: str, *args):
@@ -100,7 +145,8 @@ def run_main(capsys, script: str, *args) -> tuple[int, str]:
     return exit_info.value.code, capsys.readouterr().err
 
 
-def start_script(script: str, *args, env: dict | None = None) -> subprocess.Popen:
+def start_interpreter(script: str, *args, env: dict | None = None) -> subprocess.Popen:
+    """Start ``python main_<script>.py args`` as a new interpreter (pipes for its output)."""
     cmd = [sys.executable, str(ROOT / f"main_{script}.py"), *map(str, args)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or clean_env())
 

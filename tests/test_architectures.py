@@ -6,6 +6,7 @@ scripts/setup.sh, never imported); they are skipped, with the reason, when those
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import re
@@ -16,7 +17,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from conftest import run_script
+from conftest import run_main, run_script
 from fixres_dist import data, fixres, models, preprocessing, weights
 from fixres_dist.errors import FixresError
 
@@ -47,16 +48,21 @@ EXPECTED = {
     "resnet50": ("fc", "layer4.2.bn3"),
     "resnext50_32x4d": ("fc", "layer4.2.bn3"),
     "wide_resnet50_2": ("fc", "layer4.2.bn3"),
+    "resnet20": ("fc", "layer3.2.bn2"),
     "efficientnet_b0": ("classifier.1", "features.8.1"),
     "mobilenet_v3_large": ("classifier.3", "features.16.1"),
+    "mobilenet_v3_small": ("classifier.3", "features.12.1"),
     "regnet_y_400mf": ("fc", "trunk_output.block4.block4-5.f.c.1"),
     "convnext_tiny": ("classifier.2", "classifier.0"),
+    "vgg11_bn": ("classifier.6", "features.26"),
     "vit_b_16": ("heads.head", "encoder.ln"),
     "efficientnet_lite0": ("_fc", "_bn1"),
 }
 # architecture -> the whole head (modules with parameters between the last norm and the logits), if more
 # than the classifier alone
-WHOLE_HEAD = {"mobilenet_v3_large": ("classifier.0", "classifier.3")}
+WHOLE_HEAD = {"mobilenet_v3_large": ("classifier.0", "classifier.3"),
+              "mobilenet_v3_small": ("classifier.0", "classifier.3"),
+              "vgg11_bn": ("classifier.0", "classifier.3", "classifier.6")}
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +74,27 @@ def vit():
 @pytest.mark.parametrize("name", [pytest.param(n, marks=needs_lite) if n == "efficientnet_lite0" else n
                                   for n in EXPECTED])
 def test_builds_runs_at_two_resolutions_and_has_head_and_last_norm(name):
-    model = models.build_model(name, 10, image_size=32).eval()
-    with torch.no_grad():
-        for size in (32, 64):
-            out = models.for_resolution(model, size)(torch.randn(2, 3, size, size))
-            assert out.shape == (2, 10) and torch.isfinite(out).all()
-    head, norm = fixres.find_head_and_last_norm(model, 32)
+    """Head and last norm found by data flow (one forward pass, modes restored, no gradient left),
+    the same at another probe size; the finetune trains exactly them."""
+    model = models.build_model(name, 10, image_size=32)
+    modes = {n: m.training for n, m in model.named_modules()}
+    layers = fixres.find_finetune_layers(model, 32)
+    assert {n: m.training for n, m in model.named_modules()} == modes  # modes restored
+    assert all(p.grad is None for p in model.parameters())
+    head, norm = EXPECTED[name]
+    assert layers == fixres.FinetuneLayers(head, WHOLE_HEAD.get(name, (head,)), norm)
     modules = dict(model.named_modules())
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert head == linears[-1] and modules[head].out_features == 10
     assert isinstance(modules[norm], fixres.NORM_TYPES)
-    assert (head, norm) == EXPECTED[name]
-    assert fixres.find_finetune_layers(model, 32) == fixres.FinetuneLayers(head, WHOLE_HEAD.get(name, (head,)), norm)
+    model.eval()
+    with torch.no_grad():
+        for size in (32, 64):
+            out = models.for_resolution(model, size)(torch.randn(2, 3, size, size))
+            assert out.shape == (2, 10) and torch.isfinite(out).all()
+    assert fixres.find_head_and_last_norm(models.for_resolution(model, 64), 64) == (head, norm)
+    trainable = fixres.freeze_for_finetune(model, 32)
+    assert {n.rsplit(".", 1)[0] for n in trainable} == {*layers.head, norm}
 
 
 def test_vit_for_resolution_shares_parameters_and_leaves_the_original_alone(vit):
@@ -117,9 +132,9 @@ def test_vit_sizes_not_divisible_by_the_patch_size_are_refused(vit):
     models.check_resolution("resnet18", 41)  # CNNs take any size
 
 
-def test_vit_weights_of_another_grid_are_interpolated_on_load():
+def test_vit_weights_of_another_grid_are_interpolated_on_load(vit):
     source = models.build_model("vit_b_16", 10, image_size=64)  # 4x4 grid
-    target = models.build_model("vit_b_16", 10, image_size=32)  # 2x2 grid
+    target = copy.deepcopy(vit)  # 2x2 grid
     state = source.state_dict()
     note = weights.load_weights(target, state, "vit64.pth").note
     assert note == "position embedding interpolated from 4x4 to 2x2 patches"
@@ -135,7 +150,7 @@ def test_head_for_another_class_count_is_replaced_other_mismatches_refused():
     loaded = weights.load_weights(model, seven, "r7.pth")
     assert loaded.note == "new 10-class head fc (weights had 7 classes)" and loaded.new_head_from == 7
     assert torch.equal(model.fc.weight, fresh_head) and torch.equal(model.conv1.weight, seven["conv1.weight"])
-    assert weights.load_weights(model, models.build_model("resnet18", 10).state_dict(), "r10.pth").note is None
+    assert weights.load_weights(model, model.state_dict(), "r10.pth").note is None  # a 10-class head: no note
     with pytest.raises(FixresError, match="unexpected keys e.g. layer1.2"):
         weights.load_weights(model, models.build_model("resnet34", 10).state_dict(), "r34.pth")
     narrow = dict(seven, **{"fc.weight": torch.zeros(7, 256)})  # another feature width: not just a class count
@@ -214,26 +229,26 @@ def test_lite0_weights_into_a_10_class_model_get_a_new_head():
 
 
 @needs_lite_weights
-def test_finetune_lite0_from_the_imagenet_weights_end_to_end(tiny_data, tmp_path):
+def test_finetune_lite0_from_the_imagenet_weights_end_to_end(few_data, tmp_path):
     result = run_script("finetune", "--num-tasks", 2, "--architecture", "efficientnet_lite0",
-                        "--weight-path", LITE_WEIGHTS, "--data-path", tiny_data, "--input-size", 64,
+                        "--weight-path", LITE_WEIGHTS, "--data-path", few_data, "--input-size", 32,
                         "--batch", 8, "--epochs", 1, "--workers", 0, "--no-progress",
                         "--shared-folder-path", tmp_path, "--job-id", "lite0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "new 10-class head _fc (weights had 1000 classes)" in result.stdout
     events = [json.loads(line) for line in (tmp_path / "lite0" / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in events if e["event"] == "eval"]
-    assert evals and all(e["images"] == 30 and e["resolution"] == 64 for e in evals)
+    assert evals and all(e["images"] == 10 and e["resolution"] == 32 for e in evals)
 
 
 @needs_lite_weights
-def test_input_size_auto_with_a_new_head_is_refused_before_anything_starts(tiny_data, tmp_path):
+def test_input_size_auto_with_a_new_head_is_refused_before_anything_starts(few_data, tmp_path, capsys):
     """A sweep of an untrained head is noise: --input-size auto would pick a resolution from it."""
-    result = run_script("finetune", "--architecture", "efficientnet_lite0", "--weight-path", LITE_WEIGHTS,
-                        "--data-path", tiny_data, "--input-size", "auto", "--test-sizes", "64,96",
-                        "--shared-folder-path", tmp_path / "runs", "--workers", "0", "--no-progress")
-    assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "gets a new 10-class head (its head has 1000 classes)" in lines[0], result.stderr
+    code, err = run_main(capsys, "finetune", "--architecture", "efficientnet_lite0", "--weight-path", LITE_WEIGHTS,
+                         "--data-path", few_data, "--input-size", "auto", "--test-sizes", "64,96",
+                         "--shared-folder-path", tmp_path / "runs", "--workers", "0", "--no-progress")
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "gets a new 10-class head (its head has 1000 classes)" in lines[0], err
     assert "--finetune-scope head" in lines[0]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

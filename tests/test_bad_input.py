@@ -5,12 +5,11 @@ import argparse
 import os
 import pickle
 import shutil
-import time
 
 import pytest
 import torch
 
-from conftest import FAST, make_subset, run_script
+from conftest import FAST, make_subset, run_interpreter
 from fixres_dist import models
 from fixres_dist.launch import main
 
@@ -118,15 +117,13 @@ def test_bad_input_fails_cleanly(case, tmp_path, weights, broken_data, capsys):
     args = [a.format(tmp=tmp_path, weights=weights, broken=broken_data) for a in args]
     shared = tmp_path / "shared"
     mode = "finetune" if "--weight-path" in args else "scratch"
-    start = time.monotonic()
     with pytest.raises(SystemExit) as exit_info:
         main(mode, ["--shared-folder-path", str(shared), *FAST, *args])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert err.startswith("fixres_dist: rank ") and message in err, err
-    assert not shared.exists() or "shared folder" in case
-    assert time.monotonic() - start < 30
+    assert not shared.exists() or "shared folder" in case  # refused before anything started
     assert not (weights / "PWNED").exists()
 
 
@@ -145,8 +142,10 @@ def test_argparse_rejects_non_positive_sizes(capsys):
 
 
 def test_real_process_exit_status_and_single_line(tmp_path):
-    proc = run_script("scratch", "--num-tasks", "3", "--global-rank", "3", "--job-id", "x",
-                      "--shared-folder-path", tmp_path / "shared", timeout=60)
+    """``python main_scratch.py`` itself: its exit status, and nothing on stderr but the one line
+    (no warning as the interpreter imports torch)."""
+    proc = run_interpreter("scratch", "--num-tasks", "3", "--global-rank", "3", "--job-id", "x",
+                           "--shared-folder-path", tmp_path / "shared")
     assert proc.returncode == 1
     assert proc.stderr.strip() == "fixres_dist: rank 3: --global-rank 3 must be < --num-tasks 3"
     assert not (tmp_path / "shared").exists()

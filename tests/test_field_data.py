@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
-from conftest import FAST, make_subset, run_script
+from conftest import make_subset, run_script
 from fixres_dist import data, images
 from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from fixres_dist.errors import FixresError
@@ -197,12 +197,14 @@ def test_hidden_files_and_folders_are_neither_classes_nor_images(hidden_data):
 
 def test_a_run_trains_only_the_real_classes_and_says_what_it_skipped(hidden_data, tmp_path):
     """The issue's case: a hidden folder was trained as a 4th class (head [4, 512])."""
-    proc = run_script("scratch", "--data-path", hidden_data, "--shared-folder-path", tmp_path, "--job-id", "h", *FAST)
+    proc = run_script("scratch", "--data-path", hidden_data, "--shared-folder-path", tmp_path, "--job-id", "h",
+                      "--architecture", "resnet20", "--input-size", 16, "--batch", 4, "--epochs", 1, "--workers", 0,
+                      "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data: skipped 9 hidden files and folders (train/.DS_Store, train/.DS_Store_file, " \
            "train/.ipynb_checkpoints, ...)" in proc.stdout
     state = load_checkpoint(tmp_path / "h" / CHECKPOINT_FILE)
-    assert tuple(state["model"]["fc.weight"].shape) == (3, 512)
+    assert tuple(state["model"]["fc.weight"].shape) == (3, 64)
     evals = [json.loads(line) for line in (tmp_path / "h" / "metrics.jsonl").read_text().splitlines()]
     assert [e["images"] for e in evals if e["event"] == "eval"] == [6]
 

@@ -15,7 +15,7 @@ from PIL import Image
 from torch import nn
 from torchvision import transforms as v1
 
-from conftest import FAST, free_port, run_main, run_script, run_two_ranks_and_one
+from conftest import free_port, run_main, run_script, run_two_ranks_and_one
 from fixres_dist import FixresError, batchnorm, data, distributed, extraction, fixres, models, sweep
 from fixres_dist.launch import main, start_method
 from fixres_dist.checkpoint import load_checkpoint
@@ -26,13 +26,9 @@ def _events(folder):
 
 
 @pytest.fixture(scope="module")
-def scratch_checkpoint(tiny_data, tmp_path_factory):
-    """A 1-epoch resnet18 trained at 32 px on tiny_data (2 ranks)."""
-    shared = tmp_path_factory.mktemp("scratch")
-    result = run_script("scratch", "--num-tasks", 2, "--job-id", "s", "--shared-folder-path", shared,
-                        "--data-path", tiny_data, *FAST)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return shared / "s" / "checkpoint.pth"
+def scratch_checkpoint(scratch_job):
+    """resnet18 trained at 32 px on tiny_data (2 ranks): the session's scratch job."""
+    return scratch_job / "checkpoint.pth"
 
 
 # ------------------------------------------------------------------------------------------ scopes
@@ -109,9 +105,10 @@ def test_synchronise_keeps_parameters_and_state_dict_keys():
     assert list(model.state_dict()) == keys and type(model.layer4[1].bn1) is nn.BatchNorm2d
 
 
-def test_two_rank_finetune_equals_one_process_on_the_union(tiny_data, scratch_checkpoint, tmp_path):
-    """2 ranks x 8 images per step == 1 process x 16 images: same head, same last-BN statistics."""
-    common = ["--data-path", tiny_data, "--weight-path", scratch_checkpoint, "--input-size", 40,
+def test_two_rank_finetune_equals_one_process_on_the_union(few_data, scratch_checkpoint, tmp_path):
+    """2 ranks x 8 images per step == 1 process x 16 images: same head, same last-BN statistics (20
+    images: a full step, then one of 2 + 2)."""
+    common = ["--data-path", few_data, "--weight-path", scratch_checkpoint, "--input-size", 40,
               "--epochs", 1, "--workers", 0, "--no-progress", "--shared-folder-path", tmp_path,
               "--learning-rate", 0.5]
     two, _ = run_two_ranks_and_one("finetune", *common)
@@ -168,9 +165,9 @@ def test_best_resolution_takes_the_smallest_within_one_standard_error():
 
 
 # ----------------------------------------------------------------------- sweeps, auto, eval-only
-def test_finetune_auto_sweeps_plots_and_finetunes_at_the_best(tiny_data, scratch_checkpoint, tmp_path):
+def test_finetune_auto_sweeps_plots_and_finetunes_at_the_best(few_data, scratch_checkpoint, tmp_path):
     result = run_script("finetune", "--num-tasks", 2, "--job-id", "auto", "--shared-folder-path", tmp_path,
-                        "--data-path", tiny_data, "--weight-path", scratch_checkpoint, "--input-size", "auto",
+                        "--data-path", few_data, "--weight-path", scratch_checkpoint, "--input-size", "auto",
                         "--test-sizes", "32,40,48", "--batch", 8, "--epochs", 1, "--workers", 0, "--no-progress",
                         "--finetune-augmentation", "fixres")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -193,15 +190,21 @@ def test_finetune_auto_sweeps_plots_and_finetunes_at_the_best(tiny_data, scratch
     assert "apparent-object-size estimate" in result.stdout and f"finetuning at {chosen} px" in result.stdout
 
 
-def test_eval_only_sweep_and_features_are_exact_on_any_world_size(tiny_data, scratch_checkpoint, tmp_path):
-    """--eval-only on 1 and 2 ranks: the same sweep, and features in dataset order, each image once."""
+def test_eval_only_sweep_and_features_are_exact_on_any_world_size(few_data, scratch_checkpoint, tmp_path):
+    """--eval-only on 1 and 2 ranks: the same sweep, and features in dataset order, each image once
+    (20 images in batches of 7: the ranks' last batches are uneven). The 1-rank run replaces an earlier
+    run's logits.npy, as --overwrite allows (refused without it: the next test)."""
     tops, arrays = {}, {}
+    earlier = tmp_path / "features1" / "logits.npy"
+    earlier.parent.mkdir()
+    earlier.write_bytes(b"earlier results")
     for ranks in (1, 2):
         out = tmp_path / f"features{ranks}"
         result = run_script("scratch", "--num-tasks", ranks, "--job-id", f"eval{ranks}", "--eval-only",
                             "--weight-path", scratch_checkpoint, "--test-sizes", "32,48", "--test-size", 40,
                             "--extract-features", out, "--extract-split", "train", "--shared-folder-path",
-                            tmp_path, "--data-path", tiny_data, "--workers", 0, "--no-progress", "--batch", 7)
+                            tmp_path, "--data-path", few_data, "--workers", 0, "--no-progress", "--batch", 7,
+                            *(["--overwrite"] if ranks == 1 else []))
         assert result.returncode == 0, result.stderr[-3000:]
         events = _events(tmp_path / f"eval{ranks}")
         assert not [e for e in events if e["event"] == "train"]
@@ -209,13 +212,13 @@ def test_eval_only_sweep_and_features_are_exact_on_any_world_size(tiny_data, scr
         assert not (tmp_path / f"eval{ranks}" / "checkpoint.pth").exists()
         arrays[ranks] = {name: np.load(out / f"{name}.npy") for name in ("logits", "embeddings", "labels")}
         info = json.loads((out / "features.json").read_text())
-        assert info["images"] == 80 and info["resolution"] == 40 and info["split"] == "train"
+        assert info["images"] == 20 and info["resolution"] == 40 and info["split"] == "train"
         assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == \
             {f"{name}.npy": 0o600 for name in ("logits", "embeddings", "labels")} | {"features.json": 0o600}
-    assert tops[1] == tops[2] and [t[0] for t in tops[1]] == [32, 48] and all(t[2] == 30 for t in tops[1])
-    targets = data.image_folder(tiny_data, "train").targets
+    assert tops[1] == tops[2] and [t[0] for t in tops[1]] == [32, 48] and all(t[2] == 10 for t in tops[1])
+    targets = data.image_folder(few_data, "train").targets
     for ranks in (1, 2):
-        assert arrays[ranks]["logits"].shape == (80, 10) and arrays[ranks]["embeddings"].shape == (80, 512)
+        assert arrays[ranks]["logits"].shape == (20, 10) and arrays[ranks]["embeddings"].shape == (20, 512)
         assert arrays[ranks]["labels"].tolist() == targets
         assert np.abs(arrays[ranks]["embeddings"]).sum(axis=1).min() > 0  # every row written
     np.testing.assert_allclose(arrays[1]["logits"], arrays[2]["logits"], rtol=1e-4, atol=1e-5)
@@ -223,40 +226,40 @@ def test_eval_only_sweep_and_features_are_exact_on_any_world_size(tiny_data, scr
     model = models.build_model("resnet18", 10)
     model.load_state_dict(load_checkpoint(scratch_checkpoint)["model"])
     model.eval()
-    image = data.test_transform(40)(data.image_folder(tiny_data, "train")[17][0])
+    image = data.test_transform(40)(data.image_folder(few_data, "train")[17][0])
     with torch.no_grad():
         expected = model(data.normalize(image[None]))[0].numpy()
     np.testing.assert_allclose(arrays[2]["logits"][17], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_extraction_refuses_existing_results_unless_overwrite(tiny_data, scratch_checkpoint, tmp_path, capsys):
+def test_extraction_refuses_existing_results_unless_overwrite(few_data, scratch_checkpoint, tmp_path, capsys):
+    """Refused in preflight, the earlier file untouched (with --overwrite a run replaces it: the 1-rank
+    run of test_eval_only_sweep_and_features_are_exact_on_any_world_size)."""
     out = tmp_path / "features"
     out.mkdir()
     (out / "logits.npy").write_bytes(b"earlier results")
     args = ["--eval-only", "--weight-path", scratch_checkpoint, "--extract-features", out, "--shared-folder-path",
-            tmp_path, "--data-path", tiny_data, "--workers", 0, "--no-progress"]
+            tmp_path, "--data-path", few_data, "--workers", 0, "--no-progress"]
     with pytest.raises(SystemExit) as refused:  # in this process: preflight refuses before the run
         main("scratch", ["--job-id", "r", *map(str, args)])
     err = capsys.readouterr().err.strip()
     assert refused.value.code == 1 and "already holds logits.npy; pass --overwrite" in err
     assert len(err.splitlines()) == 1
     assert (out / "logits.npy").read_bytes() == b"earlier results"
-    replaced = run_script("scratch", "--job-id", "r2", "--overwrite", *args)
-    assert replaced.returncode == 0, replaced.stderr[-3000:]
-    assert np.load(out / "logits.npy").shape == (30, 10)
 
 
 def test_extraction_streams_rows_instead_of_gathering_them(tiny_data, tmp_path):
-    """Peak Python/numpy memory stays flat when the split grows 25-fold (rows go to disk per batch)."""
+    """Peak Python/numpy memory stays flat when the split grows 25-fold (rows go to disk per batch);
+    8 px images: what is measured is the rows written, not the network's work."""
     model = models.build_model("resnet18", 10).eval()
 
     def peak_bytes(images: int) -> int:
         dataset = data.image_folder(tiny_data, "train")
         dataset.samples = (dataset.samples * 5)[:images]  # the same files, listed again
-        loader = data.make_loader(dataset, data.test_transform(32), batch_size=4, world_size=1, rank=0,
+        loader = data.make_loader(dataset, data.test_transform(8), batch_size=8, world_size=1, rank=0,
                                   shuffle=False, seed=0, workers=0)
         tracemalloc.start()
-        info = extraction.extract(model, "fc", loader, torch.device("cpu"), tmp_path / str(images), 32, {}, rank0=True)
+        info = extraction.extract(model, "fc", loader, torch.device("cpu"), tmp_path / str(images), 8, {}, rank0=True)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         assert info["images"] == images and np.load(tmp_path / str(images) / "embeddings.npy").shape == (images, 512)

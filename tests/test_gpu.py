@@ -110,7 +110,7 @@ def test_nccl_two_ranks_one_gpu_each(tiny_data, tmp_path):
 
 def test_bf16_channels_last_run(tiny_data, tmp_path):
     proc = run_script("scratch", "--job-id", "bf16", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
-                      *FAST, *CUDA, "--amp", "bf16", "--channels-last", timeout=300)
+                      *FAST, *CUDA, "--amp", "bf16", "--channels-last")
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert config["amp"] == "bf16" and config["channels_last"] is True
@@ -122,7 +122,7 @@ def test_bf16_channels_last_run(tiny_data, tmp_path):
 def test_fp16_grad_scaler_is_checkpointed_and_restored(tiny_data, tmp_path):
     args = ["scratch", "--job-id", "fp16", "--shared-folder-path", tmp_path, "--data-path", tiny_data, *FAST,
             "--epochs", 2, *CUDA, "--amp", "fp16"]  # 80 images / batch 8: 10 steps per epoch, 20 in all
-    first = run_script(*args, env=clean_env(FIXRES_FAULT="signal:rank=0:step=13"), timeout=300)
+    first = run_script(*args, env=clean_env(FIXRES_FAULT="signal:rank=0:step=13"))
     assert first.returncode == 3, first.stderr[-3000:]
     path = tmp_path / "fp16" / CHECKPOINT_FILE
     state = load_checkpoint(path)
@@ -133,7 +133,7 @@ def test_fp16_grad_scaler_is_checkpointed_and_restored(tiny_data, tmp_path):
     # 7 steps) and a growth interval that stops it growing. Only a restored scaler ends with these.
     state["scaler"] = {**scaler, "scale": 32.0, "growth_interval": 1_000_000}
     torch.save(state, path)
-    second = run_script(*args, timeout=300)
+    second = run_script(*args)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in _output(second)
     final = load_checkpoint(path)

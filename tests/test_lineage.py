@@ -13,24 +13,15 @@ from fixres_dist import fixres, lineage, models, reports, weights
 from fixres_dist.checkpoint import load_checkpoint
 from fixres_dist.lineage import Lineage
 
-SMALL = ["--batch", "8", "--epochs", "1", "--workers", "0", "--no-progress"]
-
 
 def _events(folder):
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
-def finetuned(tiny_data, tmp_path_factory):
-    """(scratch checkpoint trained at 32 px, its FixRes finetune at 48 px), both real runs."""
-    shared = tmp_path_factory.mktemp("chain")
-    scratch = run_script("scratch", "--job-id", "s32", "--shared-folder-path", shared, "--data-path", tiny_data,
-                         "--input-size", 32, *SMALL)
-    assert scratch.returncode == 0, scratch.stderr[-3000:]
-    finetune = run_script("finetune", "--job-id", "f48", "--shared-folder-path", shared, "--data-path", tiny_data,
-                          "--weight-path", shared / "s32" / "checkpoint.pth", "--input-size", 48, *SMALL)
-    assert finetune.returncode == 0, finetune.stderr[-3000:]
-    return shared / "s32" / "checkpoint.pth", shared / "f48" / "checkpoint.pth"
+def finetuned(scratch_job, finetune_job):
+    """(scratch checkpoint trained at 32 px, its FixRes finetune at 48 px), both real runs (the session's)."""
+    return scratch_job / "checkpoint.pth", finetune_job.folder / "checkpoint.pth"
 
 
 def test_checkpoints_record_their_lineage(finetuned):
@@ -43,10 +34,10 @@ def test_checkpoints_record_their_lineage(finetuned):
 
 @pytest.mark.parametrize("script", ["finetune", "scratch"])
 def test_eval_only_of_a_finetuned_checkpoint_reports_an_evaluation_of_the_scratch_resolution(
-        script, finetuned, tiny_data, tmp_path):
+        script, finetuned, few_data, tmp_path):
     _, finetune = finetuned
     result = run_script(script, "--job-id", "e", "--eval-only", "--weight-path", finetune, "--test-sizes", "32,40,48",
-                        "--shared-folder-path", tmp_path, "--data-path", tiny_data, "--workers", 0, "--no-progress")
+                        "--shared-folder-path", tmp_path, "--data-path", few_data, "--workers", 0, "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     out, folder = result.stdout, tmp_path / "e"
     assert out.startswith("job e: evaluation resnet18,") and "finetune resnet18" not in out

@@ -2,15 +2,12 @@
 the last norm and head that a FixRes finetune trains (issue 10, items 1 and 2)."""
 from __future__ import annotations
 
-import re
-import warnings
-
 import pytest
 import torch
 from torch import nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
-from conftest import FAST, run_script
+from conftest import run_main, run_script
 from fixres_dist import FixresError, fixres, models, weights
 
 # name -> (n, parameters with 10 classes). He et al. 2016, Table 6: 0.27M, 0.46M, 0.66M, 0.85M, 1.7M
@@ -72,9 +69,9 @@ def test_low_res_stem_gives_total_stride_8(name, width):
     assert isinstance(low.maxpool, nn.Identity)
     with torch.no_grad():
         assert _body(standard, torch.zeros(1, 3, 64, 64)).shape == (1, width, 2, 2)  # stride 32
-        assert _body(low, torch.zeros(1, 3, 64, 64)).shape == (1, width, 8, 8)  # stride 8
-        assert _body(low, torch.zeros(1, 3, 32, 32)).shape == (1, width, 4, 4)
-        assert low(torch.zeros(2, 3, 24, 24)).shape == (2, 10)
+        assert _body(low, torch.zeros(1, 3, 24, 24)).shape == (1, width, 3, 3)  # stride 8
+        assert _body(low, torch.zeros(1, 3, 16, 16)).shape == (1, width, 2, 2)
+        assert low(torch.zeros(2, 3, 16, 16)).shape == (2, 10)
     # the rest of the network is unchanged: only conv1's shape differs
     differ = {k for k, v in standard.state_dict().items() if v.shape != low.state_dict()[k].shape}
     assert differ == {"conv1.weight"} and set(standard.state_dict()) == set(low.state_dict())
@@ -100,6 +97,7 @@ def test_low_res_stem_of_another_architecture_is_refused(name, why):
 
 
 # ------------------------------------------------------------------- last norm by data flow
+# (the head and last norm of each torchvision, CIFAR, Lite and ViT architecture: test_architectures.py)
 def _projection_resnet() -> nn.Module:
     """ResNet(BasicBlock, [1, 1, 1, 1]): its only layer4 block has a projection shortcut."""
     return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10)
@@ -124,27 +122,6 @@ def test_projection_shortcut_bn_runs_last_but_the_main_path_norm_is_chosen():
     assert fixres.find_head_and_last_norm(model, 32) == ("fc", "layer4.0.bn2")
     assert set(fixres.freeze_for_finetune(model, 32)) == {"fc.weight", "fc.bias", "layer4.0.bn2.weight",
                                                           "layer4.0.bn2.bias"}
-
-
-@pytest.mark.parametrize("name, size, classifier, head, norm", [
-    ("resnet18", 32, "fc", ("fc",), "layer4.1.bn2"),
-    ("resnet50", 32, "fc", ("fc",), "layer4.2.bn3"),
-    ("mobilenet_v3_large", 32, "classifier.3", ("classifier.0", "classifier.3"), "features.16.1"),
-    ("vit_b_16", 32, "heads.head", ("heads.head",), "encoder.ln"),
-    ("convnext_tiny", 32, "classifier.2", ("classifier.2",), "classifier.0"),
-    ("efficientnet_b0", 32, "classifier.1", ("classifier.1",), "features.8.1"),
-    ("resnet20", 32, "fc", ("fc",), "layer3.2.bn2"),
-    ("vgg11_bn", 32, "classifier.6", ("classifier.0", "classifier.3", "classifier.6"), "features.26"),
-])
-def test_head_and_last_norm_by_data_flow(name, size, classifier, head, norm):
-    model = models.build_model(name, 10, image_size=size if name.startswith("vit") else None)
-    modes = {n: m.training for n, m in model.named_modules()}
-    layers = fixres.find_finetune_layers(model, size)
-    assert layers == fixres.FinetuneLayers(classifier, head, norm)
-    assert {n: m.training for n, m in model.named_modules()} == modes  # modes restored
-    assert all(p.grad is None for p in model.parameters())
-    trainable = fixres.freeze_for_finetune(model, size)
-    assert {n.rsplit(".", 1)[0] for n in trainable} == {*head, norm}
 
 
 def test_mobilenet_v3_head_includes_the_linear_between_norm_and_classifier():
@@ -228,28 +205,28 @@ def test_finetune_resolution_below_the_train_resolution_warning():
                        "(objects look larger in training; about 44 px matches their apparent size)")
 
 
-def test_last_norm_and_low_res_stem_end_to_end(tiny_data, tmp_path):
+def test_last_norm_and_low_res_stem_end_to_end(few_data, tmp_path, capsys):
     """main_finetune.py: an accepted --last-norm trains what it names, with the below-train-resolution
     warning; a refused one fails in preflight with one line; --low-res-stem weights need the flag."""
     start = models.build_model("resnet18", 10, low_res_stem=True)
     weights = tmp_path / "start.pth"
     torch.save(start.state_dict(), weights)
-    common = ["--weight-path", weights, "--data-path", tiny_data, "--shared-folder-path", tmp_path / "runs",
-              "--low-res-stem", *FAST]
-    ok = run_script("finetune", *common, "--job-id", "ok", "--last-norm", "layer4.1.bn1", "--train-size", "40")
+    common = ["--weight-path", weights, "--data-path", few_data, "--shared-folder-path", tmp_path / "runs",
+              "--low-res-stem", "--input-size", 16, "--batch", 8, "--epochs", 1, "--workers", 0, "--no-progress"]
+    ok = run_script("finetune", *common, "--job-id", "ok", "--last-norm", "layer4.1.bn1", "--train-size", "24")
     assert ok.returncode == 0, ok.stderr[-3000:]
     line = next(x for x in ok.stdout.splitlines() if x.startswith("finetuning (head+last-norm)"))
     assert set(line.split(": ", 1)[1].split(", ")) == {
         "layer4.1.conv2.weight", "layer4.1.bn2.weight", "layer4.1.bn2.bias", "fc.weight", "fc.bias",
         "layer4.1.bn1.weight", "layer4.1.bn1.bias"}
-    assert "warning: finetuning at 32 px, below the train resolution 40 px: FixRes predicts the opposite" in ok.stdout
+    assert "warning: finetuning at 16 px, below the train resolution 24 px: FixRes predicts the opposite" in ok.stdout
     assert (ok.stdout + ok.stderr).count("FixRes predicts the opposite") == 1  # one line, not a Python warning too
     config = (tmp_path / "runs" / "ok" / "config.json").read_text()
     assert '"last_norm": "layer4.1.bn1"' in config and '"low_res_stem": true' in config
 
-    bad = run_script("finetune", *common, "--job-id", "bad", "--last-norm", "layer4.0.downsample.1")
-    assert bad.returncode == 1
-    assert bad.stderr.strip() == ("fixres_dist: rank 0: --last-norm layer4.0.downsample.1 is off the main path of "
-                                  "ResNet (a shortcut, a shorter parallel branch, or not between the input and the "
-                                  "classifier fc); the main-path last norm is layer4.1.bn2")
+    code, err = run_main(capsys, "finetune", *common, "--job-id", "bad", "--last-norm", "layer4.0.downsample.1")
+    assert code == 1
+    assert err.strip() == ("fixres_dist: rank 0: --last-norm layer4.0.downsample.1 is off the main path of "
+                           "ResNet (a shortcut, a shorter parallel branch, or not between the input and the "
+                           "classifier fc); the main-path last norm is layer4.1.bn2")
     assert not (tmp_path / "runs" / "bad").exists()

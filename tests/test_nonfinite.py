@@ -16,8 +16,8 @@ from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkp
 from fixres_dist.errors import FixresError
 from fixres_dist.metrics import MetricsLog
 
-DIVERGE = ["--learning-rate", "1e6", "--warmup-epochs", "0", "--input-size", "32", "--batch", "8", "--epochs", "2",
-           "--workers", "0", "--no-progress"]
+DIVERGE = ["--learning-rate", "1e6", "--warmup-epochs", "0", "--architecture", "resnet20", "--input-size", "16",
+           "--batch", "8", "--epochs", "2", "--workers", "0", "--no-progress"]
 LINE = re.compile(r"^fixres_dist: rank (\d): non-finite loss \(NaN or infinity\) at epoch 1, step (\d+): training "
                   r"stopped on all ranks; (.*); lower --learning-rate \(or raise --warmup-epochs\) and use a new --job-id$")
 

@@ -19,6 +19,10 @@ from fixres_dist.errors import FixresError
 HAS_TIMM = importlib.util.find_spec("timm") is not None
 HAS_LITE = importlib.util.find_spec("efficientnet_lite_pytorch") is not None
 
+# resnet20 at 16 px, 1 epoch (on few_data: 20 train, 10 val images): what is checked is the log, not the training
+SMALL = ["--architecture", "resnet20", "--input-size", "16", "--batch", "8", "--epochs", "1", "--workers", "0",
+         "--no-progress"]
+
 
 @pytest.mark.parametrize("name, mean, std, crop, interpolation", [
     ("resnet50", data.IMAGENET_MEAN, data.IMAGENET_STD, 0.875, "bilinear"),
@@ -71,15 +75,14 @@ def test_bad_preprocessing_values_are_refused(args, message, tmp_path, capsys):
     assert not (tmp_path / "s").exists()
 
 
-def test_the_run_logs_its_preprocessing_and_a_finetune_keeps_the_weights_own(tiny_data, tmp_path):
-    scratch = run_script("scratch", "--architecture", "resnet20", "--mean", "0.5", "--std", "0.25",
-                         "--data-path", tiny_data, "--shared-folder-path", tmp_path, "--job-id", "s", *FAST)
+def test_the_run_logs_its_preprocessing_and_a_finetune_keeps_the_weights_own(few_data, tmp_path):
+    scratch = run_script("scratch", "--mean", "0.5", "--std", "0.25", "--data-path", few_data,
+                         "--shared-folder-path", tmp_path, "--job-id", "s", *SMALL)
     assert scratch.returncode == 0, scratch.stderr[-3000:]
     assert "input preprocessing: mean 0.5,0.5,0.5, std 0.25,0.25,0.25, test crop 0.875, bilinear (--mean, --std; " \
            "otherwise ImageNet's default)" in scratch.stdout
-    finetune = run_script("finetune", "--architecture", "resnet20", "--weight-path", tmp_path / "s" / "checkpoint.pth",
-                          "--eval-only", "--data-path", tiny_data, "--shared-folder-path", tmp_path, "--job-id", "f",
-                          *FAST)
+    finetune = run_script("finetune", "--weight-path", tmp_path / "s" / "checkpoint.pth", "--eval-only",
+                          "--data-path", few_data, "--shared-folder-path", tmp_path, "--job-id", "f", *SMALL)
     assert finetune.returncode == 0, finetune.stderr[-3000:]
     assert "input preprocessing: mean 0.5,0.5,0.5, std 0.25,0.25,0.25, test crop 0.875, bilinear (mean of the " \
            "weights' run, std of the weights' run; otherwise ImageNet's default)" in finetune.stdout

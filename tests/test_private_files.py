@@ -3,11 +3,12 @@ whatever the umask."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 
 import pytest
 
-from conftest import FAST, run_script
+from conftest import SCRATCH, run_script
 
 
 @pytest.fixture
@@ -18,9 +19,10 @@ def umask_022():
     os.umask(previous)
 
 
-def test_every_file_of_a_two_rank_run_with_a_sweep_is_owner_only(umask_022, tiny_data, tmp_path):
+def test_every_file_of_a_two_rank_run_with_a_sweep_is_owner_only(umask_022, few_data, tmp_path):
     result = run_script("scratch", "--num-tasks", 2, "--job-id", "private", "--shared-folder-path", tmp_path,
-                        "--data-path", tiny_data, "--test-sizes", "32,40", "--keep-checkpoints", 2, *FAST)
+                        "--data-path", few_data, "--architecture", "resnet20", "--input-size", 16, "--test-sizes",
+                        "16,24", "--keep-checkpoints", 2, "--batch", 4, "--epochs", 1, "--workers", 0, "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     folder = tmp_path / "private"
     written = {p.name for p in folder.iterdir()}
@@ -31,17 +33,17 @@ def test_every_file_of_a_two_rank_run_with_a_sweep_is_owner_only(umask_022, tiny
     assert modes == {name: 0o700 if (tmp_path / name).is_dir() else 0o600 for name in modes}
 
 
-def test_a_rerun_makes_what_an_older_run_left_readable_to_others_owner_only(tiny_data, tmp_path):
+def test_a_rerun_makes_what_an_older_run_left_readable_to_others_owner_only(scratch_job, tiny_data, tmp_path):
     """Files of an older version, or of a run under a loose umask, are tightened when the job folder
-    is opened again (here: a finished job, whose rerun trains nothing)."""
-    args = ["scratch", "--job-id", "old", "--shared-folder-path", tmp_path, "--data-path", tiny_data, *FAST]
-    assert run_script(*args).returncode == 0
-    folder = tmp_path / "old"
+    is opened again (here: a copy of the session's finished job, whose rerun trains nothing)."""
+    folder = tmp_path / scratch_job.name
+    shutil.copytree(scratch_job, folder)
     (folder / "notes").mkdir()
     (folder / "notes" / "mine.txt").write_text("")
     for path in [folder, *folder.rglob("*")]:
         path.chmod(0o777 if path.is_dir() else 0o666)
-    rerun = run_script(*args)
+    rerun = run_script("scratch", "--num-tasks", 2, "--job-id", scratch_job.name, "--shared-folder-path", tmp_path,
+                       "--data-path", tiny_data, *SCRATCH)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     modes = {path.name: stat.S_IMODE(path.lstat().st_mode) for path in [folder, *folder.rglob("*")]}
     assert modes == {path.name: 0o700 if path.is_dir() else 0o600 for path in [folder, *folder.rglob("*")]}

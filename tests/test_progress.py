@@ -16,7 +16,9 @@ from conftest import ROOT, clean_env, run_script
 from fixres_dist import TrainerConfig, progress
 from fixres_dist.trainer import Trainer
 
-RUN = ["--input-size", "32", "--batch", "8", "--epochs", "1", "--workers", "0", "--test-sizes", "32,40"]
+# resnet20 at 16 px on few_data (20 train, 10 val images), a sweep of 16 and 24 px after training
+RUN = ["--architecture", "resnet20", "--input-size", "16", "--batch", "8", "--epochs", "1", "--workers", "0",
+       "--test-sizes", "16,24"]
 
 
 class Ticks:
@@ -69,41 +71,42 @@ def test_job_clock_counts_the_remaining_epochs_and_evaluations():
     assert progress.format_seconds(3725) == "1:02:05" and progress.format_seconds(None) == "?"
 
 
-def test_evaluations_and_sweeps_show_progress_on_stderr_and_a_log_file_gets_none(tiny_data, tmp_path):
-    shown = run_script("scratch", "--job-id", "shown", "--shared-folder-path", tmp_path, "--data-path", tiny_data, *RUN,
+def test_evaluations_and_sweeps_show_progress_on_stderr_and_a_log_file_gets_none(few_data, tmp_path):
+    shown = run_script("scratch", "--job-id", "shown", "--shared-folder-path", tmp_path, "--data-path", few_data, *RUN,
                        "--progress")
     assert shown.returncode == 0, shown.stderr[-3000:]
     err = shown.stderr
-    assert "epoch 1/1" in err and "eval 32 px (epoch 1/1)" in err
-    assert "eval 32 px (1/2 of the sweep after training)" in err and "eval 40 px (2/2 of the sweep after training)" in err
-    assert "/30" in err  # images done of the 30 validation images
-    assert "eval 32 px" not in shown.stdout and "img/s]" not in shown.stdout  # bars stay on stderr
+    assert "epoch 1/1" in err and "eval 16 px (epoch 1/1)" in err
+    assert "eval 16 px (1/2 of the sweep after training)" in err and "eval 24 px (2/2 of the sweep after training)" in err
+    assert "/10" in err  # images done of the 10 validation images
+    assert "eval 16 px" not in shown.stdout and "img/s]" not in shown.stdout  # bars stay on stderr
     # log lines stay whole: each starts a line of its own
     lines = [line for line in shown.stdout.splitlines() if line]
     assert lines and all(line.startswith(("job ", "data:", "input ", "sgd lr ", "epoch 1/1: train loss", "eval", "|",
                                           "top-1", "best", "network", "train resolution", "plot", "warning: ")) for line in lines)
-    quiet = run_script("scratch", "--job-id", "quiet", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
-                       *RUN)  # stderr is a pipe here, as a log file under SLURM: no bars by default
+    quiet = run_script("scratch", "--job-id", "quiet", "--shared-folder-path", tmp_path, "--data-path", few_data,
+                       *RUN)  # stderr is a file here, as a log file under SLURM: no bars by default
     assert quiet.returncode == 0, quiet.stderr[-3000:]
-    assert "eval 32 px" not in quiet.stderr and "epoch 1/1" not in quiet.stderr and "img/s" not in quiet.stderr
-    assert "eval trained @40px" in quiet.stdout  # the run itself did the same work
+    assert "eval 16 px" not in quiet.stderr and "epoch 1/1" not in quiet.stderr and "img/s" not in quiet.stderr
+    assert "eval trained @24px" in quiet.stdout  # the run itself did the same work
 
 
-def test_the_job_clock_counts_what_the_job_has_left(tiny_data, tmp_path):
+def test_the_job_clock_counts_what_the_job_has_left(few_data, tmp_path):
     """In one process: the remaining work counts the epochs left, their evaluations and the final sweep,
     and the epoch bar's postfix turns it into a time once a rate was measured."""
-    config = TrainerConfig(data_path=str(tiny_data), shared_folder_path=str(tmp_path), job_id="left", input_size=32,
-                           batch=8, epochs=2, workers=0, test_sizes=(32, 40), progress=False)
+    config = TrainerConfig(data_path=str(few_data), shared_folder_path=str(tmp_path), job_id="left",
+                           architecture="resnet20", input_size=16, batch=8, epochs=2, workers=0, test_sizes=(16, 24),
+                           progress=False)
     trainer = Trainer(config)
     try:
         trainer.build()
-        assert trainer._evaluations_left() == [32, 32, 32, 40]  # 2 epochs' evaluations, then the sweep
-        bar = progress.Bar(80, "epoch 1/2", enabled=True, file=io.StringIO())
+        assert trainer._evaluations_left() == [16, 16, 16, 24]  # 2 epochs' evaluations, then the sweep
+        bar = progress.Bar(20, "epoch 1/2", enabled=True, file=io.StringIO())
         assert trainer._job_left(bar) == "job ? left"  # nothing measured yet
         trainer.train_epoch()
         trainer._phase = "epoch-eval"
-        assert trainer._evaluations_left() == [32, 32, 40]  # this epoch's evaluation is the one in progress
-        assert trainer.clock.train_images == 80 and trainer.clock.train_seconds > 0
+        assert trainer._evaluations_left() == [16, 16, 24]  # this epoch's evaluation is the one in progress
+        assert trainer.clock.train_images == 20 and trainer.clock.train_seconds > 0
         assert re.fullmatch(r"job \d\d:\d\d left", trainer._job_left(bar))
         bar.close()
     finally:
@@ -111,12 +114,12 @@ def test_the_job_clock_counts_what_the_job_has_left(tiny_data, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("script") is None, reason="needs util-linux's script for a terminal")
-def test_a_terminal_gets_bars_by_default_even_one_that_reports_no_size(tiny_data, tmp_path):
+def test_a_terminal_gets_bars_by_default_even_one_that_reports_no_size(few_data, tmp_path):
     """``script`` run from a pipe gives the run a pseudo-terminal of 0 x 0 characters, where tqdm alone
-    draws nothing."""
+    draws nothing (a real ``python main_scratch.py`` in that terminal)."""
     command = " ".join(shlex.quote(str(a)) for a in [sys.executable, ROOT / "main_scratch.py", "--job-id", "tty",
-                                                        "--shared-folder-path", tmp_path, "--data-path", tiny_data, *RUN])
+                                                        "--shared-folder-path", tmp_path, "--data-path", few_data, *RUN])
     result = subprocess.run(["script", "-qec", command, "/dev/null"], capture_output=True, text=True, timeout=300,
                             env=clean_env(), stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "eval 32 px (epoch 1/1)" in result.stdout and "/30" in result.stdout  # the terminal's output
+    assert "eval 16 px (epoch 1/1)" in result.stdout and "/10" in result.stdout  # the terminal's output

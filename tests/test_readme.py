@@ -63,6 +63,7 @@ def events(job: Path) -> list[dict]:
     return [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_demo_with_its_shared_folder_among_the_extra_arguments(tmp_path):
     """demo.sh's own example: extra arguments go to every run, and --shared-folder-path among them is
     where the finetunes find the scratch checkpoint (it used to look under runs/ and fail)."""
@@ -76,6 +77,7 @@ def test_the_demo_with_its_shared_folder_among_the_extra_arguments(tmp_path):
     assert not (home / "runs").exists()
 
 
+@pytest.mark.slow
 def test_your_images_train_then_fixres_finetune(tiny_data, tmp_path):
     home = shown.sandbox(tmp_path / "clone")
     result = run_block(shown.block("python main_scratch.py --num-tasks 2 --data-path DATA"), home, 900,
@@ -86,6 +88,7 @@ def test_your_images_train_then_fixres_finetune(tiny_data, tmp_path):
     assert (home / "runs" / "mine-fixres" / "resolution_sweep.png").exists()
 
 
+@pytest.mark.slow
 def test_a_recipe_scaled_down_with_tensorboard(tmp_path):
     """The torchvision recipe with its overrides: printed in full, every option on, EMA evaluated, curves written."""
     home = shown.sandbox(tmp_path / "clone")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import time
 
 import pytest
 
@@ -25,21 +24,21 @@ def _evals(folder):
 
 
 @needs_timm
-def test_timm_vit_trains_at_32_px_and_is_tested_up_to_224_px(tiny_data, tmp_path):
+def test_timm_vit_trains_at_32_px_and_is_tested_up_to_224_px(few_data, tmp_path):
     """The issue's runs: before, both died with "Input height (32) doesn't match model (224)" after
-    the job folder was made."""
+    the job folder was made (here on 20 train and 10 val images)."""
     scratch = run_script("scratch", "--architecture", VIT, "--input-size", 32, "--test-sizes", "32,224",
-                         "--data-path", tiny_data, "--shared-folder-path", tmp_path, "--job-id", "vit", *RUN)
+                         "--data-path", few_data, "--shared-folder-path", tmp_path, "--job-id", "vit", *RUN)
     assert scratch.returncode == 0, scratch.stderr[-3000:]
     trained = {e["resolution"]: e["top1"] for e in _evals(tmp_path / "vit") if e.get("label") == "trained"}
     assert set(trained) == {32, 224}
     evaluated = run_script("finetune", "--architecture", VIT, "--weight-path", tmp_path / "vit" / "checkpoint.pth",
-                           "--eval-only", "--test-sizes", "32,224", "--data-path", tiny_data,
+                           "--eval-only", "--test-sizes", "32,224", "--data-path", few_data,
                            "--shared-folder-path", tmp_path, "--job-id", "vit-eval", *RUN)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert {e["resolution"]: e["top1"] for e in _evals(tmp_path / "vit-eval")} == trained  # same weights, same numbers
     finetuned = run_script("finetune", "--architecture", VIT, "--weight-path", tmp_path / "vit" / "checkpoint.pth",
-                           "--input-size", 48, "--data-path", tiny_data, "--shared-folder-path", tmp_path,
+                           "--input-size", 48, "--data-path", few_data, "--shared-folder-path", tmp_path,
                            "--job-id", "vit-48", *RUN)
     assert finetuned.returncode == 0, finetuned.stderr[-3000:]
     assert "timm resampled pos_embed to this model's size" in finetuned.stdout
@@ -73,17 +72,16 @@ REFUSED = {
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_sizes_a_model_cannot_run_at_are_refused_before_anything_is_written(case, tiny_data, tmp_path, capsys):
+    """Refused by the launcher's preflight, in this process, before any rank starts (run_main)."""
     args, message = REFUSED[case]
     if "timm/" in " ".join(args) and not HAS_TIMM:
         pytest.skip("timm not installed (pip install -e .[timm])")
-    start = time.monotonic()
     status, err = run_main(capsys, "scratch", "--data-path", tiny_data, "--shared-folder-path", tmp_path / "shared",
                            "--epochs", "1", "--workers", "0", "--no-progress", *args)
     assert status == 1
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"fixres_dist: rank 0: {message}"), err
     assert not (tmp_path / "shared").exists()
-    assert time.monotonic() - start < 30
 
 
 def test_measured_sizes_of_torchvision_models():

@@ -9,36 +9,43 @@ import json
 import pytest
 import torch
 
-from conftest import FAST, run_main, run_script, run_two_ranks_and_one
+from conftest import make_subset, run_main, run_script, run_two_ranks_and_one
 from fixres_dist import FixresError, placement
 from fixres_dist.checkpoint import load_checkpoint
+
+
+# resnet20 at 16 px, 1 epoch on few_data (20 images): what the speed options change is not the network;
+# 4 images per rank divide the 20, so a compiled step sees one batch shape (no recompilation for a last one)
+SMALL = ["--architecture", "resnet20", "--input-size", "16", "--batch", "4", "--epochs", "1", "--workers", "0",
+         "--no-progress"]
 
 
 def _evals(folder):
     return [e for e in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if e["event"] == "eval"]
 
 
-def test_bf16_autocast_trains_on_cpu(tiny_data, tmp_path):
+def test_bf16_autocast_trains_on_cpu(few_data, tmp_path):
     result = run_script("scratch", "--num-tasks", 2, "--amp", "bf16", "--job-id", "bf16", "--shared-folder-path",
-                        tmp_path, "--data-path", tiny_data, *FAST)
+                        tmp_path, "--data-path", few_data, *SMALL)
     assert result.returncode == 0, result.stderr[-3000:]
     state = load_checkpoint(tmp_path / "bf16" / "checkpoint.pth")
     assert state["config"]["amp"] == "bf16" and state["scaler"] is None  # no GradScaler for bf16
     assert all(v.dtype == torch.float32 for k, v in state["model"].items() if k.endswith("weight"))
     evals = _evals(tmp_path / "bf16")
-    assert evals and all(e["images"] == 30 and 0 <= e["top1"] <= 100 for e in evals)
+    assert evals and all(e["images"] == 10 and 0 <= e["top1"] <= 100 for e in evals)
 
 
-def test_channels_last_gives_the_same_evaluation(tiny_data, tmp_path):
+def test_channels_last_gives_the_same_evaluation(few_data, tmp_path):
     weights = tmp_path / "w.pth"
     from fixres_dist import models
     torch.manual_seed(0)
-    torch.save(models.build_model("resnet18", 10).state_dict(), weights)
+    torch.save(models.build_model("resnet20", 10).state_dict(), weights)
     results = {}
     for flag in ("--channels-last", "--no-channels-last"):
         job = flag.strip("-")
-        result = run_script("scratch", "--eval-only", "--weight-path", weights, flag, "--test-sizes", "32,48",
-                            "--job-id", job, "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+        result = run_script("scratch", "--eval-only", "--architecture", "resnet20", "--weight-path", weights, flag,
+                            "--test-sizes", "32,48", "--job-id", job, "--shared-folder-path", tmp_path,
+                            "--data-path", few_data,
                             "--workers", 0, "--no-progress")
         assert result.returncode == 0, result.stderr[-3000:]
         results[flag] = _evals(tmp_path / job)
@@ -46,14 +53,15 @@ def test_channels_last_gives_the_same_evaluation(tiny_data, tmp_path):
         assert a["top1"] == b["top1"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
 
 
-def test_sync_bn_two_ranks_equal_one_process_on_the_union(tiny_data, tmp_path):
+def test_sync_bn_two_ranks_equal_one_process_on_the_union(tmp_path):
     """Scratch training, every BatchNorm synchronised: a step of 2 ranks x 8 images == 1 process x 16.
 
     Compared after the first optimizer step (checkpoint-00000001.pth): later, training from a random
     initialisation amplifies float rounding (sums in another order) to differences of 1e-3, as
-    between two 1-process runs with different thread counts.
+    between two 1-process runs with different thread counts (here 16 images: the only step).
     """
-    common = ["--data-path", tiny_data, "--input-size", 32, "--epochs", 1, "--workers", 0, "--no-progress",
+    data = make_subset(tmp_path / "data", 2, 1, classes=8)
+    common = ["--data-path", data, "--input-size", 16, "--epochs", 1, "--workers", 0, "--no-progress",
               "--shared-folder-path", tmp_path, "--sync-bn", "--warmup-epochs", 0, "--ckpt-every", 1,
               "--keep-checkpoints", 5]
     two, _ = run_two_ranks_and_one("scratch", *common)
@@ -67,19 +75,20 @@ def test_sync_bn_two_ranks_equal_one_process_on_the_union(tiny_data, tmp_path):
                                    rtol=1e-4, atol=1e-6)
 
 
-def test_compile_runs_the_step_through_torch_compile(tiny_data, tmp_path):
+def test_compile_runs_the_step_through_torch_compile(few_data, tmp_path):
     # the "eager" backend traces with TorchDynamo but skips code generation: fast enough for CPU CI
     result = run_script("scratch", "--compile", "eager", "--job-id", "c", "--shared-folder-path", tmp_path,
-                        "--data-path", tiny_data, *FAST)
+                        "--data-path", few_data, *SMALL)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch.compile failed" not in result.stdout + result.stderr
     assert load_checkpoint(tmp_path / "c" / "checkpoint.pth")["config"]["compile"] == "eager"
 
 
 @pytest.mark.slow
-def test_compile_with_inductor_on_cpu(tiny_data, tmp_path):
+@pytest.mark.timeout(1200)  # inductor's C++ compilation on 2 CPU cores: minutes
+def test_compile_with_inductor_on_cpu(few_data, tmp_path):
     result = run_script("scratch", "--compile", "--job-id", "ci", "--shared-folder-path", tmp_path,
-                        "--data-path", tiny_data, *FAST, timeout=1200)
+                        "--data-path", few_data, *SMALL)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch.compile failed" not in result.stdout + result.stderr
 

@@ -2,13 +2,19 @@
 read back with TensorBoard's own loader, including a run interrupted after its checkpoint and resumed."""
 from __future__ import annotations
 
+import json
+import multiprocessing
+import os
+import resource
 import sys
+from pathlib import Path
 
 import pytest
 from matplotlib.figure import Figure
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, EventAccumulator
 
 from fixres_dist.errors import FixresError
+from fixres_dist.launch import start_method
 from fixres_dist.metrics import MetricsLog
 from fixres_dist.tensorboard_events import FOLDER, TensorBoardLog, check_available, check_folder, event_scalars
 
@@ -173,29 +179,37 @@ def test_a_tensorboard_path_that_cannot_hold_events_is_refused_before_anything_s
         check_folder(job)
 
 
-FULL_DISK = """
-import resource, sys
-from fixres_dist.tensorboard_events import TensorBoardLog
-failures = []
-log = TensorBoardLog(sys.argv[1], images_per_epoch=10, flush_secs=0.01, on_failure=failures.append)
-resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # from here on, a file cannot grow past 4 KiB
-for step in range(2000):
-    log.step_scalars(step, loss=1.0, lr=0.1)
-    log.flush()
-log.close()
-print(len(failures), failures[0] if failures else "", log.failed is not None)
-"""
+def _write_until_the_disk_is_full(folder: Path, report: Path) -> None:
+    """In a process of its own (its stderr: ``report``.err): a TensorBoard log whose files may not
+    grow past 4 KiB once it is open, written and flushed 2,000 times; ``report`` gets what it saw."""
+    err = os.open(f"{report}.err", os.O_WRONLY | os.O_CREAT, 0o600)
+    os.dup2(err, 2)
+    failures = []
+    log = TensorBoardLog(folder, images_per_epoch=10, flush_secs=0.01, on_failure=failures.append)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # from here on, a file cannot grow past 4 KiB
+    for step in range(2000):
+        log.step_scalars(step, loss=1.0, lr=0.1)
+        log.flush()
+    log.close()
+    sys.stderr.flush()
+    report.write_text(json.dumps({"failures": failures, "failed": log.failed is not None}))
 
 
 def test_a_write_that_fails_mid_run_stops_the_log_once_without_a_traceback(tmp_path):
-    """A full disk (here: a file-size limit, EFBIG) while the run goes on: on_failure is told once, in
-    one line, every later call does nothing, and neither the writer's thread nor the caller shows a
-    traceback."""
-    import subprocess
-    from conftest import ROOT
-    result = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    count, _, rest = result.stdout.strip().partition(" ")
-    assert count == "1" and rest.startswith("TensorBoard events stopped (File too large) in ") and rest.endswith("True")
-    assert "Traceback" not in result.stderr and "Exception in thread" not in result.stderr, result.stderr
+    """A full disk (here: a file-size limit, EFBIG, in a process of its own) while the run goes on:
+    on_failure is told once, in one line, every later call does nothing, and neither the writer's
+    thread nor the caller shows a traceback."""
+    report = tmp_path / "report.json"
+    process = multiprocessing.get_context(start_method()).Process(target=_write_until_the_disk_is_full,
+                                                                  args=(tmp_path / "job", report))
+    process.start()
+    process.join(120)
+    if process.is_alive():  # hung: it does not outlive the test
+        process.kill()
+        process.join()
+    assert process.exitcode == 0, Path(f"{report}.err").read_text()[-3000:]
+    seen, stderr = json.loads(report.read_text()), Path(f"{report}.err").read_text()
+    assert len(seen["failures"]) == 1 and seen["failed"]
+    assert seen["failures"][0].startswith("TensorBoard events stopped (File too large) in ")
+    assert "\n" not in seen["failures"][0]
+    assert "Traceback" not in stderr and "Exception in thread" not in stderr, stderr

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from conftest import FAST, run_main, run_script
+from conftest import run_main, run_script
 from fixres_dist import FixresError, TrainerConfig, engine, optim, recipes
 from fixres_dist.cli import build_parser, config_fields
 from fixres_dist.data import normalize
@@ -247,12 +247,15 @@ ALL_OPTIONS = ["--model-ema", "--model-ema-steps", "2", "--ra-sampler", "--ra-re
                "--clip-grad-norm", "5", "--grad-accum-steps", "2", "--warmup-epochs", "0.5", "--tensorboard"]
 
 
+# resnet20 at 16 px, 1 epoch: what these tests check is not the network's work
+SMALL = ["--architecture", "resnet20", "--input-size", "16", "--batch", "8", "--epochs", "1", "--workers", "0",
+         "--no-progress"]
+
+
 def _train_all(folder, data, job, fault=None):
-    from conftest import clean_env
-    env = clean_env(**({"FIXRES_FAULT": fault} if fault else {}))
     return run_script("scratch", "--num-tasks", 2, "--job-id", job, "--shared-folder-path", folder, "--data-path", data,
-                      "--input-size", 32, "--batch", 4, "--epochs", 2, "--workers", 1, "--no-progress", *ALL_OPTIONS,
-                      env=env, timeout=300)
+                      "--architecture", "resnet20", "--input-size", 16, "--batch", 4, "--epochs", 2, "--workers", 1,
+                      "--no-progress", *ALL_OPTIONS, env={"FIXRES_FAULT": fault} if fault else None)
 
 
 def _scalars(job_folder):
@@ -293,7 +296,7 @@ def test_all_options_on_two_ranks_stopped_mid_epoch_resume_bit_identical(tiny_da
                 if e["event"] in ("train", "eval", "ema_eval")]
     assert scores(a) == scores(b) and [s[0] for s in scores(a)] == ["train", "eval", "ema_eval"] * 2
     curves, resumed = _scalars(tmp_path / "straight"), _scalars(tmp_path / "job")
-    assert curves.keys() == resumed.keys() and {"train/loss", "train/loss_step", "eval/top1/32px", "eval_ema/top1/32px"} \
+    assert curves.keys() == resumed.keys() and {"train/loss", "train/loss_step", "eval/top1/16px", "eval_ema/top1/16px"} \
         <= curves.keys()
     for tag in curves:
         steps = [s for s, _ in resumed[tag]]
@@ -303,23 +306,22 @@ def test_all_options_on_two_ranks_stopped_mid_epoch_resume_bit_identical(tiny_da
     assert [s for s, _ in curves["train/loss"]] == [80, 160]  # x axis: images trained on
 
 
-def test_the_ema_weights_are_evaluated_and_finetuned_with_weight_key(tiny_data, tmp_path, capsys):
+def test_the_ema_weights_are_evaluated_and_finetuned_with_weight_key(few_data, tmp_path, capsys):
     """--weight-key model_ema picks a checkpoint's EMA, with the checkpoint's configuration and lineage."""
-    from conftest import clean_env
-    run = run_script("scratch", "--job-id", "ema", "--shared-folder-path", tmp_path, "--data-path", tiny_data, *FAST,
-                     "--model-ema", "--model-ema-steps", "1", env=clean_env())
+    run = run_script("scratch", "--job-id", "ema", "--shared-folder-path", tmp_path, "--data-path", few_data, *SMALL,
+                     "--model-ema", "--model-ema-steps", "1")
     assert run.returncode == 0, run.stderr[-3000:]
     events = [json.loads(line) for line in (tmp_path / "ema" / "metrics.jsonl").read_text().splitlines()]
     ema_top1 = [e["top1"] for e in events if e["event"] == "ema_eval"]
-    assert len(ema_top1) == 1 and "eval EMA @32px" in run.stdout
+    assert len(ema_top1) == 1 and "eval EMA @16px" in run.stdout
     # one epoch, all of it warmup: the average never moves from the weights, and the run says so
     assert "warning: --model-ema gets 0 updates after the warmup in this run" in run.stdout
     assert "Warning" not in run.stderr, run.stderr  # logged once, as a line: not a Python warning as well
     evaluation = run_script("scratch", "--eval-only", "--weight-path", tmp_path / "ema" / "checkpoint.pth",
                             "--weight-key", "model_ema", "--job-id", "ev", "--shared-folder-path", tmp_path,
-                            "--data-path", tiny_data, *FAST, env=clean_env())
+                            "--data-path", few_data, *SMALL)
     assert evaluation.returncode == 0, evaluation.stderr[-3000:]
-    assert "entry 'model_ema'" in evaluation.stdout and "trained from scratch at 32 px" in evaluation.stdout
+    assert "entry 'model_ema'" in evaluation.stdout and "trained from scratch at 16 px" in evaluation.stdout
     top1 = [json.loads(line) for line in (tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()
             if '"eval"' in line][-1]["top1"]
     assert math.isclose(top1, ema_top1[0], abs_tol=1e-9)
@@ -364,16 +366,16 @@ def test_an_average_never_updated_is_refused_as_weights(tmp_path):
     assert read_weight_file(path, "model_ema").key == "model_ema"
 
 
-def test_tensorboard_turned_on_at_a_rerun_writes_the_curves_from_the_start(tiny_data, tmp_path):
+def test_tensorboard_turned_on_at_a_rerun_writes_the_curves_from_the_start(few_data, tmp_path):
     """A job stopped mid-epoch 2 without --tensorboard, rerun with it: the per-epoch curves hold both
-    epochs (replayed from the checkpoint's history), each point once."""
-    from conftest import clean_env
-    command = ["--job-id", "late", "--shared-folder-path", tmp_path, "--data-path", tiny_data, *FAST, "--epochs", 2]
-    first = run_script("scratch", *command, env=clean_env(FIXRES_FAULT="signal:rank=0:step=14"))
+    epochs (replayed from the checkpoint's history), each point once (20 images, 3 steps an epoch:
+    8, 8, 4; stopped after step 5, at image 36)."""
+    command = ["--job-id", "late", "--shared-folder-path", tmp_path, "--data-path", few_data, *SMALL, "--epochs", 2]
+    first = run_script("scratch", *command, env={"FIXRES_FAULT": "signal:rank=0:step=5"})
     assert first.returncode == 3, first.stderr[-3000:]
     second = run_script("scratch", *command, "--tensorboard")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "the curves from image 0 on rewritten from the checkpoint's history" in second.stdout
     curves = _scalars(tmp_path / "late")
-    assert [s for s, _ in curves["train/loss"]] == [80, 160] and [s for s, _ in curves["eval/top1/32px"]] == [80, 160]
-    assert min(s for s, _ in curves["train/loss_step"]) == 112  # per-step points only from the rerun on (step 15)
+    assert [s for s, _ in curves["train/loss"]] == [20, 40] and [s for s, _ in curves["eval/top1/16px"]] == [20, 40]
+    assert min(s for s, _ in curves["train/loss_step"]) == 36  # per-step points only from the rerun on (step 6)

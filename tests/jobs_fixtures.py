@@ -1,0 +1,39 @@
+"""Session fixtures several test files share (loaded by ``pytest_plugins`` in conftest.py): a small
+data set for jobs whose data are not what they test, and a finished FixRes finetune job."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+
+from conftest import make_subset, run_script
+
+
+@pytest.fixture(scope="session")
+def few_data(tmp_path_factory) -> Path:
+    """:func:`conftest.tiny_data`'s 10 classes with 2 train and 1 val image each (20 train, 10 val):
+    for jobs where what is checked does not depend on how much they train or evaluate (a
+    :func:`conftest.scratch_job` checkpoint fits it)."""
+    return make_subset(tmp_path_factory.mktemp("few"), 2, 1)
+
+
+@attrs.frozen
+class FinishedJob:
+    """A job run to its end: its folder and what it wrote to stdout."""
+
+    folder: Path
+    stdout: str
+
+
+@pytest.fixture(scope="session")
+def finetune_job(scratch_job, few_data, tmp_path_factory) -> FinishedJob:
+    """A finished 2-rank FixRes finetune (job id ``f``) of :func:`conftest.scratch_job`'s checkpoint
+    (resnet18 trained at 32 px) at 48 px on :func:`few_data`: 1 epoch, loader workers, the default
+    scope (head+last-norm), no sweep. Read it; copy it to change it."""
+    shared = tmp_path_factory.mktemp("finetune_job")
+    result = run_script("finetune", "--num-tasks", 2, "--job-id", "f", "--shared-folder-path", shared,
+                        "--data-path", few_data, "--weight-path", scratch_job / "checkpoint.pth",
+                        "--input-size", 48, "--batch", 8, "--epochs", 1, "--workers", 1, "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return FinishedJob(shared / "f", result.stdout)

@@ -73,6 +73,7 @@ for ((i = 1; i <= NODES; i++)); do
     ns=fxnode$i
     if ! ip netns list | grep -qw "$ns"; then
         ip netns add "$ns" || die "cannot create the network namespace $ns"
+        ip link del "fxv$i" 2>/dev/null || true  # a removed node's link that lingers
         ip link add "fxv$i" type veth peer name "fxp$i"
         ip link set "fxp$i" netns "$ns"
         ip link set "fxv$i" master "$BRIDGE"

@@ -139,25 +139,33 @@ class Started:
         self.process.join()
 
 
-def start(script: str, *args, env: dict | None = None, new_session: bool = False, cwd=None) -> Started:
+def start(script: str, *args, env: dict | None = None, new_session: bool = False, cwd=None,
+          before=None, log: Path | None = None) -> Started:
     """Start ``main_<script>.py args`` as a process of its own: forked from this session's forkserver,
     it runs what the script runs (:func:`fixres_dist.cli.run_script`). ``new_session``: the leader of
     a process group of its own, as a shell job or a SLURM step (``os.killpg(started.pid, ...)``).
-    ``env``: variables set for it; its output goes to files in a temporary folder."""
-    folder = Path(tempfile.mkdtemp(prefix="started-"))
-    out, err = folder / "stdout", folder / "stderr"
+    ``env``: variables set for it; ``before``: a picklable callable it runs first (entering a node's
+    namespaces, say); ``log``: one file for its stdout and stderr (default: two files in a
+    temporary folder)."""
+    if log is None:
+        folder = Path(tempfile.mkdtemp(prefix="started-"))
+        out, err = folder / "stdout", folder / "stderr"
+    else:
+        out = err = Path(log)
     environ = _clean(dict(os.environ), env or {})
     process = multiprocessing.get_context(launcher.start_method()).Process(
-        target=_run, args=(script, [str(a) for a in args], environ, str(out), str(err), cwd, new_session),
+        target=_run, args=(script, [str(a) for a in args], environ, str(out), str(err), cwd, new_session, before),
         name=f"main_{script}.py")
     process.start()
     return Started(process, out, err)
 
 
-def _run(script: str, argv: list[str], environ: dict, out: str, err: str, cwd, new_session: bool) -> None:
+def _run(script: str, argv: list[str], environ: dict, out: str, err: str, cwd, new_session: bool, before) -> None:
     """In the started process: its session, environment, folder and output, then the script."""
     if new_session:
         os.setsid()
+    if before is not None:
+        before()
     os.environ.clear()
     os.environ.update(environ)
     if cwd is not None:

@@ -33,7 +33,8 @@ def inherited_ignored() -> frozenset[int]:
 def _stopped_while_starting(signum, frame) -> None:
     sys.stderr.write(f"fixres_dist: stopped by {signal.Signals(signum).name} while starting; nothing was "
                      "written\n")
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
     # Not SystemExit: raised by a handler in the middle of an import, it can be swallowed by C code
     # that clears errors (the job then trained on) or leave a module half-imported (numpy's
     # RecursionError, exit 1). Nothing was written yet, so there is nothing to clean up.

@@ -20,7 +20,6 @@ startup.quiet_native_logs()  # before torch loads, as the scripts do (the jobs' 
 import launched  # noqa: E402  (imports torch)
 from fixres_dist import launch as launcher
 from fixres_dist.data import embedded_data_path
-from fixres_dist.startup import INHERITED_IGNORED
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest_plugins = ["jobs_fixtures"]  # session jobs several files share
@@ -96,10 +95,7 @@ def free_port() -> int:
 def clean_env(**extra) -> dict:
     """This process's environment without launcher variables or a recorded ignored-signal set
     (``fixres_dist.startup.INHERITED_IGNORED``), with the repository importable, and ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in (*RANK_ENV, INHERITED_IGNORED)}
-    env["PYTHONPATH"] = str(ROOT)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return launched.clean_environ({"PYTHONPATH": ROOT, **extra})
 
 
 FAST = ["--input-size", "32", "--batch", "8", "--epochs", "1", "--workers", "0", "--no-progress"]
@@ -128,7 +124,7 @@ def start_script(script: str, *args, env: dict | None = None, new_session: bool 
 
 def run_two_ranks_and_one(script: str, *args):
     """Run ``main_<script>.py`` as 2 ranks x 8 images per step (job ``two``) and as 1 process x 16
-    (job ``one``), same other ``args``; both must succeed. Returns ``(two, one)`` CompletedProcesses."""
+    (job ``one``), same other ``args``; both must succeed. Returns ``(two, one)`` (:class:`launched.Finished`)."""
     two = run_script(script, "--num-tasks", 2, "--batch", 8, "--job-id", "two", *args)
     assert two.returncode == 0, two.stderr[-3000:]
     one = run_script(script, "--batch", 16, "--job-id", "one", *args)
@@ -143,12 +139,6 @@ def run_main(capsys, script: str, *args) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exit_info:
         main(script, [str(a) for a in args])
     return exit_info.value.code, capsys.readouterr().err
-
-
-def start_interpreter(script: str, *args, env: dict | None = None) -> subprocess.Popen:
-    """Start ``python main_<script>.py args`` as a new interpreter (pipes for its output)."""
-    cmd = [sys.executable, str(ROOT / f"main_{script}.py"), *map(str, args)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or clean_env())
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):

@@ -62,11 +62,7 @@ def launch(script: str, *args, env: dict | None = None, cwd=None) -> Finished:
         spawns = _spawns_ranks(script, argv)
     if not spawns:
         started = start(script, *argv, env=env, cwd=cwd)
-        try:
-            started.wait()
-        except BaseException:  # the test's time limit: the job does not outlive it
-            started.kill()
-            raise
+        started.wait()
         return Finished(started.returncode, started.stdout, started.stderr)
     with _environment(env or {}), _working_directory(cwd), _captured() as output:
         try:
@@ -110,8 +106,14 @@ class Started:
         return self.process.exitcode
 
     def wait(self, timeout: float | None = None) -> int:
-        """The exit status; AssertionError if still running after ``timeout`` seconds (it is then killed)."""
-        self.process.join(timeout)
+        """The exit status; AssertionError if still running after ``timeout`` seconds. Left by that
+        or any other exception (the test's time limit), it kills the process first: no job outlives
+        its test."""
+        try:
+            self.process.join(timeout)
+        except BaseException:
+            self.kill()
+            raise
         if self.process.exitcode is None:
             self.kill()
             raise AssertionError(f"main_*.py (pid {self.pid}) still running after {timeout} s; killed")
@@ -152,7 +154,7 @@ def start(script: str, *args, env: dict | None = None, new_session: bool = False
         out, err = folder / "stdout", folder / "stderr"
     else:
         out = err = Path(log)
-    environ = _clean(dict(os.environ), env or {})
+    environ = clean_environ(env)
     process = multiprocessing.get_context(launcher.start_method()).Process(
         target=_run, args=(script, [str(a) for a in args], environ, str(out), str(err), cwd, new_session, before),
         name=f"main_{script}.py")
@@ -183,19 +185,19 @@ def wait_all(started: list[Started], timeout: float) -> list[int]:
     return [s.wait(max(0.0, deadline - time.monotonic())) for s in started]
 
 
-def _clean(environ: dict, extra: dict) -> dict:
-    """``environ`` without launcher variables or a recorded ignored-signal set, with ``extra``."""
-    for name in (*RANK_ENV, INHERITED_IGNORED):
-        environ.pop(name, None)
-    environ.update({k: str(v) for k, v in extra.items()})
+def clean_environ(extra: dict | None = None) -> dict:
+    """This process's environment without launcher variables (:data:`RANK_ENV`) or a recorded
+    ignored-signal set (``fixres_dist.startup.INHERITED_IGNORED``), with ``extra`` (as strings)."""
+    environ = {k: v for k, v in os.environ.items() if k not in (*RANK_ENV, INHERITED_IGNORED)}
+    environ.update({k: str(v) for k, v in (extra or {}).items()})
     return environ
 
 
 @contextlib.contextmanager
 def _environment(extra: dict):
-    """This process's environment cleaned with ``extra`` (:func:`_clean`); restored afterwards."""
+    """This process's environment cleaned with ``extra`` (:func:`clean_environ`); restored afterwards."""
     saved = dict(os.environ)
-    cleaned = _clean(dict(os.environ), extra)
+    cleaned = clean_environ(extra)
     os.environ.clear()
     os.environ.update(cleaned)
     try:

@@ -12,7 +12,7 @@ import attrs
 import pytest
 import torch
 
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, start_script
 from fixres_dist.cli import (DEVICE_DEFAULTS, FINETUNE_ONLY_FLAGS, RANK_FLAGS, SCRATCH_ONLY_FLAGS, build_parser,
                              config_fields, shown)
 from fixres_dist.config import CIFAR_RESNETS, LITE_MODELS, TIMM_PREFIX, TrainerConfig
@@ -189,8 +189,10 @@ def test_architecture_help_names_every_family():
 
 
 def test_parsed_arguments_reach_the_launcher(tmp_path):
-    """main_scratch.py parses first and hands the launcher the parsed arguments (exit 1: a bad value)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "main_scratch.py"), "--num-tasks", "0", "--shared-folder-path",
-                           str(tmp_path)], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=240)
+    """The scripts' entry point (:func:`fixres_dist.cli.run_script`, all that main_scratch.py runs)
+    parses first and hands the launcher the parsed arguments (exit 1: a bad value). The script file
+    itself, as a new interpreter: test_bad_input.py::test_real_process_exit_status_and_single_line."""
+    proc = start_script("scratch", "--num-tasks", "0", "--shared-folder-path", tmp_path)
+    proc.wait(timeout=240)
     assert proc.returncode == 1 and proc.stderr.strip() == "fixres_dist: rank 0: --num-tasks must be >= 1, got 0", \
         proc.stderr

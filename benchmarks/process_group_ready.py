@@ -2,7 +2,7 @@
 ``init_process_group``, against the time of one import of the package.
 
 Each attempt runs a fresh launcher process (as a new ``python main_scratch.py`` would) that does
-what ``fixres_dist.launch.spawn`` does: takes the job lock, picks ``launch.start_method()``
+what ``fixres_dist.entry.launch.spawn`` does: takes the job lock, picks ``launch.start_method()``
 (forkserver, whose server imports ``launch.FORKSERVER_PRELOAD`` once: torch, torchvision and this
 package), starts the resource tracker and the server with the stop signals ignored, and starts N
 ranks with ``torch.multiprocessing.start_processes``. Each rank does what a spawned rank does up
@@ -12,7 +12,7 @@ job folder where rank 0 publishes a TCPStore, gloo's connections and barrier, th
 control group). ``--start-method spawn`` measures torch.multiprocessing's ``spawn`` instead (every
 rank imports everything itself: the figure before the forkserver).
 
-Figures per attempt: ``import`` = wall seconds of ``python -c "import fixres_dist.trainer"`` in a
+Figures per attempt: ``import`` = wall seconds of ``python -c "import fixres_dist.training.trainer"`` in a
 fresh process, run just before the attempt (the unit of the goal: ready <= 2 x one import);
 ``ready`` = from the launcher's call to spawn (forkserver not yet running, as in a fresh launch)
 to the last rank past ``init_process_group``, split into ``-> last rank running`` (the server's
@@ -48,12 +48,12 @@ sys.path.insert(0, str(ROOT))  # the package is not installed in .venv
 
 
 def rank_ready(index: int, config, lock, folder: str) -> None:
-    """One rank, as ``fixres_dist.launch._spawned_rank`` up to a formed process group."""
+    """One rank, as ``fixres_dist.entry.launch._spawned_rank`` up to a formed process group."""
     started, cpu_started = time.time(), time.process_time()
     before = set(sys.modules)
     import attrs
-    from fixres_dist import launch
-    from fixres_dist.trainer import Trainer
+    from fixres_dist.entry import launch
+    from fixres_dist.training.trainer import Trainer
     launch._stop_with_launcher()
     trainer = Trainer(attrs.evolve(config, global_rank=index, local_rank=index), checked=True, locked=True,
                       log=lambda message: None)
@@ -61,20 +61,22 @@ def rank_ready(index: int, config, lock, folder: str) -> None:
     ready, cpu_ready = time.time(), time.process_time()
     Path(folder, f"rank{index}.json").write_text(json.dumps({
         "started": started, "ready": ready, "cpu_to_start": cpu_started, "cpu_to_ready": cpu_ready - cpu_started,
-        "preloaded": "torch" in before and "fixres_dist.trainer" in before,
+        "preloaded": "torch" in before and "fixres_dist.training.trainer" in before,
         "imported_after_start": sorted(set(sys.modules) - before)}))
     trainer.close()
 
 
 def launcher(folder: str, ranks: int, method: str) -> None:
-    """The launcher of one attempt (a fresh process): what ``fixres_dist.launch.spawn`` does."""
+    """The launcher of one attempt (a fresh process): what ``fixres_dist.entry.launch.spawn`` does."""
     import multiprocessing.forkserver
     import multiprocessing.resource_tracker
 
     import torch.multiprocessing as mp
-    from fixres_dist import io, joblock, launch
-    from fixres_dist.cli import build_parser
-    from fixres_dist.preemption import ignoring, stop_signals
+    from fixres_dist import io
+    from fixres_dist.distributed import joblock
+    from fixres_dist.entry import launch
+    from fixres_dist.entry.cli import build_parser
+    from fixres_dist.distributed.preemption import ignoring, stop_signals
     argv = ["--num-tasks", str(ranks), "--shared-folder-path", folder, "--job-id", "ready", "--no-progress"]
     config, source = launch.build_config("scratch", build_parser("scratch").parse_args(argv))  # as main_scratch.py
     assert source == "spawn", source
@@ -96,10 +98,10 @@ def launcher(folder: str, ranks: int, method: str) -> None:
 
 
 def one_import(python: str) -> tuple[float, float]:
-    """``python -c "import fixres_dist.trainer"`` in a fresh process: (wall seconds of the whole
+    """``python -c "import fixres_dist.training.trainer"`` in a fresh process: (wall seconds of the whole
     process, start and exit included; seconds of the import statement alone)."""
     started = time.perf_counter()
-    proc = subprocess.run([python, "-c", "import time; t = time.perf_counter(); import fixres_dist.trainer; "
+    proc = subprocess.run([python, "-c", "import time; t = time.perf_counter(); import fixres_dist.training.trainer; "
                            "print(time.perf_counter() - t)"], check=True, env=_env(), capture_output=True, text=True)
     return time.perf_counter() - started, float(proc.stdout)
 

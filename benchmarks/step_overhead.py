@@ -14,7 +14,7 @@ all-reduce and metrics line (no evaluation; no checkpoint, ``ckpt_every`` is off
 plain PyTorch written out here: ``torchvision.models.get_model`` (in DDP with
 ``forward_sync_buffers=False`` for 2+ ranks, as the Trainer's default ``--dist-bn reduce``), the
 same memory format, ``torch.compile`` backend and SGD settings (parameter groups included); per step: normalize
-(``fixres_dist.data.normalize``), forward under ``torch.autocast`` (bf16/fp16), cross-entropy,
+(``fixres_dist.data.pipeline.normalize``), forward under ``torch.autocast`` (bf16/fp16), cross-entropy,
 zero_grad, backward and step (through ``torch.amp.GradScaler`` for fp16).
 
 Every configuration runs in freshly spawned ranks (gloo on CPU, NCCL on CUDA with one GPU per rank)
@@ -73,10 +73,11 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
-from fixres_dist import FixresWarning, Trainer, TrainerConfig, distributed, placement  # noqa: E402
-from fixres_dist.data import check_image_folder, embedded_data_path, normalize  # noqa: E402
-from fixres_dist.optim import parameter_groups  # noqa: E402
-from fixres_dist.samplers import ExactBatchSampler  # noqa: E402
+from fixres_dist import FixresWarning, Trainer, TrainerConfig
+from fixres_dist.distributed import collectives, placement
+from fixres_dist.data.pipeline import check_image_folder, embedded_data_path, normalize
+from fixres_dist.training.optim import parameter_groups
+from fixres_dist.data.samplers import ExactBatchSampler
 
 TARGET = 0.97
 # --recipe-options: the TrainerConfig fields of the step's own options, mirrored by RawLoop.
@@ -95,7 +96,7 @@ PRESETS = {
 class FixedBatchLoader:
     """Stands in for the Trainer's DataLoader: the same in-memory batch for each sampler batch.
 
-    Yields ``(images, labels, skipped=0)`` like ``fixres_dist.data.collate_readable``; the
+    Yields ``(images, labels, skipped=0)`` like ``fixres_dist.data.pipeline.collate_readable``; the
     sampler is the Trainer's own ExactBatchSampler (``set_epoch``, ``images_done``, ``len``).
     ``stamps`` gets the time of every batch request and of the end: its differences are steps.
     On CUDA ``events`` gets a CUDA event recorded at the same points (GPU-side step times).
@@ -252,7 +253,7 @@ def run_rank(rank: int, world: int, port: int, spec: dict, folder: str) -> None:
         def sync() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            distributed.barrier()
+            collectives.barrier()
 
         loops = {"raw": lambda epoch: raw.epoch(loader), "trainer": trainer_epoch}
         steps = {name: [] for name in loops}

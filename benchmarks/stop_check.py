@@ -1,7 +1,7 @@
 """Cost per training step of the stop check: a blocking all-reduce against the pipelined one.
 
 After every training step the ranks agree whether any of them got a stop signal or a non-finite
-loss (``fixres_dist.preemption.StepAgreement``, on the gloo control group). ``blocking`` is what
+loss (``fixres_dist.distributed.preemption.StepAgreement``, on the gloo control group). ``blocking`` is what
 the Trainer did before: ``StepAgreement.now`` after every step, one all-reduce whose network round
 trip every step waits for. ``pipelined`` is what it does now: ``StepAgreement.after_step`` waits
 for the all-reduce started after the previous step (it ran in the background during this step)
@@ -45,9 +45,9 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
-from fixres_dist import distributed  # noqa: E402
-from fixres_dist.launch import start_method  # noqa: E402
-from fixres_dist.preemption import StepAgreement, StopSignals  # noqa: E402
+from fixres_dist.distributed import collectives
+from fixres_dist.entry.launch import start_method
+from fixres_dist.distributed.preemption import StepAgreement, StopSignals
 
 CHECKS = ("none", "blocking", "pipelined")
 
@@ -81,7 +81,7 @@ def make_work(args):
 def run_steps(work, check, agreement: StepAgreement, steps: int) -> tuple[list[float], list[float]]:
     """``steps`` steps with ``check``; returns (seconds per step, seconds inside the check per step)."""
     step_times, check_times = [], []
-    distributed.barrier()
+    collectives.barrier()
     last = time.perf_counter()
     for _ in range(steps):
         work()
@@ -103,9 +103,9 @@ def run_steps(work, check, agreement: StepAgreement, steps: int) -> tuple[list[f
 
 def rank_main(rank: int, args) -> dict:
     torch.set_num_threads(1)
-    distributed.init_process_group("gloo", args.dist_url, rank, args.num_tasks, timeout=300)
+    collectives.init_process_group("gloo", args.dist_url, rank, args.num_tasks, timeout=300)
     work = make_work(args)
-    agreement = StepAgreement(StopSignals(), distributed.control_group())
+    agreement = StepAgreement(StopSignals(), collectives.control_group())
     for check in CHECKS:  # warm-up: connections, allocator, the model's first steps
         run_steps(work, check, agreement, max(2, args.steps // 5))
     times = {check: {"step": [], "check": []} for check in CHECKS}
@@ -116,8 +116,8 @@ def rank_main(rank: int, args) -> dict:
             times[check]["step"] += step_times
             times[check]["check"] += check_times
     result = {"rank": rank, "host": socket.gethostname(), "times": times}
-    gathered = distributed.gather_object(result)
-    distributed.destroy_process_group()
+    gathered = collectives.gather_object(result)
+    collectives.destroy_process_group()
     if rank == 0:
         report(args, gathered)
     return result

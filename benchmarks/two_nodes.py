@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from fixres_dist.data import embedded_data_path  # noqa: E402
+from fixres_dist.data.pipeline import embedded_data_path
 
 
 def subset(dest: Path, train: int, val: int) -> Path:

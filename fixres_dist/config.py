@@ -1,7 +1,7 @@
 """``TrainerConfig``: every option of a run, validated, and its JSON round trip (``config.json``).
 
 This module imports nothing heavy (no torch, torchvision or numpy): the command line
-(:mod:`fixres_dist.cli`) reads its defaults and the names below to answer ``--help`` at once.
+(:mod:`fixres_dist.entry.cli`) reads its defaults and the names below to answer ``--help`` at once.
 """
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from urllib.parse import urlparse
 
 import attrs
 
-from .errors import FixresError
+from fixres_dist.errors import FixresError
 
 CONFIG_FILE = "config.json"
 RENDEZVOUS_FILE = "rendezvous.json"
-# The folder of --shared-folder-path that holds the data's file indexes (fixres_dist.file_index),
+# The folder of --shared-folder-path that holds the data's file indexes (fixres_dist.data.file_index),
 # shared by every job: no job may be named so.
 FILE_INDEX_FOLDER = "file_index"
 # Field metadata: a checkpoint written under one value may be resumed under another (where the
@@ -35,16 +35,16 @@ ABSENT_IS_DEFAULT = {"absent_is_default": True}
 ADDED_LATER = {"absent_is_default": True, "hashed_if_set": True}
 PATH_FIELDS = ("data_path", "weight_path", "resume")  # compared as absolute paths (resolved_path)
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-# --interpolation: the resize interpolations (fixres_dist.data maps them to torchvision's modes), and
-# the one used unless the architecture's own preprocessing names another (fixres_dist.preprocessing).
+# --interpolation: the resize interpolations (fixres_dist.data.pipeline maps them to torchvision's modes), and
+# the one used unless the architecture's own preprocessing names another (fixres_dist.models.preprocessing).
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 DEFAULT_INTERPOLATION = "bilinear"
 CROP_RATIO = 0.875  # test-time centre crop keeps 87.5 % of the resized shorter side (--crop-ratio)
-# --finetune-scope: what trains (fixres_dist.fixres). FixRes trained the head and the last BatchNorm (section 4).
+# --finetune-scope: what trains (fixres_dist.fixres.finetuning). FixRes trained the head and the last BatchNorm (section 4).
 SCOPES = ("head+last-norm", "head", "norms+head", "all")
 
 # The training recipes' option names (torchvision's references/classification/train.py):
-# --opt, --lr-scheduler, --auto-augment (fixres_dist.optim, fixres_dist.data).
+# --opt, --lr-scheduler, --auto-augment (fixres_dist.training.optim, fixres_dist.data.pipeline).
 OPTIMIZERS = ("sgd", "sgd-nesterov", "adamw", "rmsprop")
 LR_SCHEDULERS = ("cosine", "step", "exponential")
 AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet")  # torchvision v2 policies (data.train_transform)
@@ -55,7 +55,7 @@ AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet")  # torchvision v
 MAX_WEIGHT_DECAY, MIX_ALPHAS, MAX_RA_REPS = 1.0, (1e-3, 1e3), 32
 _DECAYS = "recipes use 1e-5 to 0.05"
 
-# --architecture name families besides torchvision's classifiers (fixres_dist.models builds them).
+# --architecture name families besides torchvision's classifiers (fixres_dist.models.architectures builds them).
 # Our name -> the name efficientnet_lite_pytorch knows.
 LITE_MODELS = {f"efficientnet_lite{i}": f"efficientnet-lite{i}" for i in range(5)}
 TIMM_PREFIX = "timm/"
@@ -265,11 +265,11 @@ class TrainerConfig:
 
     Sizes are in pixels, ``batch`` is images per process, ``dist_timeout`` is in seconds,
     ``learning_rate`` is the rate for a global batch of 256 images (scaled linearly, see
-    :func:`fixres_dist.engine.scaled_learning_rate`). Raises :class:`FixresError` on an invalid
+    :func:`fixres_dist.training.engine.scaled_learning_rate`). Raises :class:`FixresError` on an invalid
     value. ``to_json``/``from_json`` give a lossless round trip through ``config.json``.
     """
 
-    # Where this process sits in the job (see fixres_dist.placement.resolve_placement).
+    # Where this process sits in the job (see fixres_dist.distributed.placement.resolve_placement).
     num_tasks: int = attrs.field(default=1, validator=_positive, metadata=RESUMABLE)
     global_rank: int = attrs.field(default=0, validator=_non_negative, metadata=RESUMABLE)
     local_rank: int = attrs.field(default=0, validator=_non_negative, metadata=RESUMABLE)
@@ -326,15 +326,15 @@ class TrainerConfig:
     auto_augment: str | None = attrs.field(default=None, validator=attrs.validators.optional(
         _one_of(*AUTO_AUGMENT_POLICIES)), metadata=ADDED_LATER)
     random_erase: float = attrs.field(default=0.0, validator=_probability, metadata=ADDED_LATER)
-    # Exponential moving average of the weights (fixres_dist.ema): decay per update, an update
+    # Exponential moving average of the weights (fixres_dist.models.ema): decay per update, an update
     # every model_ema_steps optimizer steps.
     model_ema: bool = attrs.field(default=False, metadata=ADDED_LATER)
     model_ema_decay: float = attrs.field(default=0.999, validator=_ema_decay, metadata=ADDED_LATER)
     model_ema_steps: int = attrs.field(default=32, validator=_at_least_one, metadata=ADDED_LATER)
-    # Repeated augmentation: copies of each image per epoch cycle (1: off; fixres_dist.samplers).
+    # Repeated augmentation: copies of each image per epoch cycle (1: off; fixres_dist.data.samplers).
     ra_reps: int = attrs.field(default=1, validator=_at_most(_at_least_one, MAX_RA_REPS, "copies of each image per "
                                "cycle; DeiT and FixRes use 3, torchvision 4"), metadata=ADDED_LATER)
-    # The --recipe preset these values started from (fixres_dist.recipes); the values are the fields.
+    # The --recipe preset these values started from (fixres_dist.training.recipes); the values are the fields.
     recipe: str | None = attrs.field(default=None, metadata=RESUMABLE)
     tensorboard: bool = attrs.field(default=False, metadata=RESUMABLE)
     dist_bn: str = attrs.field(default="reduce", validator=_one_of("reduce", "broadcast"))
@@ -424,7 +424,7 @@ class TrainerConfig:
     @property
     def file_index_folder(self) -> Path:
         """``<shared_folder_path>/file_index``: the data's file indexes, shared by every job
-        (:mod:`fixres_dist.file_index`)."""
+        (:mod:`fixres_dist.data.file_index`)."""
         return Path(self.shared_folder_path) / FILE_INDEX_FOLDER
 
     def rendezvous_url(self, file_name: str = RENDEZVOUS_FILE) -> str:

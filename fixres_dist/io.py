@@ -18,7 +18,7 @@ from typing import BinaryIO, Callable
 
 import torch
 
-from .errors import FixresError
+from fixres_dist.errors import FixresError
 
 TEMP_SUFFIX = ".tmp"
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fixres_dist.sweep import standard_error  # noqa: E402
+from fixres_dist.fixres.sweep import standard_error
 
 
 class ReportError(Exception):

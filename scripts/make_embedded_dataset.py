@@ -10,7 +10,7 @@ class in the official training split, validation images from the official test s
 never overlap. Deterministic: running it twice writes the same bytes.
 
 With ``--canvas 48`` the garments are instead composed at random scales (45-100 % of the side) and
-positions on a black 48 x 48 canvas (:mod:`fixres_dist.canvas`; train images drawn with seed 1, val
+positions on a black 48 x 48 canvas (:mod:`fixres_dist.data.canvas`; train images drawn with seed 1, val
 images with seed 2, each by its index in the official split): the embedded
 ``fashion_mnist_canvas`` dataset of the demo, objects at varied scales as in photos.
 
@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fixres_dist.canvas import compose  # noqa: E402
+from fixres_dist.data.canvas import compose
 
 CLASSES = ["0_tshirt_top", "1_trouser", "2_pullover", "3_dress", "4_coat",
            "5_sandal", "6_shirt", "7_sneaker", "8_bag", "9_ankle_boot"]

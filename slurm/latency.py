@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
 
-from fixres_dist.cluster import cli, monitor, submission  # noqa: E402
+from fixres_dist.cluster import cli, monitor, submission
 
 
 def first_time(predicate, started: float, timeout: float = 600, poll: float = 0.05) -> float:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
 
-from fixres_dist.cluster.cli import submit_main  # noqa: E402
+from fixres_dist.cluster.cli import submit_main
 
 if __name__ == "__main__":
     sys.exit(submit_main())

@@ -13,19 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from fixres_dist import startup
+from fixres_dist.entry import startup
 
 startup.quiet_native_logs()  # before torch loads, as the scripts do (the jobs' output has no c10d warnings)
 
 import launched  # noqa: E402  (imports torch)
-from fixres_dist import launch as launcher
-from fixres_dist.data import embedded_data_path
+from fixres_dist.entry import launch as launcher
+from fixres_dist.data.pipeline import embedded_data_path
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest_plugins = ["jobs_fixtures"]  # session jobs several files share
 # The scripts run by the tests start as from a terminal: with SIGINT's default action, even where
 # pytest itself was started with it ignored (a background job of a non-interactive shell, as CI
-# may run it), which they would inherit and, rightly, keep ignoring (fixres_dist.startup).
+# may run it), which they would inherit and, rightly, keep ignoring (fixres_dist.entry.startup).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 RANK_ENV = launched.RANK_ENV
@@ -94,7 +94,7 @@ def free_port() -> int:
 
 def clean_env(**extra) -> dict:
     """This process's environment without launcher variables or a recorded ignored-signal set
-    (``fixres_dist.startup.INHERITED_IGNORED``), with the repository importable, and ``extra``."""
+    (``fixres_dist.entry.startup.INHERITED_IGNORED``), with the repository importable, and ``extra``."""
     return launched.clean_environ({"PYTHONPATH": ROOT, **extra})
 
 
@@ -135,7 +135,7 @@ def run_two_ranks_and_one(script: str, *args):
 def run_main(capsys, script: str, *args) -> tuple[int, str]:
     """``main_<script>.py`` in this process, for a run that must fail before any rank starts (argparse,
     config or preflight): no interpreter to start. Returns ``(exit status, stderr)``."""
-    from fixres_dist.launch import main
+    from fixres_dist.entry.launch import main
     with pytest.raises(SystemExit) as exit_info:
         main(script, [str(a) for a in args])
     return exit_info.value.code, capsys.readouterr().err

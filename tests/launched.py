@@ -7,11 +7,11 @@ the signal guard before torch loads, ``--help`` without torch, torchrun, SLURM, 
 commands). Everywhere else they use these two, which run the scripts' own code:
 
 * :func:`launch`: what ``main_<script>.py ARGS`` runs once its command line parsed
-  (:func:`fixres_dist.launch.main`: placement, preflight, then one rank in this process or
+  (:func:`fixres_dist.entry.launch.main`: placement, preflight, then one rank in this process or
   ``--num-tasks N`` ranks spawned) *in this process*; spawned ranks are real processes, forked from
   this session's forkserver, which imported torch once.
 * :func:`start`: ``main_<script>.py ARGS`` as a process of its own (its pid, signals, exit status),
-  forked from that forkserver, running the scripts' entry point :func:`fixres_dist.cli.run_script`.
+  forked from that forkserver, running the scripts' entry point :func:`fixres_dist.entry.cli.run_script`.
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from pathlib import Path
 
 import attrs
 
-from fixres_dist import cli
-from fixres_dist import launch as launcher
-from fixres_dist import placement
+from fixres_dist.entry import cli
+from fixres_dist.entry import launch as launcher
+from fixres_dist.distributed import placement
 from fixres_dist.errors import FixresError
-from fixres_dist.startup import INHERITED_IGNORED
+from fixres_dist.entry.startup import INHERITED_IGNORED
 
 # What launchers (torchrun, SLURM) tell a process about its place; no test job inherits them.
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -144,7 +144,7 @@ class Started:
 def start(script: str, *args, env: dict | None = None, new_session: bool = False, cwd=None,
           before=None, log: Path | None = None) -> Started:
     """Start ``main_<script>.py args`` as a process of its own: forked from this session's forkserver,
-    it runs what the script runs (:func:`fixres_dist.cli.run_script`). ``new_session``: the leader of
+    it runs what the script runs (:func:`fixres_dist.entry.cli.run_script`). ``new_session``: the leader of
     a process group of its own, as a shell job or a SLURM step (``os.killpg(started.pid, ...)``).
     ``env``: variables set for it; ``before``: a picklable callable it runs first (entering a node's
     namespaces, say); ``log``: one file for its stdout and stderr (default: two files in a
@@ -187,7 +187,7 @@ def wait_all(started: list[Started], timeout: float) -> list[int]:
 
 def clean_environ(extra: dict | None = None) -> dict:
     """This process's environment without launcher variables (:data:`RANK_ENV`) or a recorded
-    ignored-signal set (``fixres_dist.startup.INHERITED_IGNORED``), with ``extra`` (as strings)."""
+    ignored-signal set (``fixres_dist.entry.startup.INHERITED_IGNORED``), with ``extra`` (as strings)."""
     environ = {k: v for k, v in os.environ.items() if k not in (*RANK_ENV, INHERITED_IGNORED)}
     environ.update({k: str(v) for k, v in (extra or {}).items()})
     return environ

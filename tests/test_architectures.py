@@ -18,7 +18,9 @@ from PIL import Image
 from torch import nn
 
 from conftest import run_main, run_script
-from fixres_dist import data, fixres, models, preprocessing, weights
+from fixres_dist.data import pipeline
+from fixres_dist.fixres import finetuning
+from fixres_dist.models import architectures, preprocessing, weights
 from fixres_dist.errors import FixresError
 
 
@@ -68,7 +70,7 @@ WHOLE_HEAD = {"mobilenet_v3_large": ("classifier.0", "classifier.3"),
 @pytest.fixture(scope="module")
 def vit():
     """A 10-class vit_b_16 built for 32 px (a 2x2 patch grid), in eval mode."""
-    return models.build_model("vit_b_16", 10, image_size=32).eval()
+    return architectures.build_model("vit_b_16", 10, image_size=32).eval()
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=needs_lite) if n == "efficientnet_lite0" else n
@@ -76,31 +78,31 @@ def vit():
 def test_builds_runs_at_two_resolutions_and_has_head_and_last_norm(name):
     """Head and last norm found by data flow (one forward pass, modes restored, no gradient left),
     the same at another probe size; the finetune trains exactly them."""
-    model = models.build_model(name, 10, image_size=32)
+    model = architectures.build_model(name, 10, image_size=32)
     modes = {n: m.training for n, m in model.named_modules()}
-    layers = fixres.find_finetune_layers(model, 32)
+    layers = finetuning.find_finetune_layers(model, 32)
     assert {n: m.training for n, m in model.named_modules()} == modes  # modes restored
     assert all(p.grad is None for p in model.parameters())
     head, norm = EXPECTED[name]
-    assert layers == fixres.FinetuneLayers(head, WHOLE_HEAD.get(name, (head,)), norm)
+    assert layers == finetuning.FinetuneLayers(head, WHOLE_HEAD.get(name, (head,)), norm)
     modules = dict(model.named_modules())
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert head == linears[-1] and modules[head].out_features == 10
-    assert isinstance(modules[norm], fixres.NORM_TYPES)
+    assert isinstance(modules[norm], finetuning.NORM_TYPES)
     model.eval()
     with torch.no_grad():
         for size in (32, 64):
-            out = models.for_resolution(model, size)(torch.randn(2, 3, size, size))
+            out = architectures.for_resolution(model, size)(torch.randn(2, 3, size, size))
             assert out.shape == (2, 10) and torch.isfinite(out).all()
-    assert fixres.find_head_and_last_norm(models.for_resolution(model, 64), 64) == (head, norm)
-    trainable = fixres.freeze_for_finetune(model, 32)
+    assert finetuning.find_head_and_last_norm(architectures.for_resolution(model, 64), 64) == (head, norm)
+    trainable = finetuning.freeze_for_finetune(model, 32)
     assert {n.rsplit(".", 1)[0] for n in trainable} == {*layers.head, norm}
 
 
 def test_vit_for_resolution_shares_parameters_and_leaves_the_original_alone(vit):
     original = vit.encoder.pos_embedding.detach().clone()
-    assert models.for_resolution(vit, 32) is vit  # the original size: the model itself, exact
-    big = models.for_resolution(vit, 64)
+    assert architectures.for_resolution(vit, 32) is vit  # the original size: the model itself, exact
+    big = architectures.for_resolution(vit, 64)
     assert big is not vit and big.image_size == 64 and vit.image_size == 32
     assert torch.equal(vit.encoder.pos_embedding, original) and vit.encoder.pos_embedding.shape == (1, 5, 768)
     assert big.encoder.pos_embedding.shape == (1, 17, 768)
@@ -115,25 +117,25 @@ def test_vit_for_resolution_shares_parameters_and_leaves_the_original_alone(vit)
     assert torch.equal(big.encoder.pos_embedding[:, :1], original[:, :1])
     torch.testing.assert_close(big.encoder.pos_embedding[:, 1:], expected.flatten(2).transpose(1, 2))
     # no accumulation: from a copy, interpolation starts again from the original
-    assert models.for_resolution(big, 32) is vit
-    assert torch.equal(models.for_resolution(big, 48).encoder.pos_embedding,
-                       models.for_resolution(vit, 48).encoder.pos_embedding)
+    assert architectures.for_resolution(big, 32) is vit
+    assert torch.equal(architectures.for_resolution(big, 48).encoder.pos_embedding,
+                       architectures.for_resolution(vit, 48).encoder.pos_embedding)
 
 
 def test_vit_sizes_not_divisible_by_the_patch_size_are_refused(vit):
     with pytest.raises(FixresError, match=r"patch size 16; 40 is not \(nearest: 32 or 48\)") as info:
-        models.check_resolution("vit_b_16", 40)
+        architectures.check_resolution("vit_b_16", 40)
     assert "\n" not in str(info.value)
     with pytest.raises(FixresError, match="patch size 16"):
-        models.for_resolution(vit, 40)
+        architectures.for_resolution(vit, 40)
     with pytest.raises(FixresError, match="patch size 32"):
-        models.build_model("vit_b_32", 10, image_size=40)
-    models.check_resolution("vit_b_16", 48)
-    models.check_resolution("resnet18", 41)  # CNNs take any size
+        architectures.build_model("vit_b_32", 10, image_size=40)
+    architectures.check_resolution("vit_b_16", 48)
+    architectures.check_resolution("resnet18", 41)  # CNNs take any size
 
 
 def test_vit_weights_of_another_grid_are_interpolated_on_load(vit):
-    source = models.build_model("vit_b_16", 10, image_size=64)  # 4x4 grid
+    source = architectures.build_model("vit_b_16", 10, image_size=64)  # 4x4 grid
     target = copy.deepcopy(vit)  # 2x2 grid
     state = source.state_dict()
     note = weights.load_weights(target, state, "vit64.pth").note
@@ -144,15 +146,15 @@ def test_vit_weights_of_another_grid_are_interpolated_on_load(vit):
 
 
 def test_head_for_another_class_count_is_replaced_other_mismatches_refused():
-    model = models.build_model("resnet18", 10)
+    model = architectures.build_model("resnet18", 10)
     fresh_head = model.fc.weight.detach().clone()
-    seven = models.build_model("resnet18", 7).state_dict()
+    seven = architectures.build_model("resnet18", 7).state_dict()
     loaded = weights.load_weights(model, seven, "r7.pth")
     assert loaded.note == "new 10-class head fc (weights had 7 classes)" and loaded.new_head_from == 7
     assert torch.equal(model.fc.weight, fresh_head) and torch.equal(model.conv1.weight, seven["conv1.weight"])
     assert weights.load_weights(model, model.state_dict(), "r10.pth").note is None  # a 10-class head: no note
     with pytest.raises(FixresError, match="unexpected keys e.g. layer1.2"):
-        weights.load_weights(model, models.build_model("resnet34", 10).state_dict(), "r34.pth")
+        weights.load_weights(model, architectures.build_model("resnet34", 10).state_dict(), "r34.pth")
     narrow = dict(seven, **{"fc.weight": torch.zeros(7, 256)})  # another feature width: not just a class count
     with pytest.raises(FixresError, match=r"fc.weight \(7, 256\) vs model \(10, 512\)"):
         weights.load_weights(model, narrow, "narrow.pth")
@@ -164,8 +166,8 @@ def test_head_for_another_class_count_is_replaced_other_mismatches_refused():
 
 def test_unknown_names_get_suggestions():
     with pytest.raises(FixresError, match="did you mean resnet56, resnet50"):
-        models.check_architecture("resnet5")
-    assert "efficientnet_lite0" in models.available_architectures()
+        architectures.check_architecture("resnet5")
+    assert "efficientnet_lite0" in architectures.available_architectures()
 
 
 def test_missing_optional_package_names_the_pip_extra(monkeypatch):
@@ -173,19 +175,19 @@ def test_missing_optional_package_names_the_pip_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("efficientnet_lite_pytorch", "timm") else real(name, *a))
     with pytest.raises(FixresError, match=r"needs the package efficientnet-lite-pytorch: pip install -e \.\[lite0\]$"):
-        models.build_model("efficientnet_lite0", 10)
+        architectures.build_model("efficientnet_lite0", 10)
     with pytest.raises(FixresError, match=r"needs the package timm: pip install -e \.\[timm\]$"):
-        models.check_architecture("timm/resnet18")
+        architectures.check_architecture("timm/resnet18")
 
 
 @pytest.mark.skipif(not HAS_TIMM, reason="timm not installed (pip install -e .[timm])")
 def test_timm_models_build():
-    model = models.build_model("timm/resnet18", 10).eval()
+    model = architectures.build_model("timm/resnet18", 10).eval()
     with torch.no_grad():
         assert model(torch.randn(2, 3, 64, 64)).shape == (2, 10)
-    assert fixres.find_head_and_last_norm(model, 64)[0] == "fc"
+    assert finetuning.find_head_and_last_norm(model, 64)[0] == "fc"
     with pytest.raises(FixresError, match="did you mean timm/resnet18"):
-        models.check_architecture("timm/resnet181")
+        architectures.check_architecture("timm/resnet181")
 
 
 @needs_lite_weights
@@ -195,13 +197,13 @@ def test_lite0_imagenet_weights_classify_real_photos():
     photos = sorted(FOOLBOX_DATA.glob("imagenet_*.jpg"))
     assert len(photos) == 20
     labels = torch.tensor([int(PHOTO.fullmatch(p.name).group(1)) for p in photos])
-    model = models.build_model("efficientnet_lite0", 1000)
+    model = architectures.build_model("efficientnet_lite0", 1000)
     state = weights.read_weight_file(LITE_WEIGHTS).state_dict
     assert weights.load_weights(model, state, str(LITE_WEIGHTS)).note is None
-    transform = data.test_transform(224)
+    transform = pipeline.test_transform(224)
     images = torch.stack([transform(Image.open(p).convert("RGB")) for p in photos])
     with torch.no_grad():
-        predicted = model.eval()(data.normalize(images, preprocessing.input_normalization("efficientnet_lite0")))
+        predicted = model.eval()(pipeline.normalize(images, preprocessing.input_normalization("efficientnet_lite0")))
     correct = int((predicted.argmax(dim=1) == labels).sum())
     assert correct >= 16, f"{correct}/20 top-1"  # 17 measured; ImageNet's mean/std instead gave 16
 
@@ -209,16 +211,16 @@ def test_lite0_imagenet_weights_classify_real_photos():
 def test_input_normalization_per_architecture():
     """Lite's TF normalisation (x - 127) / 128 on 0-255; torchvision models ImageNet's."""
     images = torch.tensor([0, 127, 255], dtype=torch.uint8).view(1, 3, 1, 1).expand(1, 3, 2, 2)
-    lite = data.normalize(images, preprocessing.input_normalization("efficientnet_lite0"))
+    lite = pipeline.normalize(images, preprocessing.input_normalization("efficientnet_lite0"))
     torch.testing.assert_close(lite[0, :, 0, 0], torch.tensor([-127 / 128, 0.0, 1.0]))
-    assert preprocessing.input_normalization("resnet20") == data.IMAGENET_NORMALIZATION
-    assert preprocessing.input_normalization("resnet50") == data.IMAGENET_NORMALIZATION
+    assert preprocessing.input_normalization("resnet20") == pipeline.IMAGENET_NORMALIZATION
+    assert preprocessing.input_normalization("resnet50") == pipeline.IMAGENET_NORMALIZATION
 
 
 @needs_lite_weights
 def test_lite0_weights_into_a_10_class_model_get_a_new_head():
     state = weights.read_weight_file(LITE_WEIGHTS).state_dict
-    model = models.build_model("efficientnet_lite0", 10)
+    model = architectures.build_model("efficientnet_lite0", 10)
     assert weights.load_weights(model, state, str(LITE_WEIGHTS)).note == "new 10-class head _fc (weights had 1000 classes)"
     assert torch.equal(model._bn1.running_mean, state["_bn1.running_mean"])
     assert model._fc.weight.shape == (10, 1280)

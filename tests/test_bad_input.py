@@ -10,19 +10,19 @@ import pytest
 import torch
 
 from conftest import FAST, make_subset, run_interpreter
-from fixres_dist import models
-from fixres_dist.launch import main
+from fixres_dist.models import architectures
+from fixres_dist.entry.launch import main
 
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
     folder = tmp_path_factory.mktemp("weights")
-    files = {"resnet18_10": models.build_model("resnet18", 10).state_dict(),
-             "resnet18_headless": {k: v for k, v in models.build_model("resnet18", 10).state_dict().items()
+    files = {"resnet18_10": architectures.build_model("resnet18", 10).state_dict(),
+             "resnet18_headless": {k: v for k, v in architectures.build_model("resnet18", 10).state_dict().items()
                                    if not k.startswith("fc.")},
-             "resnet34_10": models.build_model("resnet34", 10).state_dict(),
-             "resnet18_low_stem": models.build_model("resnet18", 10, low_res_stem=True).state_dict()}
-    nan = models.build_model("resnet18", 10).state_dict()
+             "resnet34_10": architectures.build_model("resnet34", 10).state_dict(),
+             "resnet18_low_stem": architectures.build_model("resnet18", 10, low_res_stem=True).state_dict()}
+    nan = architectures.build_model("resnet18", 10).state_dict()
     nan["layer4.1.bn2.weight"][0] = float("nan")
     files.update({"timm_layout": {"epoch": 3, "arch": "resnet18", "state_dict": files["resnet18_10"],
                                   "args": argparse.Namespace(lr=0.1)},

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fixres_dist import canvas, data
+from fixres_dist.data import canvas, pipeline
 
 SOURCE = Path("/usr/share/datasets/fashion-mnist")
 
@@ -46,15 +46,15 @@ def test_bad_scale_is_refused():
 
 
 def test_shipped_canvas_dataset():
-    root = data.embedded_data_path("fashion_mnist_canvas")
-    classes = data.check_image_folder(root)
+    root = pipeline.embedded_data_path("fashion_mnist_canvas")
+    classes = pipeline.check_image_folder(root)
     assert len(classes) == 10
-    train, val = data.image_folder(root, "train"), data.image_folder(root, "val")
+    train, val = pipeline.image_folder(root, "train"), pipeline.image_folder(root, "val")
     assert (len(train), len(val)) == (10_000, 2_000)
     assert train[0][0].size == (48, 48)
     assert (root / "LICENSE").read_text().count("Zalando SE") >= 1
     with pytest.raises(ValueError, match="no embedded dataset"):
-        data.embedded_data_path("imagenet")
+        pipeline.embedded_data_path("imagenet")
 
 
 @pytest.mark.skipif(not (SOURCE / "t10k-images-idx3-ubyte.gz").exists(),
@@ -63,7 +63,7 @@ def test_shipped_canvas_images_are_the_documented_composition():
     """A shipped val image equals compose(test image, its index, seed 2), as make_embedded_dataset.py says."""
     with gzip.open(SOURCE / "t10k-images-idx3-ubyte.gz") as f:
         images = np.frombuffer(f.read(), dtype=np.uint8, offset=16).reshape(-1, 28, 28)
-    root = data.embedded_data_path("fashion_mnist_canvas") / "val"
+    root = pipeline.embedded_data_path("fashion_mnist_canvas") / "val"
     for path in sorted(root.glob("*/*.png"))[:5]:
         index = int(path.stem)
         shipped = np.asarray(Image.open(path))

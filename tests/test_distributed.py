@@ -11,8 +11,12 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import FAST, free_port, run_script, start_script, wait_for
-from fixres_dist import TrainerConfig, Trainer, data, distributed, engine, models
-from fixres_dist.launch import start_method
+from fixres_dist import TrainerConfig, Trainer
+from fixres_dist.data import pipeline
+from fixres_dist.distributed import collectives
+from fixres_dist.training import engine
+from fixres_dist.models import architectures
+from fixres_dist.entry.launch import start_method
 
 SMALL = [*FAST, "--architecture", "resnet20"]  # what the separately started ranks train: the model plays no part
 
@@ -72,15 +76,15 @@ def test_ranks_hold_identical_parameters_after_one_ddp_step(tiny_data, tmp_path)
 
 def _evaluate_rank(rank, world, port, data_path, out):
     torch.set_num_threads(1)
-    distributed.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world, 60)
+    collectives.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world, 60)
     torch.manual_seed(0)
-    model = models.build_model("resnet20", 5)
-    val = data.image_folder(data_path, "val")
-    loader = data.make_loader(val, data.test_transform(32), batch_size=4, world_size=world, rank=rank,
+    model = architectures.build_model("resnet20", 5)
+    val = pipeline.image_folder(data_path, "val")
+    loader = pipeline.make_loader(val, pipeline.test_transform(32), batch_size=4, world_size=world, rank=rank,
                               shuffle=False, seed=0, workers=0)
     result = engine.evaluate(model, loader, torch.device("cpu"))
     (out / f"w{world}r{rank}.json").write_text(json.dumps(attrs.asdict(result)))
-    distributed.destroy_process_group()
+    collectives.destroy_process_group()
 
 
 def test_exact_evaluation_is_independent_of_world_size(odd_val_data, tmp_path):

@@ -13,10 +13,10 @@ from PIL import Image
 from torchvision.datasets import ImageFolder
 
 from conftest import make_subset, run_script
-from fixres_dist import data, images
-from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from fixres_dist.data import pipeline, images
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from fixres_dist.errors import FixresError
-from fixres_dist.samplers import SampleKey
+from fixres_dist.data.samplers import SampleKey
 
 LEVELS = np.arange(180, dtype=np.uint8).reshape(12, 15)  # 180 grey levels, the image
 
@@ -126,9 +126,9 @@ def test_16bit_grey_keeps_its_180_levels_through_the_data_pipeline(tmp_path):
         (tmp_path / split / "grey").mkdir(parents=True)
         Image.fromarray(LEVELS.astype(np.uint16) * 257).save(tmp_path / split / "grey" / "a.png")
     assert len(np.unique(np.asarray(Image.open(tmp_path / "train" / "grey" / "a.png").convert("RGB")))) == 2
-    folder = data.image_folder(tmp_path, "train")
+    folder = pipeline.image_folder(tmp_path, "train")
     assert np.array_equal(np.asarray(folder[0][0]), _grey(LEVELS))
-    dataset = data.SeededDataset(folder, data.test_transform(12, crop_ratio=1.0, interpolation="nearest"), seed=0)
+    dataset = pipeline.SeededDataset(folder, pipeline.test_transform(12, crop_ratio=1.0, interpolation="nearest"), seed=0)
     image, _ = dataset[SampleKey(index=0, epoch=0)]
     assert image.dtype == torch.uint8 and len(torch.unique(image)) == 144  # the centre 12 x 12 of the levels
     assert torch.equal(image[0], torch.from_numpy(LEVELS[:, 2:14].copy()))  # CenterCrop: columns 2-13 of 15
@@ -147,10 +147,10 @@ def test_values_without_an_8bit_meaning_are_named_like_any_unreadable_image(tmp_
     assert Image.open(path).mode == mode
     with pytest.raises(images.ImageModeError, match=reason):
         images.read_image(str(path))
-    base = data.image_folder(tmp_path, "train")
+    base = pipeline.image_folder(tmp_path, "train")
     with pytest.raises(FixresError, match=rf"^unreadable image {path} \(ImageModeError: {reason}.*--skip-bad-images$"):
-        data.SeededDataset(base, data.train_transform(8), seed=0)[SampleKey(0, 0)]
-    assert data.SeededDataset(base, data.train_transform(8), seed=0, skip_bad_images=True)[SampleKey(0, 0)] is None
+        pipeline.SeededDataset(base, pipeline.train_transform(8), seed=0)[SampleKey(0, 0)]
+    assert pipeline.SeededDataset(base, pipeline.train_transform(8), seed=0, skip_bad_images=True)[SampleKey(0, 0)] is None
 
 
 def test_premultiplied_and_unconvertible_modes():
@@ -180,15 +180,15 @@ def hidden_data(tmp_path_factory):
 
 
 def test_hidden_files_and_folders_are_neither_classes_nor_images(hidden_data):
-    assert data.check_image_folder(hidden_data) == ["0_tshirt_top", "1_trouser", "2_pullover"]
-    train = data.image_folder(hidden_data, "train")
+    assert pipeline.check_image_folder(hidden_data) == ["0_tshirt_top", "1_trouser", "2_pullover"]
+    train = pipeline.image_folder(hidden_data, "train")
     assert train.classes == ["0_tshirt_top", "1_trouser", "2_pullover"] and len(train) == 12
     assert not any("/." in path for path, _ in train.samples)
     # each hidden entry counted once: nothing under a hidden folder is walked
     assert sorted(os.path.relpath(p, hidden_data / "train") for p in train.hidden) == \
         [".DS_Store", ".DS_Store_file", ".ipynb_checkpoints", ".snapshot", "0_tshirt_top/.ipynb_checkpoints",
          "1_trouser/._macos.png"]
-    assert len(data.image_folder(hidden_data, "val").hidden) == 3
+    assert len(pipeline.image_folder(hidden_data, "val").hidden) == 3
     # the order of the visible images is torchvision's ImageFolder's
     visible = make_subset(hidden_data.parent / "plain", 4, 2, classes=3)
     reference = ImageFolder(str(visible / "train"))
@@ -217,7 +217,7 @@ def test_nested_folders_keep_imagefolders_order(tmp_path):
         image.save(tmp_path / "train" / relative, format="PNG" if not relative.endswith(".jpg") else "JPEG") \
             if relative.lower().endswith((".png", ".jpg")) else (tmp_path / "train" / relative).write_text("x")
     (tmp_path / "train" / "b" / "folder.png").mkdir()  # named like an image: not one
-    ours = data.image_folder(tmp_path, "train")
+    ours = pipeline.image_folder(tmp_path, "train")
     reference = ImageFolder(str(tmp_path / "train"))
     assert ours.samples == [s for s in reference.samples if "/." not in s[0]]
     assert [os.path.relpath(p, tmp_path / "train") for p in ours.hidden] == ["a/.hidden"]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import FAST, make_subset, read_only_folder, run_script, wait_for
-from fixres_dist import data, file_index
-from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from fixres_dist.data import pipeline, file_index
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from fixres_dist.config import FILE_INDEX_FOLDER, TrainerConfig
 from fixres_dist.errors import FixresError
 
@@ -65,7 +65,7 @@ def tree(tmp_path):
 
 def _same_datasets(root, index):
     for split in ("train", "val"):
-        walked, indexed = data.image_folder(root, split), data.image_folder(root, split, index)
+        walked, indexed = pipeline.image_folder(root, split), pipeline.image_folder(root, split, index)
         assert indexed.samples == walked.samples
         assert indexed.targets == walked.targets
         assert indexed.classes == walked.classes and indexed.class_to_idx == walked.class_to_idx
@@ -76,7 +76,7 @@ def test_the_index_gives_the_datasets_of_a_walk(tree, tmp_path):
     built = file_index.data_index(tree, tmp_path / "cache")
     assert built.built and not built.reason and built.unsaved
     _same_datasets(tree, built)
-    train = data.image_folder(tree, "train", built)
+    train = pipeline.image_folder(tree, "train", built)
     relative = [os.path.relpath(p, tree / "train") for p, _ in train.samples]
     assert relative == ["a/1.png", "a/2.JPG", "a/link_dir/l1.png", "a/link_dir/sub/l2.jpg", "a/sub/3.png",
                         "a/sub/deeper/4.jpeg", "a/sub2/5.png", os.fsdecode(b"b/caf\xe9.png"),
@@ -88,7 +88,7 @@ def test_the_index_gives_the_datasets_of_a_walk(tree, tmp_path):
     loaded = file_index.data_index(tree, tmp_path / "cache")
     assert not loaded.built
     _same_datasets(tree, loaded)
-    assert data.check_image_folder(tree, index=loaded) == data.check_image_folder(tree) == ["a", "b", "c"]
+    assert pipeline.check_image_folder(tree, index=loaded) == pipeline.check_image_folder(tree) == ["a", "b", "c"]
 
 
 def test_one_index_per_resolved_root(tree, tmp_path, monkeypatch):
@@ -329,9 +329,9 @@ def broken(tmp_path_factory):
 @pytest.mark.parametrize("case, min_images", [("no_classes", 1), ("empty_class", 1), ("differ", 1), ("three", 4)])
 def test_checks_from_the_index_say_what_the_walk_says(broken, tmp_path, case, min_images):
     with pytest.raises(FixresError) as walked:
-        data.check_image_folder(broken / case, min_images)
+        pipeline.check_image_folder(broken / case, min_images)
     with pytest.raises(FixresError) as indexed:
-        data.check_image_folder(broken / case, min_images, file_index.data_index(broken / case, tmp_path))
+        pipeline.check_image_folder(broken / case, min_images, file_index.data_index(broken / case, tmp_path))
     assert str(indexed.value) == str(walked.value)
 
 

@@ -5,8 +5,11 @@ import json
 
 import torch
 
-from fixres_dist import Trainer, TrainerConfig, fixres, models, reports
-from fixres_dist.checkpoint import load_checkpoint
+from fixres_dist import Trainer, TrainerConfig
+from fixres_dist.fixres import finetuning
+from fixres_dist.models import architectures
+from fixres_dist.reporting import reports
+from fixres_dist.training.checkpoint import load_checkpoint
 
 
 def _finetune(weight_file, data, folder, job_id, **fields):
@@ -22,7 +25,7 @@ def _finetune(weight_file, data, folder, job_id, **fields):
 
 
 def test_finetune_trains_exactly_head_and_last_bn(few_data, tmp_path):
-    start = models.build_model("resnet20", 10)
+    start = architectures.build_model("resnet20", 10)
     weight_file = tmp_path / "start.pth"
     torch.save({f"module.{k}": v for k, v in start.state_dict().items()}, weight_file)  # DDP-style keys
     trainer, result, _ = _finetune(weight_file, few_data, tmp_path, "ft", learning_rate=0.5)
@@ -34,7 +37,7 @@ def test_finetune_trains_exactly_head_and_last_bn(few_data, tmp_path):
                        "layer3.2.bn2.num_batches_tracked"}
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable == {"fc.weight", "fc.bias", "layer3.2.bn2.weight", "layer3.2.bn2.bias"}
-    fixres.set_train_mode(trainer.model)
+    finetuning.set_train_mode(trainer.model)
     assert not trainer.model.layer3[2].bn1.training and trainer.model.layer3[2].bn2.training
 
 
@@ -70,7 +73,7 @@ def test_a_finetune_at_the_train_resolution_is_reported_as_a_control():
 def test_a_finetune_with_a_new_head_says_its_gain_is_the_heads_training(few_data, tmp_path):
     """Weights of a 7-class network on the 10 classes: the table must not credit FixRes."""
     weight_file = tmp_path / "seven.pth"
-    torch.save(models.build_model("resnet20", 7).state_dict(), weight_file)
+    torch.save(architectures.build_model("resnet20", 7).state_dict(), weight_file)
     *_, table = _finetune(weight_file, few_data, tmp_path, "new-head")
     assert "new 10-class head fc (weights had 7 classes)" in table
     assert "new head: the weights had 7 classes, the model has 10; the rows without finetuning evaluate an " \

@@ -16,9 +16,14 @@ from torch import nn
 from torchvision import transforms as v1
 
 from conftest import free_port, run_main, run_script, run_two_ranks_and_one
-from fixres_dist import FixresError, batchnorm, data, distributed, extraction, fixres, models, sweep
-from fixres_dist.launch import main, start_method
-from fixres_dist.checkpoint import load_checkpoint
+from fixres_dist import FixresError
+from fixres_dist.models import batchnorm, architectures
+from fixres_dist.data import pipeline
+from fixres_dist.distributed import collectives
+from fixres_dist.reporting import extraction
+from fixres_dist.fixres import finetuning, sweep
+from fixres_dist.entry.launch import main, start_method
+from fixres_dist.training.checkpoint import load_checkpoint
 
 
 def _events(folder):
@@ -40,35 +45,35 @@ SMALL_NO_NORM = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2
     ("head+last-norm", {"fc.weight", "fc.bias", "layer4.1.bn2.weight", "layer4.1.bn2.bias"}),
 ])
 def test_finetune_scope_trains_exactly_what_it_names(scope, expected):
-    model = models.build_model("resnet18", 10)
-    assert set(fixres.freeze_for_finetune(model, 32, scope)) == expected
+    model = architectures.build_model("resnet18", 10)
+    assert set(finetuning.freeze_for_finetune(model, 32, scope)) == expected
     assert {n for n, p in model.named_parameters() if p.requires_grad} == expected
 
 
 def test_norms_and_all_scopes():
-    model = models.build_model("resnet18", 10)
-    trainable = set(fixres.freeze_for_finetune(model, 32, "norms+head"))
+    model = architectures.build_model("resnet18", 10)
+    trainable = set(finetuning.freeze_for_finetune(model, 32, "norms+head"))
     norms = {n for n, _ in model.named_parameters() if ".bn" in n or n.startswith("bn1") or "downsample.1" in n}
     assert trainable == norms | {"fc.weight", "fc.bias"}
-    assert len(fixres.freeze_for_finetune(model, 32, "all")) == len(list(model.parameters()))
+    assert len(finetuning.freeze_for_finetune(model, 32, "all")) == len(list(model.parameters()))
 
 
 @pytest.mark.parametrize("scope", ["head+last-norm", "norms+head"])
 def test_scope_naming_layers_the_model_lacks_is_an_error(scope):
     with pytest.raises(FixresError, match=re.escape(f"--finetune-scope {scope}: Sequential has no normalisation")):
-        fixres.freeze_for_finetune(SMALL_NO_NORM, 16, scope)
-    assert fixres.freeze_for_finetune(SMALL_NO_NORM, 16, "head") == ["4.weight", "4.bias"]
+        finetuning.freeze_for_finetune(SMALL_NO_NORM, 16, scope)
+    assert finetuning.freeze_for_finetune(SMALL_NO_NORM, 16, "head") == ["4.weight", "4.bias"]
 
 
 def test_model_without_linear_head_is_an_error():
     with pytest.raises(FixresError, match="no nn.Linear classifier head"):
-        fixres.find_head_and_last_norm(models.build_model("squeezenet1_1", 10), 64)
+        finetuning.find_head_and_last_norm(architectures.build_model("squeezenet1_1", 10), 64)
 
 
 # ------------------------------------------------------------------------ all-rank BatchNorm
 def _synchronised_bn_rank(rank, world, port, out):
     torch.set_num_threads(1)
-    distributed.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world, 60)
+    collectives.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world, 60)
     torch.manual_seed(0)
     x = torch.randn(8, 3, 5, 5) * 3 + 2  # the union batch, the same on every rank
     weights = torch.randn(8, 3, 5, 5)
@@ -78,7 +83,7 @@ def _synchronised_bn_rank(rank, world, port, out):
     (y * weights[rank::world]).sum().backward()
     torch.save({"y": y.detach(), "grad": mine.grad, "mean": sync.running_mean, "var": sync.running_var},
                out / f"bn{rank}.pt")
-    distributed.destroy_process_group()
+    collectives.destroy_process_group()
 
 
 def test_all_ranks_batchnorm_equals_one_process_on_the_union(tmp_path):
@@ -98,7 +103,7 @@ def test_all_ranks_batchnorm_equals_one_process_on_the_union(tmp_path):
 
 
 def test_synchronise_keeps_parameters_and_state_dict_keys():
-    model = models.build_model("resnet18", 10)
+    model = architectures.build_model("resnet18", 10)
     keys, weight = list(model.state_dict()), model.layer4[1].bn2.weight
     assert batchnorm.synchronise(model, ["layer4.1.bn2"]) == ["layer4.1.bn2"]
     assert isinstance(model.layer4[1].bn2, batchnorm.AllRanksBatchNorm) and model.layer4[1].bn2.weight is weight
@@ -128,11 +133,11 @@ def test_two_rank_finetune_equals_one_process_on_the_union(few_data, scratch_che
 # ----------------------------------------------------------------------- finetune augmentation
 def test_fixres_augmentation_is_a_small_shift_flip_and_jitter():
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 80, 3), dtype=np.uint8))
-    test = data.finetune_transform(48, "test")(image)
+    test = pipeline.finetune_transform(48, "test")(image)
     outputs = []
     for seed in range(6):
         torch.manual_seed(seed)
-        outputs.append(data.finetune_transform(48, "fixres")(image))
+        outputs.append(pipeline.finetune_transform(48, "fixres")(image))
     assert test.shape == outputs[0].shape == (3, 48, 48) and test.dtype == torch.uint8
     assert len({o.float().sum().item() for o in outputs}) > 1  # random
     centre = v1.CenterCrop(48)(v1.Resize(round(48 / 0.875))(image))
@@ -141,7 +146,7 @@ def test_fixres_augmentation_is_a_small_shift_flip_and_jitter():
 
 # ------------------------------------------------------------------------------ the paper's estimate
 def test_apparent_size_estimate_matches_torchvision_random_resized_crop():
-    assert fixres.apparent_size_test_resolution(224) == pytest.approx(305.6, abs=0.5)
+    assert finetuning.apparent_size_test_resolution(224) == pytest.approx(305.6, abs=0.5)
     image = torch.zeros(3, 1000, 1000)
     torch.manual_seed(0)
 
@@ -149,9 +154,9 @@ def test_apparent_size_estimate_matches_torchvision_random_resized_crop():
         crops = [v1.RandomResizedCrop.get_params(image, scale=(0.08, 1.0), ratio=ratio) for _ in range(20000)]
         return 0.875 * 224 * float(np.mean([1000 / math.sqrt(h * w) for _, _, h, w in crops]))
 
-    assert simulated((1.0, 1.0)) == pytest.approx(fixres.apparent_size_test_resolution(224), rel=0.01)
+    assert simulated((1.0, 1.0)) == pytest.approx(finetuning.apparent_size_test_resolution(224), rel=0.01)
     # with aspect-ratio jitter, torchvision redraws crops that do not fit, favouring small ones (documented)
-    assert 1.0 < simulated((3 / 4, 4 / 3)) / fixres.apparent_size_test_resolution(224) < 1.08
+    assert 1.0 < simulated((3 / 4, 4 / 3)) / finetuning.apparent_size_test_resolution(224) < 1.08
 
 
 def test_best_resolution_takes_the_smallest_within_one_standard_error():
@@ -183,7 +188,7 @@ def test_finetune_auto_sweeps_plots_and_finetunes_at_the_best(few_data, scratch_
     assert [e["resolution"] for e in events if e["event"] == "eval" and "label" not in e] == [chosen]
     report = [e for e in events if e["event"] == "sweep"][0]
     assert report["stage"] == "after" and report["best_resolution"] in (32, 40, 48)
-    assert report["apparent_size_estimate"] == pytest.approx(fixres.apparent_size_test_resolution(32))
+    assert report["apparent_size_estimate"] == pytest.approx(finetuning.apparent_size_test_resolution(32))
     assert (folder / "resolution_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (folder / "resolution_sweep.md").read_text()
     assert "top-1 % before finetuning" in table and "top-1 % after finetuning" in table and "(best)" in table
@@ -216,19 +221,19 @@ def test_eval_only_sweep_and_features_are_exact_on_any_world_size(few_data, scra
         assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == \
             {f"{name}.npy": 0o600 for name in ("logits", "embeddings", "labels")} | {"features.json": 0o600}
     assert tops[1] == tops[2] and [t[0] for t in tops[1]] == [32, 48] and all(t[2] == 10 for t in tops[1])
-    targets = data.image_folder(few_data, "train").targets
+    targets = pipeline.image_folder(few_data, "train").targets
     for ranks in (1, 2):
         assert arrays[ranks]["logits"].shape == (20, 10) and arrays[ranks]["embeddings"].shape == (20, 512)
         assert arrays[ranks]["labels"].tolist() == targets
         assert np.abs(arrays[ranks]["embeddings"]).sum(axis=1).min() > 0  # every row written
     np.testing.assert_allclose(arrays[1]["logits"], arrays[2]["logits"], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(arrays[1]["embeddings"], arrays[2]["embeddings"], rtol=1e-4, atol=1e-5)
-    model = models.build_model("resnet18", 10)
+    model = architectures.build_model("resnet18", 10)
     model.load_state_dict(load_checkpoint(scratch_checkpoint)["model"])
     model.eval()
-    image = data.test_transform(40)(data.image_folder(few_data, "train")[17][0])
+    image = pipeline.test_transform(40)(pipeline.image_folder(few_data, "train")[17][0])
     with torch.no_grad():
-        expected = model(data.normalize(image[None]))[0].numpy()
+        expected = model(pipeline.normalize(image[None]))[0].numpy()
     np.testing.assert_allclose(arrays[2]["logits"][17], expected, rtol=1e-4, atol=1e-4)
 
 
@@ -251,12 +256,12 @@ def test_extraction_refuses_existing_results_unless_overwrite(few_data, scratch_
 def test_extraction_streams_rows_instead_of_gathering_them(tiny_data, tmp_path):
     """Peak Python/numpy memory stays flat when the split grows 25-fold (rows go to disk per batch);
     8 px images: what is measured is the rows written, not the network's work."""
-    model = models.build_model("resnet18", 10).eval()
+    model = architectures.build_model("resnet18", 10).eval()
 
     def peak_bytes(images: int) -> int:
-        dataset = data.image_folder(tiny_data, "train")
+        dataset = pipeline.image_folder(tiny_data, "train")
         dataset.samples = (dataset.samples * 5)[:images]  # the same files, listed again
-        loader = data.make_loader(dataset, data.test_transform(8), batch_size=8, world_size=1, rank=0,
+        loader = pipeline.make_loader(dataset, pipeline.test_transform(8), batch_size=8, world_size=1, rank=0,
                                   shuffle=False, seed=0, workers=0)
         tracemalloc.start()
         info = extraction.extract(model, "fc", loader, torch.device("cpu"), tmp_path / str(images), 8, {}, rank0=True)
@@ -308,13 +313,13 @@ def test_auto_without_candidates_and_checkpoint_without_head_are_refused(scratch
 
 def test_frozen_backbone_runs_as_at_test_time_during_the_finetune():
     """Frozen BatchNorms, dropout and stochastic depth stay in eval mode; what trains is in train mode."""
-    model = models.build_model("efficientnet_b0", 10)
-    fixres.freeze_for_finetune(model, 64)
-    fixres.set_train_mode(model)
-    head, norm = fixres.find_head_and_last_norm(model, 64)
+    model = architectures.build_model("efficientnet_b0", 10)
+    finetuning.freeze_for_finetune(model, 64)
+    finetuning.set_train_mode(model)
+    head, norm = finetuning.find_head_and_last_norm(model, 64)
     modules = dict(model.named_modules())
     assert modules[head].training and modules[norm].training
     assert not any(m.training for name, m in modules.items() if name not in (head, norm))
-    fixres.freeze_for_finetune(model, 64, "all")
-    fixres.set_train_mode(model)
+    finetuning.freeze_for_finetune(model, 64, "all")
+    finetuning.set_train_mode(model)
     assert all(m.training for m in model.modules())

@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from conftest import FAST, clean_env, run_script, start_script
-from fixres_dist import Trainer, TrainerConfig, data
-from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint
-from fixres_dist.cli import build_parser, config_fields
+from fixres_dist import Trainer, TrainerConfig
+from fixres_dist.data import pipeline
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from fixres_dist.entry.cli import build_parser, config_fields
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
@@ -89,10 +90,10 @@ def test_trainer_takes_its_gpu_and_turns_on_cudnn_benchmark(tmp_path):
 
 def test_to_device_normalises_into_channels_last():
     images = torch.randint(0, 256, (4, 3, 40, 40), dtype=torch.uint8)
-    moved = data.to_device(images.pin_memory(), torch.device("cuda", 0), channels_last=True)
+    moved = pipeline.to_device(images.pin_memory(), torch.device("cuda", 0), channels_last=True)
     assert moved.is_cuda and moved.dtype == torch.float32
     assert moved.is_contiguous(memory_format=torch.channels_last)
-    torch.testing.assert_close(moved.cpu(), data.normalize(images))
+    torch.testing.assert_close(moved.cpu(), pipeline.normalize(images))
 
 
 # ------------------------------------------------------------------------------ real runs
@@ -194,7 +195,7 @@ def test_narrowed_visible_devices_let_local_rank_one_run(tiny_data, tmp_path):
 def test_loss_watch_reads_cuda_flags_a_step_late_without_syncing():
     """Issue 13: the non-finite check adds no host-device synchronisation to the step; a step's flag
     is known once the next step was observed (or at a flush)."""
-    from fixres_dist.finite import LossWatch
+    from fixres_dist.training.finite import LossWatch
     watch = LossWatch()
     losses = [torch.tensor(v, device="cuda") for v in (1.0, float("nan"), 2.0)]
     torch.cuda.synchronize()

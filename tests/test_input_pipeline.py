@@ -1,4 +1,4 @@
-"""The fast input path of fixres_dist.data (JPEGs decoded to uint8 tensors give what the PIL path gave)
+"""The fast input path of fixres_dist.data.pipeline (JPEGs decoded to uint8 tensors give what the PIL path gave)
 and its training augmentation recipes (auto-augment policies, random erasing, repeated-augmentation copies).
 
 ``SeededDataset`` reads JPEG files with ``torchvision.io.decode_jpeg`` and runs the transforms on
@@ -14,8 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
-from fixres_dist import FixresError, data
-from fixres_dist.samplers import SampleKey
+from fixres_dist import FixresError
+from fixres_dist.data import pipeline
+from fixres_dist.data.samplers import SampleKey
 
 
 def _photo(seed: int, size=(96, 72)) -> Image.Image:
@@ -44,11 +45,11 @@ def jpeg_folder(tmp_path_factory):
 
 @pytest.mark.parametrize("transform", ["train", "test", "fixres"])
 def test_jpeg_tensor_path_matches_the_pil_path(jpeg_folder, transform):
-    make = {"train": lambda: data.train_transform(48), "test": lambda: data.test_transform(48),
-            "fixres": lambda: data.finetune_transform(48, "fixres")}[transform]
-    base = data.image_folder(jpeg_folder, "train")
-    fast = data.SeededDataset(base, make(), seed=7)
-    slow = data.SeededDataset(base, make(), seed=7)
+    make = {"train": lambda: pipeline.train_transform(48), "test": lambda: pipeline.test_transform(48),
+            "fixres": lambda: pipeline.finetune_transform(48, "fixres")}[transform]
+    base = pipeline.image_folder(jpeg_folder, "train")
+    fast = pipeline.SeededDataset(base, make(), seed=7)
+    slow = pipeline.SeededDataset(base, make(), seed=7)
     slow._read_files = False  # the ImageFolder's PIL images, as before
     assert fast._read_files
     for index, (path, _) in enumerate(base.samples):
@@ -65,7 +66,7 @@ def test_jpeg_tensor_path_matches_the_pil_path(jpeg_folder, transform):
 
 
 def test_seeded_and_leaves_the_global_generator_alone(jpeg_folder):
-    dataset = data.SeededDataset(data.image_folder(jpeg_folder, "train"), data.train_transform(32), seed=3)
+    dataset = pipeline.SeededDataset(pipeline.image_folder(jpeg_folder, "train"), pipeline.train_transform(32), seed=3)
     torch.manual_seed(123)
     before = torch.get_rng_state()
     first = dataset[SampleKey(index=0, epoch=1)][0]
@@ -77,7 +78,7 @@ def test_seeded_and_leaves_the_global_generator_alone(jpeg_folder):
 
 def test_other_transforms_get_pil_images(jpeg_folder):
     seen = []
-    dataset = data.SeededDataset(data.image_folder(jpeg_folder, "val"), lambda image: seen.append(image) or 0, seed=0)
+    dataset = pipeline.SeededDataset(pipeline.image_folder(jpeg_folder, "val"), lambda image: seen.append(image) or 0, seed=0)
     assert not dataset._read_files
     dataset[SampleKey(index=0, epoch=0)]
     assert isinstance(seen[0], Image.Image) and seen[0].mode == "RGB"
@@ -92,18 +93,18 @@ def test_broken_jpeg_is_unreadable_or_skipped(tmp_path, content):
     encoded = buffer.getvalue()
     bad = tmp_path / "train" / "a" / "bad.jpg"
     bad.write_bytes(encoded[: len(encoded) // 2] if content == "truncated" else encoded[:20])
-    base = data.image_folder(tmp_path, "train")
+    base = pipeline.image_folder(tmp_path, "train")
     with pytest.raises(FixresError, match=f"unreadable image {bad}"):
-        data.SeededDataset(base, data.train_transform(32), seed=0)[SampleKey(index=0, epoch=0)]
-    assert data.SeededDataset(base, data.train_transform(32), seed=0, skip_bad_images=True)[SampleKey(0, 0)] is None
+        pipeline.SeededDataset(base, pipeline.train_transform(32), seed=0)[SampleKey(index=0, epoch=0)]
+    assert pipeline.SeededDataset(base, pipeline.train_transform(32), seed=0, skip_bad_images=True)[SampleKey(0, 0)] is None
 
 
 def test_normalize_in_place_is_exact_and_keeps_channels_last():
     images = torch.randint(0, 256, (2, 3, 9, 7), dtype=torch.uint8)
-    mean = torch.tensor(data.IMAGENET_MEAN).view(1, 3, 1, 1) * 255
-    std = torch.tensor(data.IMAGENET_STD).view(1, 3, 1, 1) * 255
-    assert torch.equal(data.normalize(images), (images.float() - mean) / std)
-    channels_last = data.normalize(images.contiguous(memory_format=torch.channels_last))
+    mean = torch.tensor(pipeline.IMAGENET_MEAN).view(1, 3, 1, 1) * 255
+    std = torch.tensor(pipeline.IMAGENET_STD).view(1, 3, 1, 1) * 255
+    assert torch.equal(pipeline.normalize(images), (images.float() - mean) / std)
+    channels_last = pipeline.normalize(images.contiguous(memory_format=torch.channels_last))
     assert channels_last.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(channels_last, (images.float() - mean) / std)
 
@@ -118,10 +119,10 @@ def _inputs():
     return {"tensor": torch.from_numpy(np.array(picture)).permute(2, 0, 1).contiguous(), "pil": picture}
 
 
-@pytest.mark.parametrize("interpolation", data.INTERPOLATIONS)
-@pytest.mark.parametrize("policy", data.AUTO_AUGMENT_POLICIES)
+@pytest.mark.parametrize("interpolation", pipeline.INTERPOLATIONS)
+@pytest.mark.parametrize("policy", pipeline.AUTO_AUGMENT_POLICIES)
 def test_each_policy_gives_uint8_crops_from_tensors_and_pil_images(policy, interpolation):
-    transform = data.train_transform(40, interpolation, auto_augment=policy, random_erase=0.5)
+    transform = pipeline.train_transform(40, interpolation, auto_augment=policy, random_erase=0.5)
     for kind, image in _inputs().items():
         for seed in range(4):
             torch.manual_seed(seed)
@@ -129,13 +130,13 @@ def test_each_policy_gives_uint8_crops_from_tensors_and_pil_images(policy, inter
             assert isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.shape == (3, 40, 40), kind
 
 
-@pytest.mark.parametrize("interpolation", data.INTERPOLATIONS)
+@pytest.mark.parametrize("interpolation", pipeline.INTERPOLATIONS)
 def test_default_train_transform_is_the_crop_and_flip_bit_for_bit(interpolation):
-    mode = data.INTERPOLATIONS[interpolation]
+    mode = pipeline.INTERPOLATIONS[interpolation]
     before = v2.Compose([v2.RandomResizedCrop(24, interpolation=mode, antialias=True), v2.RandomHorizontalFlip(),
-                         data.ToUint8Tensor()])
-    for transform in (data.train_transform(24, interpolation),
-                      data.train_transform(24, interpolation, auto_augment=None, random_erase=0.0, fill=(0.5,) * 3)):
+                         pipeline.ToUint8Tensor()])
+    for transform in (pipeline.train_transform(24, interpolation),
+                      pipeline.train_transform(24, interpolation, auto_augment=None, random_erase=0.0, fill=(0.5,) * 3)):
         for kind, image in _inputs().items():
             for seed in range(6):
                 torch.manual_seed(seed)
@@ -146,10 +147,10 @@ def test_default_train_transform_is_the_crop_and_flip_bit_for_bit(interpolation)
 
 @pytest.mark.parametrize("fill", [None, (0.2, 0.6, 1.0)])
 def test_erasing_fills_a_box_with_the_mean_colour_that_normalises_to_zero(fill):
-    mean = data.IMAGENET_MEAN if fill is None else fill
+    mean = pipeline.IMAGENET_MEAN if fill is None else fill
     colour = torch.tensor([round(255 * m) for m in mean], dtype=torch.uint8).view(3, 1, 1)
     image = torch.full((3, 64, 64), 7, dtype=torch.uint8)  # far from any mean colour
-    transform = data.train_transform(64, random_erase=1.0, fill=fill)
+    transform = pipeline.train_transform(64, random_erase=1.0, fill=fill)
     for seed in range(8):
         torch.manual_seed(seed)
         out = transform(image)
@@ -158,13 +159,13 @@ def test_erasing_fills_a_box_with_the_mean_colour_that_normalises_to_zero(fill):
         rows, cols = erased.any(1).nonzero().flatten(), erased.any(0).nonzero().flatten()
         box = erased[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
         assert box.all() and 0.02 * 64 * 64 - 64 <= box.numel() <= 0.33 * 64 * 64 + 64, "one box of 2-33 %"
-        normalised = data.normalize(out[None], (mean, data.IMAGENET_STD))[0][:, erased]
-        assert normalised.abs().max() <= 0.5 / 255 / min(data.IMAGENET_STD)
+        normalised = pipeline.normalize(out[None], (mean, pipeline.IMAGENET_STD))[0][:, erased]
+        assert normalised.abs().max() <= 0.5 / 255 / min(pipeline.IMAGENET_STD)
 
 
 def test_augmented_samples_are_seeded_and_each_copy_draws_its_own(jpeg_folder):
-    transform = data.train_transform(32, auto_augment="ta_wide", random_erase=0.5)
-    dataset = data.SeededDataset(data.image_folder(jpeg_folder, "train"), transform, seed=3)
+    transform = pipeline.train_transform(32, auto_augment="ta_wide", random_erase=0.5)
+    dataset = pipeline.SeededDataset(pipeline.image_folder(jpeg_folder, "train"), transform, seed=3)
     assert dataset._read_files, "JPEGs still reach our transforms decoded"
     torch.manual_seed(0)
     state = torch.get_rng_state()
@@ -177,8 +178,8 @@ def test_augmented_samples_are_seeded_and_each_copy_draws_its_own(jpeg_folder):
 
 
 def test_copy_zero_is_seeded_as_before(jpeg_folder):
-    transform = data.train_transform(32)
-    dataset = data.SeededDataset(data.image_folder(jpeg_folder, "train"), transform, seed=9)
+    transform = pipeline.train_transform(32)
+    dataset = pipeline.SeededDataset(pipeline.image_folder(jpeg_folder, "train"), transform, seed=9)
     image = dataset._load(2)[0]
     torch.manual_seed(int(np.random.SeedSequence([9, 4, 2]).generate_state(1)[0]))
     assert torch.equal(dataset[SampleKey(index=2, epoch=4, copy=0)][0], transform(image))
@@ -191,12 +192,12 @@ def test_bad_recipe_values_are_one_line_errors():
                           ({"fill": (0.5, 0.5)}, "fill must be 3 numbers"),
                           ({"fill": (0.5, 0.5, 128)}, "fill must be 3 numbers")]:
         with pytest.raises(FixresError, match=match):
-            data.train_transform(32, **kwargs)
+            pipeline.train_transform(32, **kwargs)
 
 
 def test_loader_passes_repeated_augmentation_to_its_sampler(jpeg_folder):
-    base = data.image_folder(jpeg_folder, "train")
-    loader = data.make_loader(base, data.train_transform(16), batch_size=2, world_size=1, rank=0, shuffle=True,
+    base = pipeline.image_folder(jpeg_folder, "train")
+    loader = pipeline.make_loader(base, pipeline.train_transform(16), batch_size=2, world_size=1, rank=0, shuffle=True,
                               seed=0, workers=0, training=True, reps=2)
     assert loader.batch_sampler.reps == 2
     assert sum(len(labels) for _, labels, _ in loader) == len(base)

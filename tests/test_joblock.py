@@ -1,4 +1,4 @@
-"""The job lock's record of a run whose ranks have met (fixres_dist/joblock.py), with real flocks."""
+"""The job lock's record of a run whose ranks have met (fixres_dist/distributed/joblock.py), with real flocks."""
 import fcntl
 import os
 import threading
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fixres_dist import joblock
+from fixres_dist.distributed import joblock
 from fixres_dist.errors import FixresError
 
 

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from conftest import run_script
-from fixres_dist import fixres, lineage, models, reports, weights
-from fixres_dist.checkpoint import load_checkpoint
-from fixres_dist.lineage import Lineage
+from fixres_dist.fixres import finetuning
+from fixres_dist.models import lineage, architectures, weights
+from fixres_dist.reporting import reports
+from fixres_dist.training.checkpoint import load_checkpoint
+from fixres_dist.models.lineage import Lineage
 
 
 def _events(folder):
@@ -42,7 +44,7 @@ def test_eval_only_of_a_finetuned_checkpoint_reports_an_evaluation_of_the_scratc
     out, folder = result.stdout, tmp_path / "e"
     assert out.startswith("job e: evaluation resnet18,") and "finetune resnet18" not in out
     assert "evaluating weights: trained from scratch at 32 px, FixRes-finetuned at 48 px" in out
-    estimate = fixres.apparent_size_test_resolution(32)
+    estimate = finetuning.apparent_size_test_resolution(32)
     report = [e for e in _events(folder) if e["event"] == "sweep"][0]
     assert report["run"] == "evaluation" and report["train_resolution"] == 32 and report["finetuned_at"] == 48
     assert report["apparent_size_estimate"] == pytest.approx(estimate)
@@ -67,7 +69,7 @@ def test_checkpoints_without_a_record_follow_their_weight_path(finetuned, tmp_pa
     state["config"]["train_size"] = 24  # --train-size given at finetune time
     torch.save(state, tmp_path / "told.pth")
     assert lineage.of_weights(weights.read_weight_file(tmp_path / "told.pth")) == Lineage(24, 48)
-    torch.save(models.build_model("resnet18", 10).state_dict(), tmp_path / "plain.pth")
+    torch.save(architectures.build_model("resnet18", 10).state_dict(), tmp_path / "plain.pth")
     assert lineage.of_weights(weights.read_weight_file(tmp_path / "plain.pth")) == Lineage()
 
 
@@ -87,7 +89,7 @@ def test_an_unknown_train_resolution_is_said_to_be_unknown():
     ([128], Lineage(128, 128)),  # one point, every marker on it
 ])
 def test_the_plot_shows_every_marker_inside_its_x_range(sizes, network, tmp_path):
-    estimate = fixres.apparent_size_test_resolution(network.train_size)
+    estimate = finetuning.apparent_size_test_resolution(network.train_size)
     fig = reports.plot(tmp_path / "sweep.png", _stages(sizes), sizes[0], network, estimate, "title")
     (ax,) = fig.axes
     low, high = ax.get_xlim()

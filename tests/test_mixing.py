@@ -1,4 +1,4 @@
-"""Batch MixUp / CutMix (fixres_dist.mixing): drawn from (seed, key) only, targets that match the images."""
+"""Batch MixUp / CutMix (fixres_dist.training.mixing): drawn from (seed, key) only, targets that match the images."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fixres_dist.mixing import BatchMixing
+from fixres_dist.training.mixing import BatchMixing
 
 CLASSES = 10
 

@@ -8,7 +8,9 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
 from conftest import run_main, run_script
-from fixres_dist import FixresError, fixres, models, weights
+from fixres_dist import FixresError
+from fixres_dist.fixres import finetuning
+from fixres_dist.models import architectures, weights
 
 # name -> (n, parameters with 10 classes). He et al. 2016, Table 6: 0.27M, 0.46M, 0.66M, 0.85M, 1.7M
 # with option A shortcuts; ours (option B) add 2 projections: 16*32 + 2*32 + 32*64 + 2*64 = 2,752.
@@ -22,10 +24,10 @@ PROJECTIONS = 2_752
 @pytest.mark.parametrize("name", list(CIFAR))
 def test_cifar_resnet_has_6n_plus_2_layers_and_its_parameter_count(name):
     n, params = CIFAR[name]
-    model = models.build_model(name, 10)
-    assert name in models.available_architectures()
-    models.check_architecture(name)
-    models.check_resolution(name, 17)
+    model = architectures.build_model(name, 10)
+    assert name in architectures.available_architectures()
+    architectures.check_architecture(name)
+    architectures.check_resolution(name, 17)
     assert sum(p.numel() for p in model.parameters()) == params
     option_a = (params - PROJECTIONS) / 1e6  # rounded as the paper rounds: 2 significant digits
     assert round(option_a, 2 if option_a < 1 else 1) == PAPER_PARAMS[name] / 1e6
@@ -41,7 +43,7 @@ def test_cifar_resnet_has_6n_plus_2_layers_and_its_parameter_count(name):
 
 
 def test_cifar_resnet_has_total_stride_4_and_runs_at_any_size():
-    model = models.build_model("resnet20", 7).eval()
+    model = architectures.build_model("resnet20", 7).eval()
     with torch.no_grad():
         assert model.features(torch.zeros(2, 3, 32, 32)).shape == (2, 64, 8, 8)
         assert model.features(torch.zeros(1, 3, 20, 20)).shape == (1, 64, 5, 5)
@@ -49,7 +51,7 @@ def test_cifar_resnet_has_total_stride_4_and_runs_at_any_size():
             out = model(torch.randn(2, 3, size, size))
             assert out.shape == (2, 7) and torch.isfinite(out).all()
     with pytest.raises(FixresError, match=r"6n\+2 layers .* got 21"):
-        models.CifarResNet(21)
+        architectures.CifarResNet(21)
 
 
 # ------------------------------------------------------------------------ low-resolution stem
@@ -61,8 +63,8 @@ def _body(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name, width", [("resnet18", 512), ("resnet50", 2048)])
 def test_low_res_stem_gives_total_stride_8(name, width):
-    standard = models.build_model(name, 10).eval()
-    low = models.build_model(name, 10, low_res_stem=True).eval()
+    standard = architectures.build_model(name, 10).eval()
+    low = architectures.build_model(name, 10, low_res_stem=True).eval()
     conv = low.conv1
     assert (conv.kernel_size, conv.stride, conv.padding, conv.out_channels) == ((3, 3), (1, 1), (1, 1), 64)
     assert conv.bias is None
@@ -87,13 +89,13 @@ def test_low_res_stem_gives_total_stride_8(name, width):
 ])
 def test_low_res_stem_of_another_architecture_is_refused(name, why):
     with pytest.raises(FixresError) as info:
-        models.build_model(name, 10, low_res_stem=True)
+        architectures.build_model(name, 10, low_res_stem=True)
     message = str(info.value)
     assert message.startswith(f"--low-res-stem: {why}") and "\n" not in message
     assert message.endswith("it applies to torchvision ResNets (resnet18, resnet34, resnet50, resnet101, "
                             "resnet152, resnext50_32x4d, resnext101_32x8d, resnext101_64x4d, wide_resnet50_2, "
                             "wide_resnet101_2)")
-    models.check_architecture(name)  # fine without the stem
+    architectures.check_architecture(name)  # fine without the stem
 
 
 # ------------------------------------------------------------------- last norm by data flow
@@ -106,7 +108,7 @@ def _projection_resnet() -> nn.Module:
 def _execution_order(model: nn.Module, size: int) -> list[str]:
     order = []
     hooks = [m.register_forward_hook(lambda *_, name=name: order.append(name))
-             for name, m in model.named_modules() if isinstance(m, fixres.NORM_TYPES)]
+             for name, m in model.named_modules() if isinstance(m, finetuning.NORM_TYPES)]
     with torch.no_grad():
         model.eval()(torch.zeros(1, 3, size, size))
     for h in hooks:
@@ -117,16 +119,16 @@ def _execution_order(model: nn.Module, size: int) -> list[str]:
 def test_projection_shortcut_bn_runs_last_but_the_main_path_norm_is_chosen():
     model = _projection_resnet()
     assert _execution_order(model, 32)[-1] == "layer4.0.downsample.1"  # what execution order used to pick
-    layers = fixres.find_finetune_layers(model, 32)
-    assert layers == fixres.FinetuneLayers("fc", ("fc",), "layer4.0.bn2")
-    assert fixres.find_head_and_last_norm(model, 32) == ("fc", "layer4.0.bn2")
-    assert set(fixres.freeze_for_finetune(model, 32)) == {"fc.weight", "fc.bias", "layer4.0.bn2.weight",
+    layers = finetuning.find_finetune_layers(model, 32)
+    assert layers == finetuning.FinetuneLayers("fc", ("fc",), "layer4.0.bn2")
+    assert finetuning.find_head_and_last_norm(model, 32) == ("fc", "layer4.0.bn2")
+    assert set(finetuning.freeze_for_finetune(model, 32)) == {"fc.weight", "fc.bias", "layer4.0.bn2.weight",
                                                           "layer4.0.bn2.bias"}
 
 
 def test_mobilenet_v3_head_includes_the_linear_between_norm_and_classifier():
-    model = models.build_model("mobilenet_v3_large", 10)
-    trainable = set(fixres.freeze_for_finetune(model, 32, "head"))
+    model = architectures.build_model("mobilenet_v3_large", 10)
+    trainable = set(finetuning.freeze_for_finetune(model, 32, "head"))
     assert trainable == {"classifier.0.weight", "classifier.0.bias", "classifier.3.weight", "classifier.3.bias"}
     assert model.classifier[0].in_features == 960 and model.classifier[0].out_features == 1280
 
@@ -160,24 +162,24 @@ def test_in_place_ops_and_untraceable_forward():
     model = _Unusual()
     with pytest.raises(torch.fx.proxy.TraceError):
         torch.fx.symbolic_trace(model)
-    layers = fixres.find_finetune_layers(model, 8)
-    assert layers == fixres.FinetuneLayers("fc2", ("fc1", "fc2"), "branch.4")
+    layers = finetuning.find_finetune_layers(model, 8)
+    assert layers == finetuning.FinetuneLayers("fc2", ("fc1", "fc2"), "branch.4")
 
 
 def test_model_without_norm_trains_the_last_linear_and_what_follows():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                           nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 10))
-    assert fixres.find_finetune_layers(model, 8) == fixres.FinetuneLayers("6", ("6",), None)
+    assert finetuning.find_finetune_layers(model, 8) == finetuning.FinetuneLayers("6", ("6",), None)
     with pytest.raises(FixresError, match="has no normalisation layer before its head 6; use --finetune-scope head"):
-        fixres.trainable_modules(model, 8)
+        finetuning.trainable_modules(model, 8)
 
 
 # --------------------------------------------------------------------------- --last-norm
 def test_last_norm_override_moves_the_head_start():
-    layers = fixres.find_finetune_layers(_projection_resnet(), 32, "layer4.0.bn1")
-    assert layers == fixres.FinetuneLayers("fc", ("layer4.0.conv2", "layer4.0.bn2", "fc"), "layer4.0.bn1")
-    same = fixres.find_finetune_layers(models.build_model("resnet18", 10), 32, "layer4.1.bn2")
-    assert same == fixres.FinetuneLayers("fc", ("fc",), "layer4.1.bn2")
+    layers = finetuning.find_finetune_layers(_projection_resnet(), 32, "layer4.0.bn1")
+    assert layers == finetuning.FinetuneLayers("fc", ("layer4.0.conv2", "layer4.0.bn2", "fc"), "layer4.0.bn1")
+    same = finetuning.find_finetune_layers(architectures.build_model("resnet18", 10), 32, "layer4.1.bn2")
+    assert same == finetuning.FinetuneLayers("fc", ("fc",), "layer4.1.bn2")
 
 
 @pytest.mark.parametrize("name, message", [
@@ -192,15 +194,15 @@ def test_last_norm_override_moves_the_head_start():
 ])
 def test_last_norm_override_refused(name, message):
     with pytest.raises(FixresError) as info:
-        fixres.trainable_modules(_projection_resnet(), 32, "head+last-norm", last_norm=name)
+        finetuning.trainable_modules(_projection_resnet(), 32, "head+last-norm", last_norm=name)
     assert str(info.value) == message
 
 
 def test_finetune_resolution_below_the_train_resolution_warning():
-    assert fixres.finetune_resolution_warning(32, 48) is None
-    assert fixres.finetune_resolution_warning(None, 16) is None
-    assert fixres.finetune_resolution_warning(32, 32) is None
-    warning = fixres.finetune_resolution_warning(32, 24)
+    assert finetuning.finetune_resolution_warning(32, 48) is None
+    assert finetuning.finetune_resolution_warning(None, 16) is None
+    assert finetuning.finetune_resolution_warning(32, 32) is None
+    warning = finetuning.finetune_resolution_warning(32, 24)
     assert warning == ("finetuning at 24 px, below the train resolution 32 px: FixRes predicts the opposite "
                        "(objects look larger in training; about 44 px matches their apparent size)")
 
@@ -208,7 +210,7 @@ def test_finetune_resolution_below_the_train_resolution_warning():
 def test_last_norm_and_low_res_stem_end_to_end(few_data, tmp_path, capsys):
     """main_finetune.py: an accepted --last-norm trains what it names, with the below-train-resolution
     warning; a refused one fails in preflight with one line; --low-res-stem weights need the flag."""
-    start = models.build_model("resnet18", 10, low_res_stem=True)
+    start = architectures.build_model("resnet18", 10, low_res_stem=True)
     weights = tmp_path / "start.pth"
     torch.save(start.state_dict(), weights)
     common = ["--weight-path", weights, "--data-path", few_data, "--shared-folder-path", tmp_path / "runs",

@@ -17,7 +17,7 @@ What --dist-timeout bounds (a survivor's exit, a requeue after a loss) is awaite
 with a wide margin, as machine load stretches it; benchmarks/two_nodes.py measures how long it
 takes. The jobs train a ResNet-20 (fast steps, small checkpoints) with ``--dist-timeout 20``: a
 node cut off costs the survivors a 10 s collective time-out
-(:func:`fixres_dist.distributed.collective_timeout`). The SLURM tests that stop a job mid-training
+(:func:`fixres_dist.distributed.collectives.collective_timeout`). The SLURM tests that stop a job mid-training
 leave it enough work for the signal or the loss to land before its end: the default ResNet-18 for
 the preemption, 12 epochs for the loss. The lost-node tests with explicit ranks fork their ranks
 with torch imported and move them onto their node as slurm/on-node.sh moves a command
@@ -266,7 +266,7 @@ def expected_loss(rank: int, ended: list[int]) -> tuple[str, ...]:
 
     Rank 1 may be blocked in a collective on rank 0 rather than on n2's ranks; rank 0 keeps its
     store up after its own line only until the ranks still running have said why they stop, for at
-    most 6 s (:meth:`fixres_dist.rendezvous.Rendezvous.hold_store`). Where rank 1 is still blocked
+    most 6 s (:meth:`fixres_dist.distributed.rendezvous.Rendezvous.hold_store`). Where rank 1 is still blocked
     then (a loaded machine), rank 0's exit is what ends its wait, and it names rank 0's store: only
     after rank 0 ended."""
     if rank >= 2:

@@ -1,4 +1,4 @@
-"""Which addresses a rank publishes and which interface its collectives use (fixres_dist.network),
+"""Which addresses a rank publishes and which interface its collectives use (fixres_dist.distributed.network),
 on this machine's real interfaces; the 2-node cases are in test_multinode.py."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from fixres_dist import network
+from fixres_dist.distributed import network
 from fixres_dist.errors import FixresError
 
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from conftest import run_script
-from fixres_dist import finite, models, weights
-from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from fixres_dist.training import finite
+from fixres_dist.models import architectures, weights
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from fixres_dist.errors import FixresError
-from fixres_dist.metrics import MetricsLog
+from fixres_dist.reporting.metrics import MetricsLog
 
 DIVERGE = ["--learning-rate", "1e6", "--warmup-epochs", "0", "--architecture", "resnet20", "--input-size", "16",
            "--batch", "8", "--epochs", "2", "--workers", "0", "--no-progress"]
@@ -82,7 +83,7 @@ def test_loss_watch_and_the_agreement_name_the_earliest_bad_step():
 
 
 def test_checkpoint_writer_refuses_non_finite_state_and_keeps_the_previous(tmp_path):
-    model = models.build_model("resnet20", 3)
+    model = architectures.build_model("resnet20", 3)
     good = {"model": model.state_dict(), "optimizer": {}, "epoch": 0, "images_in_epoch": 0, "global_step": 1,
             "ranks": [], "config": {}, "metrics": []}
     save_checkpoint(tmp_path, good, 1)
@@ -102,7 +103,7 @@ def test_checkpoint_writer_refuses_non_finite_state_and_keeps_the_previous(tmp_p
 
 
 def test_weight_files_with_non_finite_values_are_refused(tmp_path):
-    state = models.build_model("resnet20", 3).state_dict()
+    state = architectures.build_model("resnet20", 3).state_dict()
     state["layer1.0.bn1.running_var"][0] = float("nan")
     torch.save({"model": state}, tmp_path / "nan.pth")
     with pytest.raises(FixresError, match=r"nan.pth entry 'model': 1 of \d+ tensors hold NaN or infinity "

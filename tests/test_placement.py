@@ -2,7 +2,7 @@
 import pytest
 
 from fixres_dist import FixresError
-from fixres_dist.placement import resolve_placement
+from fixres_dist.distributed.placement import resolve_placement
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none"}

@@ -12,7 +12,8 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from conftest import FAST, run_main, run_script
-from fixres_dist import data, preprocessing
+from fixres_dist.data import pipeline
+from fixres_dist.models import preprocessing
 from fixres_dist.config import TrainerConfig
 from fixres_dist.errors import FixresError
 
@@ -25,13 +26,13 @@ SMALL = ["--architecture", "resnet20", "--input-size", "16", "--batch", "8", "--
 
 
 @pytest.mark.parametrize("name, mean, std, crop, interpolation", [
-    ("resnet50", data.IMAGENET_MEAN, data.IMAGENET_STD, 0.875, "bilinear"),
-    ("resnet20", data.IMAGENET_MEAN, data.IMAGENET_STD, 0.875, "bilinear"),
+    ("resnet50", pipeline.IMAGENET_MEAN, pipeline.IMAGENET_STD, 0.875, "bilinear"),
+    ("resnet20", pipeline.IMAGENET_MEAN, pipeline.IMAGENET_STD, 0.875, "bilinear"),
     pytest.param("efficientnet_lite0", (127 / 255,) * 3, (128 / 255,) * 3, 0.875, "bilinear",
                  marks=pytest.mark.skipif(not HAS_LITE, reason="efficientnet-lite-pytorch not installed")),
     pytest.param("timm/vit_tiny_patch16_224", (0.5,) * 3, (0.5,) * 3, 0.9, "bicubic",
                  marks=pytest.mark.skipif(not HAS_TIMM, reason="timm not installed")),
-    pytest.param("timm/resnet18", data.IMAGENET_MEAN, data.IMAGENET_STD, 0.95, "bicubic",
+    pytest.param("timm/resnet18", pipeline.IMAGENET_MEAN, pipeline.IMAGENET_STD, 0.95, "bicubic",
                  marks=pytest.mark.skipif(not HAS_TIMM, reason="timm not installed")),
 ])
 def test_each_architecture_gets_the_preprocessing_of_its_weights(name, mean, std, crop, interpolation):
@@ -53,13 +54,13 @@ def test_explicit_values_win_then_the_weights_run_then_the_architecture():
 
 def test_test_transform_uses_the_crop_ratio_and_interpolation():
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (90, 70, 3), dtype=np.uint8))
-    ours = data.test_transform(48, crop_ratio=0.9, interpolation="bicubic")(image)
+    ours = pipeline.test_transform(48, crop_ratio=0.9, interpolation="bicubic")(image)
     reference = v2.Compose([v2.Resize(53, interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
                             v2.CenterCrop(48), v2.PILToTensor()])(image)
     assert torch.equal(ours, reference)
-    assert not torch.equal(ours, data.test_transform(48)(image))
+    assert not torch.equal(ours, pipeline.test_transform(48)(image))
     with pytest.raises(FixresError, match="unknown interpolation 'lanczos'"):
-        data.test_transform(48, interpolation="lanczos")
+        pipeline.test_transform(48, interpolation="lanczos")
 
 
 @pytest.mark.parametrize("args, message", [

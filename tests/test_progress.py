@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env, run_script
-from fixres_dist import TrainerConfig, progress
-from fixres_dist.trainer import Trainer
+from fixres_dist import TrainerConfig
+from fixres_dist.reporting import progress
+from fixres_dist.training.trainer import Trainer
 
 # resnet20 at 16 px on few_data (20 train, 10 val images), a sweep of 16 and 24 px after training
 RUN = ["--architecture", "resnet20", "--input-size", "16", "--batch", "8", "--epochs", "1", "--workers", "0",

@@ -9,10 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from conftest import FAST
-from fixres_dist import FixresError, TrainerConfig, engine, fixres, models, optim
-from fixres_dist.checkpoint import check_resumable
-from fixres_dist.cli import FIXRES_FINETUNE_LR_PER_256, MODE_DEFAULTS, build_parser, config_fields
-from fixres_dist.launch import main
+from fixres_dist import FixresError, TrainerConfig
+from fixres_dist.training import engine, optim
+from fixres_dist.fixres import finetuning
+from fixres_dist.models import architectures
+from fixres_dist.training.checkpoint import check_resumable
+from fixres_dist.entry.cli import FIXRES_FINETUNE_LR_PER_256, MODE_DEFAULTS, build_parser, config_fields
+from fixres_dist.entry.launch import main
 
 
 def test_learning_rate_defaults_per_256_images():
@@ -33,7 +36,7 @@ def test_new_options_default_off_and_parse():
 
 def test_cli_scopes_are_the_finetune_scopes():
     action = next(a for a in build_parser("finetune")._actions if a.dest == "finetune_scope")
-    assert tuple(action.choices) == fixres.SCOPES
+    assert tuple(action.choices) == finetuning.SCOPES
     assert set(MODE_DEFAULTS) == {"scratch", "finetune"}
 
 
@@ -53,7 +56,7 @@ def test_bad_recipe_values_are_refused_in_one_line(args, message, tmp_path, caps
 
 
 def test_norms_and_biases_get_their_own_weight_decay():
-    model = models.build_model("resnet18", 10)
+    model = architectures.build_model("resnet18", 10)
     groups = optim.parameter_groups(model, weight_decay=5e-5, norm_weight_decay=0.0)
     assert [g["weight_decay"] for g in groups] == [5e-5, 0.0]
     names = {id(p): n for n, p in model.named_parameters()}
@@ -62,7 +65,7 @@ def test_norms_and_biases_get_their_own_weight_decay():
     assert "fc.bias" in exempt and "bn1.weight" in exempt and "layer4.1.bn2.bias" in exempt
     assert decayed | exempt == set(names.values()) and not decayed & exempt
     # frozen parameters are left out; empty groups too
-    fixres.freeze_for_finetune(model, 32, "head")
+    finetuning.freeze_for_finetune(model, 32, "head")
     groups = optim.parameter_groups(model, 5e-5, 0.0)
     assert [sorted(names[id(p)] for p in g["params"]) for g in groups] == [["fc.weight"], ["fc.bias"]]
 
@@ -90,7 +93,7 @@ def _step_loss(label_smoothing: float) -> float:
     reference = copy.deepcopy(model)
     loss = engine.train_step(model, optimizer, scaler, images, labels, device=torch.device("cpu"), world=1,
                              label_smoothing=label_smoothing)
-    from fixres_dist.data import normalize
+    from fixres_dist.data.pipeline import normalize
     expected = F.cross_entropy(reference(normalize(images)), labels, reduction="sum", label_smoothing=label_smoothing)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     return loss.item()

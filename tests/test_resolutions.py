@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import run_main, run_script
-from fixres_dist import resolutions
+from fixres_dist.models import resolutions
 from fixres_dist.config import TrainerConfig
 
 HAS_TIMM = importlib.util.find_spec("timm") is not None

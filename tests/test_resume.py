@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from conftest import FAST, SCRATCH, make_subset, run_script, start_script, wait_for
-from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from fixres_dist.launch import main
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from fixres_dist.entry.launch import main
 
 TRAIN = SCRATCH  # what conftest.scratch_job trained: the runs here are compared with it
 SHORT = [*FAST, "--architecture", "resnet20"]  # one epoch of a small model: where the model plays no part
 
 
 def train(tmp_path, data, job, *extra, fault=None):
-    """A 2-rank job of :data:`TRAIN` and ``extra`` flags, with fault ``fault`` (fixres_dist.faults)."""
+    """A 2-rank job of :data:`TRAIN` and ``extra`` flags, with fault ``fault`` (fixres_dist.training.faults)."""
     return run_script("scratch", "--num-tasks", 2, "--job-id", job, "--shared-folder-path", tmp_path,
                       "--data-path", data, *TRAIN, *extra, env={"FIXRES_FAULT": fault} if fault else None)
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fixres_dist.samplers import ExactBatchSampler
+from fixres_dist.data.samplers import ExactBatchSampler
 
 
 def epoch_batches(n, world, batch, epoch, shuffle=True, seed=0):
@@ -95,7 +95,7 @@ def test_one_rank_checkpoint_with_two_images_left_resumed_on_three_ranks():
 # ----------------------------------------------------------------- repeated augmentation
 from collections import Counter  # noqa: E402
 
-from fixres_dist.samplers import SampleKey, epoch_stream, global_batches  # noqa: E402
+from fixres_dist.data.samplers import SampleKey, epoch_stream, global_batches
 
 
 def ra_epoch(n, world, batch, epoch, reps, skip=0, seed=5):

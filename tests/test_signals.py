@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, SCRATCH, clean_env, free_port, run_script, start_script, wait_for
-from fixres_dist.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 # 40 epochs of 5 steps: a job that trains until it is stopped. resnet20, the smallest network (epochs
 # and checkpoints in a fraction of resnet18's time): what is trained does not matter here.

@@ -39,7 +39,7 @@ import torch
 import shown_commands as shown
 from conftest import ROOT, SCRATCH, clean_env, read_only_folder, wait_for
 from fixres_dist import FixresError, TrainerConfig
-from fixres_dist.checkpoint import load_checkpoint
+from fixres_dist.training.checkpoint import load_checkpoint
 from fixres_dist.cluster import cli, inventory, monitor, submission, task
 from fixres_dist.cluster.inventory import Node, Partition
 from fixres_dist.cluster.request import SlurmRequest

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import make_subset, run_main, run_script, run_two_ranks_and_one
-from fixres_dist import FixresError, placement
-from fixres_dist.checkpoint import load_checkpoint
+from fixres_dist import FixresError
+from fixres_dist.distributed import placement
+from fixres_dist.training.checkpoint import load_checkpoint
 
 
 # resnet20 at 16 px, 1 epoch on few_data (20 images): what the speed options change is not the network;
@@ -37,9 +38,9 @@ def test_bf16_autocast_trains_on_cpu(few_data, tmp_path):
 
 def test_channels_last_gives_the_same_evaluation(few_data, tmp_path):
     weights = tmp_path / "w.pth"
-    from fixres_dist import models
+    from fixres_dist.models import architectures
     torch.manual_seed(0)
-    torch.save(models.build_model("resnet20", 10).state_dict(), weights)
+    torch.save(architectures.build_model("resnet20", 10).state_dict(), weights)
     results = {}
     for flag in ("--channels-last", "--no-channels-last"):
         job = flag.strip("-")

@@ -10,9 +10,9 @@ import signal
 import torch.multiprocessing as mp
 
 from conftest import free_port
-from fixres_dist import distributed
-from fixres_dist.launch import start_method
-from fixres_dist.preemption import Agreed, StepAgreement, StopSignals
+from fixres_dist.distributed import collectives
+from fixres_dist.entry.launch import start_method
+from fixres_dist.distributed.preemption import Agreed, StepAgreement, StopSignals
 
 STEPS = 8
 
@@ -46,13 +46,13 @@ CASES = {
 
 
 def _agreement_rank(rank: int, port: int, out):
-    distributed.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, 2, 60)
+    collectives.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, 2, 60)
     results = {}
     for name, case in CASES.items():
         stops = StopSignals()  # not installed: _record is called directly
-        results[name] = _run(StepAgreement(stops, distributed.control_group()), stops, rank, **case)
+        results[name] = _run(StepAgreement(stops, collectives.control_group()), stops, rank, **case)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
-    distributed.destroy_process_group()
+    collectives.destroy_process_group()
 
 
 def test_two_ranks_act_on_the_same_step_at_most_one_step_late(tmp_path):

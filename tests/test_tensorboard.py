@@ -1,4 +1,4 @@
-"""TensorBoard event files (fixres_dist.tensorboard_events): real files written by SummaryWriter,
+"""TensorBoard event files (fixres_dist.reporting.tensorboard_events): real files written by SummaryWriter,
 read back with TensorBoard's own loader, including a run interrupted after its checkpoint and resumed."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from matplotlib.figure import Figure
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, EventAccumulator
 
 from fixres_dist.errors import FixresError
-from fixres_dist.launch import start_method
-from fixres_dist.metrics import MetricsLog
-from fixres_dist.tensorboard_events import FOLDER, TensorBoardLog, check_available, check_folder, event_scalars
+from fixres_dist.entry.launch import start_method
+from fixres_dist.reporting.metrics import MetricsLog
+from fixres_dist.reporting.tensorboard_events import (FOLDER, TensorBoardLog, check_available, check_folder, event_scalars)
 
 
 def load(job) -> EventAccumulator:

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 import torchvision
 
 from conftest import make_subset, run_main, run_script
-from fixres_dist import FixresError, TrainerConfig, engine, optim, recipes
-from fixres_dist.cli import build_parser, config_fields
-from fixres_dist.data import normalize
-from fixres_dist.ema import ModelEMA
+from fixres_dist import FixresError, TrainerConfig
+from fixres_dist.training import engine, optim, recipes
+from fixres_dist.entry.cli import build_parser, config_fields
+from fixres_dist.data.pipeline import normalize
+from fixres_dist.models.ema import ModelEMA
 
 
 # ------------------------------------------------------------------ optimizers and schedules
@@ -270,7 +271,7 @@ def test_all_options_on_two_ranks_stopped_mid_epoch_resume_bit_identical(tmp_pat
     clipping + a step schedule on 2 ranks: a run stopped by a signal mid-epoch and run again ends with
     exactly the weights, EMA and metrics of a run never stopped, and its TensorBoard curves hold each
     point once (40 images, 2 ranks x 4 x 2 micro-batches = 16 a step: 3 steps an epoch, the last of 8)."""
-    from fixres_dist.checkpoint import load_checkpoint
+    from fixres_dist.training.checkpoint import load_checkpoint
     data = make_subset(tmp_path / "data", 4, 1)
     straight = _train_all(tmp_path, data, "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -355,7 +356,7 @@ def test_accumulation_with_synchronised_batchnorm_on_a_last_step_split_unevenly(
 
 
 def test_an_average_never_updated_is_refused_as_weights(tmp_path):
-    from fixres_dist.weights import read_weight_file
+    from fixres_dist.models.weights import read_weight_file
     model = torchvision.models.resnet18(num_classes=3).state_dict()
     path = tmp_path / "checkpoint.pth"
     torch.save({"model": model, "model_ema": model, "model_ema_state": {"updates": 0}, "config": {}}, path)

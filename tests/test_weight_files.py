@@ -17,7 +17,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from conftest import run_script
-from fixres_dist import models, weights
+from fixres_dist.models import architectures, weights
 from fixres_dist.errors import FixresError
 
 HAS_TIMM = importlib.util.find_spec("timm") is not None
@@ -26,7 +26,7 @@ needs_timm = pytest.mark.skipif(not HAS_TIMM, reason="timm not installed (pip in
 
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return models.build_model("resnet20", 10)
+    return architectures.build_model("resnet20", 10)
 
 
 @pytest.fixture(scope="module")
@@ -134,18 +134,18 @@ def test_when_nothing_fits_the_message_lists_what_the_file_holds(tmp_path, paylo
 def test_state_dicts_from_older_torch_versions_load_as_torch_loads_them(tmp_path):
     """The issue's case: BatchNorm buffers without num_batches_tracked (before torch 0.4.1) were refused
     with "20 missing keys", though load_state_dict(strict=True) accepts them."""
-    source = models.build_model("resnet18", 10)
+    source = architectures.build_model("resnet18", 10)
     old = {k: v for k, v in source.state_dict().items() if not k.endswith("num_batches_tracked")}
     assert len(source.state_dict()) - len(old) == 20
-    reference = models.build_model("resnet18", 10)
+    reference = architectures.build_model("resnet18", 10)
     reference.load_state_dict(old, strict=True)  # torch accepts it
     torch.save(old, tmp_path / "old.pth")
-    target = models.build_model("resnet18", 10)
+    target = architectures.build_model("resnet18", 10)
     assert weights.load_weights(target, weights.read_weight_file(tmp_path / "old.pth")).note is None
     for name, tensor in reference.state_dict().items():
         assert torch.equal(target.state_dict()[name], tensor), name
     # a neighbour: torchvision's ViT MLP keys before torchvision 0.13 (linear_1/linear_2), upgraded by its module
-    vit = models.build_model("vit_b_32", 10, image_size=64)
+    vit = architectures.build_model("vit_b_32", 10, image_size=64)
     renamed = {k.replace("mlp.0.", "mlp.linear_1.").replace("mlp.3.", "mlp.linear_2."): v
                for k, v in vit.state_dict().items()}
     assert any("linear_1" in k for k in renamed)
@@ -189,8 +189,8 @@ def test_foreign_python_objects_are_placeholders_and_never_run(tmp_path):
 
 @needs_timm
 def test_timm_weights_for_another_size_are_resampled_by_timm():
-    source = models.build_model("timm/vit_tiny_patch16_224", 10, image_size=224)
-    target = models.build_model("timm/vit_tiny_patch16_224", 10, image_size=32)
+    source = architectures.build_model("timm/vit_tiny_patch16_224", 10, image_size=224)
+    target = architectures.build_model("timm/vit_tiny_patch16_224", 10, image_size=32)
     note = weights.load_weights(target, source.state_dict(), "vit224.pth").note
     assert note == "timm resampled pos_embed to this model's size"
     assert target.pos_embed.shape == (1, 5, 192)

@@ -10,15 +10,15 @@
 * :mod:`.sweep`: a FixRes resolution sweep as one job array, and its table;
 * :mod:`.cli`: the command lines of ``slurm/submit.py`` and ``slurm/sweep.py``.
 """
-from ..startup import quiet_native_logs
+from fixres_dist.entry.startup import quiet_native_logs
 
 quiet_native_logs()  # a SLURM task (sbatch or submitit) imports this package before torch
 
-from .inventory import check_request, read_partitions  # noqa: E402
-from .monitor import task_outcomes, watch
-from .request import SlurmRequest
-from .submission import submit, submit_array
-from .task import SlurmTask, TaskFailed
+from fixres_dist.cluster.inventory import check_request, read_partitions
+from fixres_dist.cluster.monitor import task_outcomes, watch
+from fixres_dist.cluster.request import SlurmRequest
+from fixres_dist.cluster.submission import submit, submit_array
+from fixres_dist.cluster.task import SlurmTask, TaskFailed
 
 __all__ = ["SlurmRequest", "SlurmTask", "TaskFailed", "check_request", "read_partitions", "submit",
            "submit_array", "task_outcomes", "watch"]

@@ -2,6 +2,6 @@
 plain sbatch job (``slurm/job.sbatch``), under the same protocol as a submitit job (see .task)."""
 import sys
 
-from .task import main
+from fixres_dist.cluster.task import main
 
 sys.exit(main())

@@ -13,13 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import RANK_FLAGS, build_parser, config_fields
-from ..config import TrainerConfig
-from ..errors import FixresError
-from .monitor import POLL_S, first_failure, task_outcomes, watch
-from .request import SlurmRequest
-from .submission import job_folder, log_files, submit, submit_array
-from .sweep import gather_sweep, sweep_configs, sweep_table
+from fixres_dist.entry.cli import RANK_FLAGS, build_parser, config_fields
+from fixres_dist.config import TrainerConfig
+from fixres_dist.errors import FixresError
+from fixres_dist.cluster.monitor import POLL_S, first_failure, task_outcomes, watch
+from fixres_dist.cluster.request import SlurmRequest
+from fixres_dist.cluster.submission import job_folder, log_files, submit, submit_array
+from fixres_dist.cluster.sweep import gather_sweep, sweep_configs, sweep_table
 
 PATH_FIELDS = ("data_path", "weight_path", "shared_folder_path", "resume")
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import attrs
 
-from ..errors import FixresError
-from .request import SlurmRequest
+from fixres_dist.errors import FixresError
+from fixres_dist.cluster.request import SlurmRequest
 
 UNUSABLE_NODE_STATES = ("down", "drain", "fail", "inval", "maint", "future")
 LOCAL_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs")

@@ -5,7 +5,7 @@ import math
 
 import attrs
 
-from ..errors import FixresError
+from fixres_dist.errors import FixresError
 
 TIME_LIMIT_CHECK_S = 30   # slurmctld checks time limits (and sends the warning signal) every 30 s
 MIN_RUN_BEFORE_WARNING_S = 30

@@ -19,8 +19,8 @@ One protocol for both ways of launching, submitit (``slurm/submit.py``) and plai
    (``scancel``, SLURM's own preemption) nothing is requeued here: SLURM decides.
 5. **Lost peers.** When ranks die or a node drops off the network (not when a rank raised an
    error: that job fails, as it would again), the surviving ranks name them
-   (:class:`~fixres_dist.rendezvous.LostPeers`; or, every peer alive, the network was interrupted:
-   :class:`~fixres_dist.rendezvous.NetworkInterrupted`) and every survivor asks SLURM to requeue the job
+   (:class:`~fixres_dist.distributed.rendezvous.LostPeers`; or, every peer alive, the network was interrupted:
+   :class:`~fixres_dist.distributed.rendezvous.NetworkInterrupted`) and every survivor asks SLURM to requeue the job
    (the first request wins; at most ``max_requeues`` restarts in all): the job starts again, on
    whichever nodes SLURM gives it, and resumes from its last checkpoint.
 
@@ -39,14 +39,14 @@ from pathlib import Path
 
 import attrs
 
-from ..config import TrainerConfig
-from ..errors import FixresError, first_line, say, user_message
+from fixres_dist.config import TrainerConfig
+from fixres_dist.errors import FixresError, first_line, say, user_message
 # TRAINER-SIDE: the Trainer, its preemption exception and the exit status 3 after a preemption
-# checkpoint (fixres_dist.preemption); if they move, only these imports change.
-from ..preemption import PREEMPTED_EXIT_STATUS, Preempted
-from ..rendezvous import PeersUnreachable
-from ..trainer import Trainer
-from .inventory import run_command
+# checkpoint (fixres_dist.distributed.preemption); if they move, only these imports change.
+from fixres_dist.distributed.preemption import PREEMPTED_EXIT_STATUS, Preempted
+from fixres_dist.distributed.rendezvous import PeersUnreachable
+from fixres_dist.training.trainer import Trainer
+from fixres_dist.cluster.inventory import run_command
 
 FOLLOWER_WAIT_S = 120    # how long a rank other than 0 waits for rank 0's requeue to stop it
 MODES = {"main_scratch.py": "scratch", "scratch": "scratch", "main_finetune.py": "finetune", "finetune": "finetune"}
@@ -177,7 +177,7 @@ def _as_dict(result) -> dict:
 
 def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3, index_note: str | None = None) -> dict:
     """Run the Trainer as one task of a SLURM job, with the requeue protocol (module docstring).
-    ``index_note``: what the preflight returned, for rank 0's log (:class:`~fixres_dist.trainer.Trainer`).
+    ``index_note``: what the preflight returned, for rank 0's log (:class:`~fixres_dist.training.trainer.Trainer`).
 
     Returns the Trainer's result as a dict. On failure prints one line ``fixres_dist: rank R: cause``
     on stderr (and the traceback first for bugs) and raises :class:`TaskFailed`; after a
@@ -249,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m fixres_dist.cluster {main_scratch.py,main_finetune.py} [options]",
               file=sys.stderr)
         return 2
-    from .cli import config_from_argv
+    from fixres_dist.cluster.cli import config_from_argv
     # TRAINER-SIDE: the launcher's input checks, run by rank 0 before the ranks meet (as main_*.py does).
-    from ..launch import preflight
+    from fixres_dist.entry.launch import preflight
 
     place = current_place()
     max_requeues = os.environ.get("FIXRES_MAX_REQUEUES", "3")

@@ -1,0 +1,131 @@
+"""One live run per job folder: the job lock, who holds it, and whether its ranks have met.
+
+A job folder belongs to one running launch at a time. Before any rendezvous, the process that
+starts the job's rank 0 (the spawn launcher, or rank 0 itself under torchrun, SLURM or separate
+shells) takes an exclusive ``flock`` on ``<job folder>/.lock`` (:meth:`JobLock.acquire`); a second
+launch of the same job is refused at once with "job folder ... in use", before it touches the
+rendezvous file or anything else, and the running job is not disturbed. The lock dies with its
+process (``kill -9``, a lost node), so a crashed run never blocks the rerun that resumes it.
+
+The lock file also says who holds it and, once every rank has arrived, that the ranks have met
+(:func:`record_met`). A non-zero rank of a second launch checks that first
+(:func:`check_joinable`): a job whose ranks have all met has no place for it.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from fixres_dist.errors import FixresError
+
+LOCK_FILE = ".lock"
+ACQUIRE_SECONDS = 2.0  # a joining rank's probe holds a shared lock for microseconds: retry that long
+CONFIRM_SECONDS = 1.0  # how long a joining rank watches a "met" record before it believes it
+
+
+def _describe(info: dict | None) -> str:
+    if not info:
+        return "holder unknown"
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("started", 0)))
+    return f"pid {info.get('pid')} on {info.get('host')}, since {started}"
+
+
+def read_holder(folder: Path) -> dict | None:
+    """What the lock file says about its holder (``host``, ``pid``, ``started``, ``met``), or None."""
+    try:
+        info = json.loads((Path(folder) / LOCK_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _write_holder(folder: Path, info: dict) -> None:
+    """Rewrite the lock file's content in place (a rename would leave the lock on the old file)."""
+    with open(Path(folder) / LOCK_FILE, "r+") as f:
+        f.truncate(0)
+        f.write(json.dumps(info))
+        f.flush()
+
+
+def is_held(folder: Path) -> bool:
+    """Whether a live process holds the job lock of ``folder`` (probes without keeping a lock)."""
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's shared lock, if it got one
+    return False
+
+
+class JobLock:
+    """The exclusive lock of one job folder, held by this process until :meth:`release` or exit."""
+
+    def __init__(self, folder: Path, fd: int):
+        self.folder, self.fd = Path(folder), fd
+
+    @classmethod
+    def acquire(cls, folder: str | Path, num_tasks: int) -> "JobLock":
+        """Lock ``folder`` (which must exist) for this launch of a ``num_tasks``-rank job.
+
+        Raises :class:`FixresError` "job folder ... in use by another run" when a live process holds it.
+        """
+        folder = Path(folder)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + ACQUIRE_SECONDS
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise FixresError(f"job folder {folder} in use by another run ({_describe(read_holder(folder))}); "
+                                      "wait for it to end, stop it, or use another --job-id") from None
+                time.sleep(0.05)
+        os.fchmod(fd, 0o600)
+        lock = cls(folder, fd)
+        _write_holder(folder, {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                               "num_tasks": num_tasks, "met": False})
+        return lock
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def record_met(folder: str | Path) -> None:
+    """Rank 0, once every rank has arrived: note in the lock file that the job's ranks have met."""
+    info = read_holder(folder)
+    if info is not None:
+        _write_holder(Path(folder), {**info, "met": True})
+
+
+def check_joinable(folder: str | Path, rank: int) -> None:
+    """A non-zero rank before its rendezvous: refuse to join a live job whose ranks have all met.
+
+    Raises :class:`FixresError` "job folder ... in use"; a stale lock file (no live holder) is ignored.
+
+    The record and the lock are read one after the other, so a record from a finished run can be
+    seen just as the lock passes to a new launch (a requeued SLURM job's rank 0), before that
+    launch rewrites the record. A "met" record is therefore believed only if, the lock still held,
+    it is unchanged :data:`CONFIRM_SECONDS` later (a new holder rewrites it at once on acquiring).
+    """
+    folder = Path(folder)
+    info = read_holder(folder)
+    if not (info and info.get("met") and is_held(folder)):
+        return
+    time.sleep(CONFIRM_SECONDS)
+    if read_holder(folder) == info and is_held(folder):
+        raise FixresError(f"job folder {folder} in use by a running job whose {info.get('num_tasks')} ranks have all "
+                          f"met ({_describe(info)}); this rank {rank} has no place in it: wait for it to end, stop it, "
+                          "or use another --job-id")

@@ -1,0 +1,520 @@
+"""The command lines of ``main_scratch.py`` and ``main_finetune.py`` (FixRes flag names) and their start.
+
+Each script's parser (:func:`build_parser`) lists only its own flags, with every default in its
+help, taken from :data:`MODE_DEFAULTS` and :class:`~fixres_dist.config.TrainerConfig`. This module
+imports nothing heavy (no torch, torchvision or numpy): ``--help`` and usage errors (exit status 2)
+answer in a fraction of a second; :func:`run_script` imports the launcher, and torch, only once the
+command line has parsed.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+import textwrap
+
+import attrs
+
+from fixres_dist.training import recipes
+from fixres_dist.entry import startup
+from fixres_dist.config import (AUTO_AUGMENT_POLICIES, CIFAR_RESNETS, CROP_RATIO, DEFAULT_INTERPOLATION, INTERPOLATIONS, LITE_MODELS, LR_SCHEDULERS, OPTIMIZERS, OPTIONAL_PACKAGES, SCOPES, TIMM_PREFIX, TrainerConfig)
+from fixres_dist.errors import FixresError
+
+# Defaults that differ between the two scripts; every other default lives in TrainerConfig.
+# --learning-rate is per 256 images (linear scaling rule).
+# Scratch: a low training resolution on the 28 px embedded images, lr 0.1 per 256 (Goyal et al.,
+# arXiv 1706.02677: 0.1 for a batch of 256 with a warmup).
+# Finetune: a higher test resolution, few epochs, no warmup, lr 0.05 per 256. FixRes' own finetune
+# (facebookresearch/FixRes, imnet_finetune/train.py) set lr 1e-3 and scaled it as
+# 8 x lr x batch per GPU x GPUs / 512: 8e-3 for 8 GPUs x 64 = 512 images, i.e. 4e-3 per 256, 12.5
+# times less. Their classifier and BatchNorm start from a network trained on ImageNet to convergence;
+# our demo finetunes a few-epoch model, whose head moves far more in 3 short epochs at 0.05.
+# For a FixRes finetune of converged ImageNet weights, pass --learning-rate 4e-3.
+FIXRES_FINETUNE_LR_PER_256 = 8 * 1e-3 * 256 / 512  # their scaling rule at a global batch of 256
+MODE_DEFAULTS = {
+    "scratch": {"input_size": 32, "epochs": 8, "learning_rate": 0.1, "warmup_epochs": 1.0},
+    "finetune": {"input_size": 48, "epochs": 3, "learning_rate": 0.05, "warmup_epochs": 0.0},
+}
+
+
+# Defaults that follow from --device (itself cuda when available, else cpu): field -> (with cuda, with cpu).
+DEVICE_DEFAULTS = {"dist_backend": ("nccl", "gloo"), "amp": ("bf16", "off"), "channels_last": (True, False)}
+# Flags that place this process in its job: resolved by fixres_dist.distributed.placement, not configuration fields.
+RANK_FLAGS = ("num_tasks", "global_rank", "local_rank", "job_id", "dist_url")
+# Flags that are not configuration fields themselves: --ra-sampler sets ra_reps (with --ra-reps, default 3).
+SWITCH_FLAGS = ("ra_sampler",)
+RA_REPS_DEFAULT = 3  # torchvision's --ra-reps default, and FixRes' repetitions
+COMPILE_BACKEND = "inductor"  # what --compile alone uses
+# main_finetune.py's own flags; main_scratch.py refuses them, naming the script they belong to.
+FINETUNE_ONLY_FLAGS = ("--finetune-scope", "--last-norm", "--finetune-augmentation")
+# main_scratch.py's only: the finetune's preprocessing is --finetune-augmentation's.
+SCRATCH_ONLY_FLAGS = ("--auto-augment", "--random-erase")
+
+
+def defaults(mode: str) -> dict:
+    """Every configuration field's value in ``mode`` when its flag is not given: :data:`MODE_DEFAULTS`
+    over :class:`~fixres_dist.config.TrainerConfig`'s defaults (the device-dependent ones, and
+    ``device`` itself, are decided by :func:`config_fields`)."""
+    return {**{f.name: f.default for f in attrs.fields(TrainerConfig)}, **MODE_DEFAULTS[mode]}
+
+
+def shown(value) -> str:
+    """A default as ``--help`` writes it: ``on``/``off`` for booleans, ``5e-05`` for floats, else as is."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _whole(text: str, unit: str = "") -> int:
+    """A positive whole number (of ``unit``, for the message); ArgumentTypeError otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number{unit}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number{unit}, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    """A count: a positive whole number."""
+    return _whole(text)
+
+
+def _pixels(text: str) -> int:
+    """A resolution: a positive whole number of pixels."""
+    return _whole(text, " of pixels")
+
+
+def _finetune_size(text: str) -> int | str:
+    """main_finetune.py's --input-size: pixels, or ``auto`` (the best of --test-sizes)."""
+    return "auto" if text == "auto" else _pixels(text)
+
+
+def _training_size(text: str) -> int:
+    """main_scratch.py's --input-size: pixels (``auto`` is main_finetune.py's)."""
+    if text == "auto":
+        raise argparse.ArgumentTypeError("'auto' only applies to main_finetune.py, which finetunes at the best "
+                                         "of --test-sizes")
+    return _pixels(text)
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    """``"48,64,80"`` -> ``(48, 64, 80)``; every entry a positive integer."""
+    sizes = []
+    for entry in (e.strip() for e in text.split(",")):
+        try:
+            size = int(entry)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{entry!r} in {text!r} is not an integer number of pixels") from None
+        if size <= 0:
+            raise argparse.ArgumentTypeError(f"{entry!r} in {text!r} is not a positive number of pixels")
+        sizes.append(size)
+    return tuple(sizes)
+
+
+def _recipe(mode: str, name: str) -> str:
+    """--recipe: a preset of this script (:mod:`fixres_dist.training.recipes`)."""
+    try:
+        recipes.recipe_fields(name, mode)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
+def _scheduler(text: str) -> str:
+    """--lr-scheduler: ours, or torchvision's name for it."""
+    return SCHEDULER_ALIASES.get(text.lower(), text)
+
+
+def _optimizer(text: str) -> str:
+    """--opt: ours, or torchvision's spelling (``sgd_nesterov``); timm's and DeiT's names are answered
+    with ours."""
+    name = text.lower().replace("_", "-")
+    if name in TIMM_OPTIMIZERS:
+        raise argparse.ArgumentTypeError(f"timm's --opt {text} is --opt {TIMM_OPTIMIZERS[name]} here")
+    return name
+
+
+def _channels(text: str) -> tuple[float, ...]:
+    """``"0.5"`` -> ``(0.5, 0.5, 0.5)``; ``"0.485,0.456,0.406"`` -> three floats (R, G, B)."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 1 or 3 comma-separated numbers") from None
+    if len(values) not in (1, 3):
+        raise argparse.ArgumentTypeError(f"{text!r}: give 1 number (all channels) or 3 (R,G,B)")
+    return values * 3 if len(values) == 1 else values
+
+
+# The flags of torchvision's references/classification/train.py, DeiT's main.py and timm's train.py
+# whose names differ here: an unrecognised one is answered with ours.
+OTHER_NAMES = {"--lr": "--learning-rate (per 256 images)", "--batch-size": "--batch (per rank)", "-b": "--batch",
+               "--model": "--architecture", "--wd": "--weight-decay", "--train-crop-size": "--input-size",
+               "--val-crop-size": "--test-size", "--val-resize-size": "--crop-ratio (test crop / resize)",
+               "--lr-warmup-epochs": "--warmup-epochs", "--test-only": "--eval-only",
+               "--output-dir": "--shared-folder-path and --job-id", "--smoothing": "--label-smoothing",
+               "--mixup": "--mixup-alpha", "--cutmix": "--cutmix-alpha", "--reprob": "--random-erase",
+               "--clip-grad": "--clip-grad-norm", "--repeated-aug": "--ra-sampler", "--sched": "--lr-scheduler",
+               "--decay-epochs": "--lr-step-size", "--decay-rate": "--lr-gamma", "--aa": "--auto-augment",
+               "-j": "--workers", "--grad-accum": "--grad-accum-steps", "--model-ema-force-cpu": None,
+               "--world-size": "--num-tasks", "--weights": "--weight-path (a local file)", "--sync_bn": "--sync-bn",
+               "--output_dir": "--shared-folder-path and --job-id", "--batch_size": "--batch (per rank)",
+               "--bias-weight-decay": "--norm-weight-decay (norms and every bias)",
+               "--lr-warmup-method": "--warmup-epochs (always linear from 0)",
+               "--lr-warmup-decay": "--warmup-epochs (always linear from 0)", "--data_path": "--data-path"}
+# Options that only shape training: given explicitly with --eval-only, they are refused (README: Recipes).
+TRAINING_ONLY = ("opt", "lr_scheduler", "lr_step_size", "lr_gamma", "clip_grad_norm", "grad_accum_steps", "mixup_alpha",
+                 "cutmix_alpha", "auto_augment", "random_erase", "ra_reps", "model_ema_decay", "model_ema_steps",
+                 "label_smoothing")
+NO_POLICY = "none"  # --auto-augment none: no policy (overrides a recipe's)
+# timm's (and DeiT's) --opt names: ours for them (timm's sgd and nesterov are Nesterov momentum).
+TIMM_OPTIMIZERS = {"momentum": "sgd", "nesterov": "sgd-nesterov",
+                   "rmsproptf": "rmsprop (torchvision's eps 0.0316 and alpha 0.9, close to TensorFlow's)"}
+# torchvision's --lr-scheduler and --opt spellings, accepted as ours.
+SCHEDULER_ALIASES = {"cosineannealinglr": "cosine", "steplr": "step", "exponentiallr": "exponential"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors in one line, ``<prog>: error: <message>`` (exit status 2), instead of
+    the whole usage message before it; an unrecognised flag of torchvision's, DeiT's or timm's scripts
+    is answered with this tool's name for it. ``check(namespace)``, if set, runs after parsing:
+    flags given together that do not go together (raises FixresError) are usage errors too."""
+
+    check = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        if self.check is not None:
+            try:
+                self.check(parsed)
+            except FixresError as exc:
+                self.error(str(exc))
+        return parsed, rest
+
+    def error(self, message: str):
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            named = [f"{flag} is {OTHER_NAMES[flag]} here" for flag in
+                     (word.split("=", 1)[0] for word in unknown.group(1).split()) if OTHER_NAMES.get(flag)]
+            if named:
+                message += f" ({'; '.join(named)}: see README, Recipes)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help layout, wrapping only between words: ``--input-size`` is never split at its hyphen."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+class _OtherScript(argparse.Action):
+    """A flag of the other script (``const``: its name) given to this one: a usage error naming the script
+    it belongs to."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} only applies to {self.const}")
+
+
+def _other_scripts_flags(group, flags, script: str) -> None:
+    """``flags`` of ``script`` in this script's parser: hidden, and a usage error if given."""
+    for flag in flags:
+        group.add_argument(flag, action=_OtherScript, const=script, nargs="?", default=argparse.SUPPRESS,
+                           help=argparse.SUPPRESS)
+
+
+def _architecture_help(default: str) -> str:
+    """--architecture's help: the accepted name families (:mod:`fixres_dist.models.architectures`), without torchvision."""
+    lite_extra, timm_extra = OPTIONAL_PACKAGES["efficientnet_lite_pytorch"][1], OPTIONAL_PACKAGES["timm"][1]
+    lite = list(LITE_MODELS)
+    return (f"model name ({default}): any torchvision classification model, e.g. resnet50, convnext_tiny, "
+            f"vit_b_16; {lite[0]} ... {lite[-1]} (needs the {lite_extra} extra); the CIFAR ResNets "
+            f"{', '.join(CIFAR_RESNETS)} (He et al. 2016, total stride 4: for inputs of about 64 px and below); "
+            f"or {TIMM_PREFIX}<name>, any timm model (needs the {timm_extra} extra). torchvision ResNets at low "
+            "resolution: see --low-res-stem")
+
+
+def build_parser(mode: str) -> argparse.ArgumentParser:
+    """The parser of ``main_<mode>.py`` (``mode``: ``scratch`` or ``finetune``): that script's flags
+    only, each default in its help (:func:`defaults`, :data:`DEVICE_DEFAULTS`).
+
+    Values not given are ``None`` (no argparse defaults): rank resolution and :func:`config_fields`
+    fill them in, and a resumed job tells a flag given from one left out. Raises ValueError for
+    another ``mode``.
+    """
+    if mode not in MODE_DEFAULTS:
+        raise ValueError(f"mode must be one of {', '.join(MODE_DEFAULTS)}, got {mode!r}")
+    finetune = mode == "finetune"
+    known = defaults(mode)
+
+    def default(name: str) -> str:
+        return f"default {shown(known[name])}"
+
+    def with_device(name: str) -> str:
+        cuda, cpu = DEVICE_DEFAULTS[name]
+        return f"default: {shown(cuda)} with --device cuda, {shown(cpu)} with --device cpu"
+
+    what = "FixRes-finetune a classifier at the test resolution (Touvron et al., NeurIPS 2019)" if finetune \
+        else "train a classifier from scratch"
+    p = _Parser(allow_abbrev=False, description=f"fixres_dist: {what} with DistributedDataParallel.", formatter_class=_Formatter)
+    p.check = functools.partial(_training_fields, mode=mode)
+    d = p.add_argument_group("distributed (see README: where a process learns its rank)")
+    d.add_argument("--num-tasks", type=int, help="world size; alone and > 1: spawn that many local ranks "
+                   "(default: torchrun's or SLURM's, else one process)")
+    d.add_argument("--global-rank", type=int, help="this process's global rank (with --num-tasks)")
+    d.add_argument("--local-rank", type=int, help="this process's rank on its node (default: global rank)")
+    d.add_argument("--job-id", help="job name = folder under --shared-folder-path (default: the SLURM job id, else "
+                   "<mode>-<architecture>-<hash of the configuration>, so the same command resumes)")
+    d.add_argument("--dist-url", help="file://PATH, tcp://HOST:PORT or env:// (default: a file in the job folder)")
+    d.add_argument("--dist-backend", choices=["gloo", "nccl"], help=with_device("dist_backend"))
+    d.add_argument("--dist-timeout", type=float,
+                   help=f"seconds to wait for peers and collectives ({default('dist_timeout')})")
+    d.add_argument("--shared-folder-path", help=f"folder (shared by all nodes) for job folders "
+                   f"({default('shared_folder_path')}, in the working directory)")
+    t = p.add_argument_group("finetuning" if finetune else "training")
+    t.add_argument("--data-path", "--imnet-path", dest="data_path",
+                   help="ImageFolder root with train/ and val/ (default: embedded Fashion-MNIST subset)")
+    t.add_argument("--architecture", help=_architecture_help(default("architecture")))
+    t.add_argument("--low-res-stem", action="store_true", default=None,
+                   help="torchvision ResNets (resnet*, resnext*, wide_resnet*): 3x3 stride-1 first convolution and "
+                        "no max-pool (total stride 8 instead of 32), for inputs of about 64 px and below")
+    sources = "a checkpoint of fixres_dist, FixRes, torchvision's references, timm, DeiT or Lightning, or a plain " \
+        "state_dict"
+    t.add_argument("--weight-path", help=f"the weights to finetune (required): {sources}" if finetune else
+                   f"weights to start from, or to evaluate with --eval-only (default: random initialisation): "
+                   f"{sources}")
+    t.add_argument("--weight-key", metavar="KEY",
+                   help="the weight file's top-level entry holding the weights, e.g. model_ema or state_dict_ema "
+                        "for EMA weights (default: the file itself if it is a state_dict, else model, state_dict, "
+                        "model_state_dict, then the EMA entries)")
+    if finetune:
+        t.add_argument("--input-size", type=_finetune_size, help=f"the test resolution to finetune at, in pixels, "
+                       f"or 'auto': the best of --test-sizes, measured before finetuning ({default('input_size')})")
+    else:
+        t.add_argument("--input-size", type=_training_size,
+                       help=f"training resolution in pixels ({default('input_size')})")
+    t.add_argument("--test-size", type=_pixels, help="evaluation resolution in pixels (default: --input-size)")
+    t.add_argument("--test-sizes", type=_size_list, metavar="K1,K2,...",
+                   help="resolution sweep: evaluate at each of these test resolutions (pixels) "
+                        f"{'before finetuning and ' if finetune else ''}at the end, write resolution_sweep.png/.md, "
+                        "name the best")
+    t.add_argument("--train-size", type=_pixels,
+                   help="resolution the weights were trained at (default: from the checkpoint's config)")
+    t.add_argument("--mean", type=_channels, metavar="M or R,G,B",
+                   help="input normalisation mean on the 0-1 scale (with --std; default: the weights' own: "
+                        "timm's pretrained config, EfficientNet-Lite's 127/255, else ImageNet's)")
+    t.add_argument("--std", type=_channels, metavar="S or R,G,B", help="input normalisation std on the 0-1 scale")
+    t.add_argument("--crop-ratio", type=float,
+                   help=f"test-time centre crop's share of the resized shorter side (default: timm's crop_pct, "
+                        f"else {shown(CROP_RATIO)})")
+    t.add_argument("--interpolation", choices=INTERPOLATIONS,
+                   help=f"resize interpolation (default: timm's pretrained config, else {DEFAULT_INTERPOLATION})")
+    t.add_argument("--batch", type=_positive_int,
+                   help=f"images per process per step, >= 2 for training ({default('batch')})")
+    t.add_argument("--epochs", type=_positive_int,
+                   help=f"{'finetuning' if finetune else 'training'} epochs ({default('epochs')})")
+    lr_note = "Goyal et al." if not finetune else \
+        f"FixRes' finetune used {FIXRES_FINETUNE_LR_PER_256:g} per 256 (8e-3 for 8 x 64 = 512 images) on converged " \
+        f"ImageNet weights; the demo default is higher"
+    t.add_argument("--learning-rate", type=float, help=f"learning rate per 256 images, scaled linearly to the global batch "
+                   f"({default('learning_rate')}; {lr_note})")
+    t.add_argument("--momentum", type=float, help=f"momentum of --opt sgd, sgd-nesterov and rmsprop ({default('momentum')})")
+    t.add_argument("--weight-decay", type=float, help=f"weight decay of weights ({default('weight_decay')})")
+    t.add_argument("--norm-weight-decay", type=float,
+                   help="weight decay of normalisation-layer parameters and of all biases instead of "
+                        f"--weight-decay ({default('norm_weight_decay')}: not decayed)")
+    t.add_argument("--label-smoothing", type=float, help="label smoothing of the cross-entropy training loss, "
+                   f"in [0, 1) ({default('label_smoothing')}: none)")
+    t.add_argument("--warmup-epochs", type=float, help="epochs of linear learning-rate warmup (from 0) before "
+                   f"--lr-scheduler's decay ({default('warmup_epochs')})")
+    t.add_argument("--dist-bn", choices=["reduce", "broadcast"],
+                   help="BatchNorm statistics each epoch: reduce = average over the ranks, broadcast = take rank "
+                        f"0's ({default('dist_bn')})")
+    t.add_argument("--workers", type=int, help=f"data loader worker processes per rank ({default('workers')})")
+    t.add_argument("--seed", type=int, help=f"random seed ({default('seed')})")
+    t.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
+    t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="rank 0's progress bars on stderr: epochs, evaluations, sweeps, the job's time left "
+                        "(default: on when stderr is a terminal, off when it goes to a file or a pipe)")
+    f = p.add_argument_group("FixRes finetune, evaluation and feature extraction" if finetune else
+                             "evaluation and feature extraction")
+    if not finetune:
+        _other_scripts_flags(f, FINETUNE_ONLY_FLAGS, "main_finetune.py")
+    else:
+        f.add_argument("--finetune-scope", choices=SCOPES, help=f"what trains ({default('finetune_scope')}: the "
+                       "classifier and the last normalisation layer, FixRes section 4)")
+        f.add_argument("--last-norm", metavar="NAME",
+                       help="the normalisation module that head+last-norm trains (default: the last one on the "
+                            "main path, found by data flow; e.g. layer4.1.bn2)")
+        f.add_argument("--finetune-augmentation", choices=["test", "fixres"],
+                       help="finetune preprocessing: test = the test transform, fixres = FixRes' lighter "
+                            "augmentation (flip, mild colour jitter, small random shift of the centre crop) "
+                            f"({default('finetune_augmentation')})")
+    f.add_argument("--eval-only", action="store_true", default=None,
+                   help="only evaluate --weight-path at --test-size / --test-sizes (no training)")
+    f.add_argument("--extract-features", metavar="DIR",
+                   help="write logits.npy, embeddings.npy, labels.npy (dataset order) at the test resolution")
+    f.add_argument("--extract-split", choices=["val", "train"], help=f"split to extract ({default('extract_split')})")
+    f.add_argument("--overwrite", action="store_true", default=None,
+                   help="let --extract-features replace results already in DIR")
+    r = p.add_argument_group("recipe options (torchvision's references/classification names; README: Recipes)")
+    mine = [name for name, recipe in recipes.RECIPES.items() if recipe.mode == mode]
+    r.add_argument("--recipe", type=functools.partial(_recipe, mode), metavar="{" + ",".join(mine) + "}", help="a named preset of the options below and above, printed in full at "
+                   "the start and stored in config.json; flags given explicitly override it (default: none)")
+    r.add_argument("--opt", type=_optimizer, choices=OPTIMIZERS, help=f"optimizer ({default('opt')}; sgd-nesterov: "
+                   "Nesterov momentum, also spelt sgd_nesterov; --momentum applies to sgd and rmsprop, adamw refuses it)")
+    r.add_argument("--lr-scheduler", type=_scheduler, choices=LR_SCHEDULERS, help="after the warmup: cosine = half a cosine to 0 "
+                   "(per step), step = x --lr-gamma every --lr-step-size epochs, exponential = x --lr-gamma every "
+                   f"epoch; torchvision's cosineannealinglr, steplr, exponentiallr are accepted ({default('lr_scheduler')})")
+    r.add_argument("--lr-step-size", type=_positive_int, help=f"epochs between decays of the step schedule "
+                   f"({default('lr_step_size')})")
+    r.add_argument("--lr-gamma", type=float, help=f"decay factor of the step and exponential schedules "
+                   f"({default('lr_gamma')})")
+    r.add_argument("--clip-grad-norm", type=float, metavar="NORM",
+                   help="clip the gradients' global L2 norm to NORM before each step (default: no clipping)")
+    r.add_argument("--grad-accum-steps", type=_positive_int, metavar="N",
+                   help="accumulate N micro-batches of --batch images per rank into one optimizer step: the global "
+                        "batch is batch x ranks x N, and the linear scaling rule counts it "
+                        f"({default('grad_accum_steps')})")
+    r.add_argument("--mixup-alpha", type=float, help="MixUp on each batch, lambda ~ Beta(alpha, alpha) "
+                   f"({default('mixup_alpha')}: off; torchvision's recipe 0.2)"
+                   + ("; with --finetune-scope all only (also --cutmix-alpha)" if finetune else ""))
+    r.add_argument("--cutmix-alpha", type=float, help="CutMix on each batch (with --mixup-alpha: one of the two per "
+                   f"batch, at random) ({default('cutmix_alpha')}: off; torchvision's recipe 1.0)")
+    if finetune:
+        _other_scripts_flags(r, SCRATCH_ONLY_FLAGS, "main_scratch.py (the finetune's preprocessing is "
+                                                    "--finetune-augmentation's)")
+    else:
+        r.add_argument("--auto-augment", choices=(*AUTO_AUGMENT_POLICIES, NO_POLICY), help="augmentation policy after "
+                       "the random crop: ra = RandAugment, ta_wide = TrivialAugmentWide, augmix = AugMix, imagenet = "
+                       "AutoAugment's ImageNet policy (default: none)")
+        r.add_argument("--random-erase", type=float, metavar="P", help="random erasing probability, the box filled "
+                       f"with the mean colour ({default('random_erase')}: off)")
+    r.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep an exponential moving average of the weights (and BatchNorm statistics), evaluated at "
+                        "every epoch and saved in the checkpoint as model_ema (--weight-key model_ema evaluates or "
+                        "loads those weights) (default: off)")
+    r.add_argument("--model-ema-decay", type=float, help="the average's decay per update "
+                   f"({default('model_ema_decay')}; see README for torchvision's rescaled value)")
+    r.add_argument("--model-ema-steps", type=_positive_int, help=f"optimizer steps between EMA updates "
+                   f"({default('model_ema_steps')})")
+    r.add_argument("--ra-sampler", action=argparse.BooleanOptionalAction, default=None,
+                   help="repeated augmentation: each image --ra-reps times per cycle of --ra-reps epochs, its copies "
+                        "in the same step with different augmentations, on different ranks when --ra-reps <= ranks "
+                        "(epochs keep their length) (default: off)")
+    r.add_argument("--ra-reps", type=_positive_int, metavar="K",
+                   help=f"copies per image with --ra-sampler ({default('ra_reps')}: no repeats; {RA_REPS_DEFAULT} when "
+                        "--ra-sampler is given without it)")
+    r.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="write TensorBoard event files into the job folder's tensorboard/ (needs the tensorboard "
+                        "extra) (default: off)")
+    g = p.add_argument_group("speed")
+    g.add_argument("--amp", choices=["bf16", "fp16", "off"], help="mixed precision: bf16 autocast, fp16 with a "
+                   f"GradScaler (CUDA only), or off ({with_device('amp')})")
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"NHWC memory format for the model and its inputs ({with_device('channels_last')})")
+    g.add_argument("--compile", nargs="?", const=COMPILE_BACKEND, metavar="BACKEND",
+                   help=f"torch.compile the training step with BACKEND ({COMPILE_BACKEND} if none is named; default: "
+                        "not compiled); if compilation fails the run warns with the cause and continues uncompiled")
+    g.add_argument("--sync-bn", action="store_true", default=None,
+                   help="synchronise every BatchNorm over the ranks (SyncBatchNorm" +
+                        ("; the trainable ones always are)" if finetune else ")"))
+    c = p.add_argument_group("checkpoints and preemption")
+    c.add_argument("--ckpt-every", type=int, help="also checkpoint every N optimizer steps (default: epoch ends only)")
+    c.add_argument("--keep-checkpoints", type=int,
+                   help=f"numbered checkpoints to keep ({default('keep_checkpoints')})")
+    c.add_argument("--resume", help="checkpoint a new job starts from; once the job folder has its own "
+                   "checkpoint.pth, that one is used (default: the job folder's checkpoint.pth, if any)")
+    c.add_argument("--preempt-signal", help="signal that means 'checkpoint and stop' besides SIGTERM "
+                   f"({default('preempt_signal')})")
+    c.add_argument("--skip-bad-images", action="store_true", default=None,
+                   help="skip and count unreadable images instead of stopping")
+    return p
+
+
+def config_fields(args: argparse.Namespace, mode: str) -> dict:
+    """Training options given on the command line plus the mode's defaults (no rank fields).
+
+    Without ``--device``: cuda when torch sees a GPU (torch is imported here, not before), else cpu;
+    the fields of :data:`DEVICE_DEFAULTS` then follow the device.
+    """
+    fields = _training_fields(args, mode)
+    if "device" not in fields:
+        import torch
+
+        fields["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, (cuda, cpu) in DEVICE_DEFAULTS.items():
+        fields.setdefault(name, cuda if fields["device"] == "cuda" else cpu)
+    return fields
+
+
+def _training_fields(args: argparse.Namespace, mode: str) -> dict:
+    """The mode's defaults, then ``--recipe``'s fields, then the flags given (no rank fields, no
+    device-dependent ones). Raises FixresError for flags given that the rest would silently ignore."""
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in RANK_FLAGS}
+    fields = {"mode": mode, **MODE_DEFAULTS[mode]}
+    if given.get("recipe"):
+        fields.update(recipes.recipe_fields(given["recipe"], mode))
+        if given.get("eval_only"):  # an evaluation keeps no average: the recipe's training options do not apply
+            fields.pop("model_ema", None)
+    ra_sampler = given.pop("ra_sampler", None)
+    if ra_sampler:  # the recipe's copies, else torchvision's default
+        given.setdefault("ra_reps", fields.get("ra_reps", 1) if fields.get("ra_reps", 1) > 1 else RA_REPS_DEFAULT)
+    elif ra_sampler is False:  # --no-ra-sampler
+        if given.get("ra_reps", 1) > 1:
+            raise FixresError("--ra-reps needs --ra-sampler, not --no-ra-sampler")
+        given["ra_reps"] = 1
+    elif "ra_reps" in given and fields.get("ra_reps", 1) == 1:
+        raise FixresError("--ra-reps needs --ra-sampler (repeated augmentation is off without it)")
+    fields.update(given)
+    if fields.get("auto_augment") == NO_POLICY:
+        fields["auto_augment"] = None
+    _check_given_together(given, {**defaults(mode), **fields})
+    return fields
+
+
+def _check_given_together(given: dict, fields: dict) -> None:
+    """Flags given that the rest of the configuration would silently ignore: FixresError (one line)."""
+    if fields.get("eval_only"):
+        ignored = [flag for flag in TRAINING_ONLY if flag in given]
+        if ignored:
+            raise FixresError(f"--{ignored[0].replace('_', '-').replace('ra-reps', 'ra-sampler')} does not apply to "
+                              "--eval-only (it trains nothing)")
+    if "lr_step_size" in given and fields["lr_scheduler"] != "step":
+        raise FixresError(f"--lr-step-size only applies to --lr-scheduler step, not {fields['lr_scheduler']} "
+                          "(exponential decays every epoch)")
+    if "lr_gamma" in given and fields["lr_scheduler"] == "cosine":
+        raise FixresError("--lr-gamma only applies to --lr-scheduler step or exponential, not cosine")
+    if not fields["model_ema"]:
+        ignored = [flag for flag in ("model_ema_decay", "model_ema_steps") if flag in given]
+        if ignored:
+            raise FixresError(f"--{ignored[0].replace('_', '-')} needs --model-ema")
+    if fields["opt"] == "adamw" and "momentum" in given:
+        raise FixresError("--momentum does not apply to --opt adamw (its moments are Adam's betas)")
+
+
+def run_script(mode: str, argv: list[str] | None = None) -> None:
+    """What ``main_<mode>.py`` and the console entry points run: parse ``argv`` (default: the
+    command line) before anything heavy is imported, then import the launcher (and torch) and run
+    (:func:`fixres_dist.entry.launch.main`). Stop signals before the launcher listens end it with one line,
+    and those that arrive once the job is over are ignored (:mod:`fixres_dist.entry.startup`)."""
+    startup.guard_signals()  # before torch loads: Ctrl-C or SIGTERM while starting is one line, not a traceback
+    startup.quiet_native_logs()
+    try:
+        args = build_parser(mode).parse_args(argv)
+        from fixres_dist.entry.launch import main
+
+        main(mode, args)
+    finally:
+        startup.ignore_signals()
+
+
+def main_scratch() -> None:
+    """Console entry point ``fixres-scratch`` (same as ``python main_scratch.py``)."""
+    run_script("scratch")
+
+
+def main_finetune() -> None:
+    """Console entry point ``fixres-finetune`` (same as ``python main_finetune.py``)."""
+    run_script("finetune")

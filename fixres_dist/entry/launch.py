@@ -1,0 +1,356 @@
+"""From a command line to running ranks: resolve placement, check inputs, run or spawn, exit status.
+
+Exit status: 0 on success; 1 on any failure, after one line ``fixres_dist: rank R: <cause>`` on
+stderr (a traceback is printed before it only for unexpected errors, i.e. bugs); 2 for command-line
+usage errors (argparse); 3 after a preemption (SIGTERM or the preemption signal) and 130 after
+Ctrl-C (SIGINT): every rank wrote the checkpoint (if anything was trained since the last one), and
+running the same command again resumes. Bad input is found here, before any rank starts or anything
+is written; a second launch of a running job is refused before any rendezvous (:mod:`fixres_dist.distributed.joblock`).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import multiprocessing.reduction
+import multiprocessing.resource_tracker
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import attrs
+import torch.multiprocessing as mp
+
+from fixres_dist.training import checkpoint
+from fixres_dist.entry import cli
+from fixres_dist.data import pipeline, file_index
+from fixres_dist.distributed import collectives, joblock, placement
+from fixres_dist.reporting import extraction, tensorboard_events
+from fixres_dist.fixres import finetuning
+from fixres_dist import io
+from fixres_dist.models import lineage, architectures, resolutions, weights
+from fixres_dist.entry.cli import build_parser, config_fields
+from fixres_dist.config import TrainerConfig
+from fixres_dist.errors import FixresError, first_line, say, user_message
+from fixres_dist.distributed.preemption import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, Preempted, exit_status, ignoring, stop_signals)
+from fixres_dist.training.trainer import RunResult, Trainer
+
+
+def build_config(mode: str, args: argparse.Namespace, environ=None) -> tuple[TrainerConfig, str]:
+    """Resolve ranks for parsed ``args``; returns ``(config, placement source)``.
+
+    In spawn mode the config is rank 0's; :func:`spawn` derives the others.
+    Raises :class:`FixresError` on invalid or conflicting values.
+    """
+    where = placement.resolve_placement(args.num_tasks, args.global_rank, args.local_rank,
+                                        args.job_id, args.dist_url, environ)
+    config = TrainerConfig(**config_fields(args, mode)).placed(
+        num_tasks=where.num_tasks, global_rank=where.global_rank, local_rank=where.local_rank,
+        job_id=where.job_id, dist_url=where.dist_url)
+    return config, where.source
+
+
+def preflight(config: TrainerConfig) -> str:
+    """Check data, architecture, resolutions (measured: :mod:`fixres_dist.models.resolutions`), weights,
+    finetune scope and the features folder before anything starts; raises FixresError.
+
+    The data are checked through their file index (:mod:`fixres_dist.data.file_index`), loaded from the
+    shared folder or walked; a walked index is written there only once every check has passed
+    (bad input leaves nothing written). Returns the log line that says which (rank 0 logs it).
+    """
+    root = config.data_path or pipeline.embedded_data_path()
+    index = file_index.data_index(root, config.file_index_folder)
+    classes = pipeline.check_image_folder(root, 2 * config.num_tasks, index)
+    if config.grad_accum_steps > 1 and not config.eval_only:
+        train_images = sum(len(paths) for paths in index.scan("train").images.values())
+        step = config.batch * config.num_tasks * config.grad_accum_steps
+        if step > train_images:
+            raise FixresError(f"--grad-accum-steps {config.grad_accum_steps}: one step would take {step:,} images "
+                              f"(--batch {config.batch} x {config.num_tasks} rank(s) x {config.grad_accum_steps}), more "
+                              f"than the {train_images:,} training images; the linear scaling rule would count images "
+                              "that are not there")
+    shared = Path(config.shared_folder_path).absolute()
+    existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise FixresError(f"cannot create the job folder {shared / config.job_id}: {existing} is not a writable folder")
+    resume, _ = checkpoint.resume_source(config.job_folder, config.resume)
+    if resume is not None:
+        checkpoint.check_resumable(config, checkpoint.load_checkpoint(resume)["config"], resume)
+    architectures.check_architecture(config.architecture, config.low_res_stem)
+    if config.device == "cuda":
+        placement.cuda_device(config.local_rank)
+    if config.compile:
+        import torch._dynamo
+        if config.compile not in torch._dynamo.list_backends(exclude_tags=()):
+            raise FixresError(f"--compile {config.compile!r} is not a torch.compile backend; known: "
+                              f"{', '.join(torch._dynamo.list_backends())}")
+    sizes = {config.input_size, config.test_size, config.train_size, *(config.test_sizes or ())} - {None, "auto"}
+    for size in sorted(sizes):
+        architectures.check_resolution(config.architecture, size)
+    if config.extract_features:
+        extraction.check_destination(config.extract_features, config.overwrite)
+    if config.tensorboard:
+        tensorboard_events.check_available()
+        tensorboard_events.check_folder(config.job_folder)
+    found = weights.read_weight_file(config.weight_path, config.weight_key) if config.weight_path else None
+    resolutions.check_run_sizes(config, len(classes), lineage.for_run(config, found).train_size)
+    if found:
+        build_size = resolutions.build_size(config)
+        model = architectures.build_model(config.architecture, len(classes), image_size=build_size,
+                                   low_res_stem=config.low_res_stem)
+        loaded = weights.load_weights(model, found)
+        if config.input_size == "auto" and loaded.new_head_from is not None:
+            raise FixresError(
+                f"--input-size auto picks the finetune resolution from the sweep before finetuning, but "
+                f"{config.weight_path} gets a new {len(classes)}-class head (its head has {loaded.new_head_from} "
+                f"classes): that sweep would rank an untrained head. Train the head first at one size "
+                f"(main_finetune.py --input-size N --finetune-scope head), then FixRes-finetune that "
+                f"checkpoint.pth with --input-size auto")
+        if config.mode == "finetune" and not config.eval_only:
+            finetuning.trainable_modules(model, build_size, config.finetune_scope, config.last_norm)
+    index.save()
+    return index.describe()
+
+
+def run_rank(config: TrainerConfig, checked: bool = False, locked: bool = False, announce: bool = False,
+             index_note: str | None = None) -> RunResult:
+    """Run one rank; on failure print one stderr line and exit 1 (3 or 130 after a stop checkpoint).
+
+    ``checked``: :func:`preflight` already ran for this job in this process or its parent;
+    ``locked``, ``announce``, ``index_note`` (what :func:`preflight` returned): see
+    :class:`~fixres_dist.training.trainer.Trainer`.
+    """
+    prefix = f"fixres_dist: rank {config.global_rank}:"
+    try:
+        return Trainer(config, checked=checked, locked=locked, announce=announce, index_note=index_note)()
+    except Preempted as exc:
+        say(f"{prefix} {exc}")
+        raise SystemExit(exit_status(exc.signal)) from None
+    except KeyboardInterrupt:  # Ctrl-C outside the Trainer's stop handling (before it started)
+        say(f"{prefix} interrupted by SIGINT before training started; nothing to checkpoint")
+        raise SystemExit(INTERRUPTED_EXIT_STATUS) from None
+    except Exception as exc:  # every failure ends with one line; bugs also get their traceback
+        message = user_message(exc)
+        if message is None:
+            traceback.print_exc()
+        say(f"{prefix} {message or f'{type(exc).__name__}: {first_line(exc)}'}")
+    finally:
+        collectives.destroy_process_group()
+    raise SystemExit(1)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _stop_with_launcher() -> None:
+    """Ask Linux to send this process SIGTERM when its parent exits (best effort, Linux only).
+
+    A spawned rank's parent is the launcher's forkserver, which exits when the launcher's end of its
+    "alive" pipe closes; multiprocessing hands every child a copy of that end, which is closed here
+    so that the launcher's alone keeps the forkserver up. A launcher killed with SIGKILL thus still
+    has its ranks checkpoint and stop instead of running on as orphans.
+    """
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the launcher died before the request
+        say("fixres_dist: the launcher is gone; this rank does not start")
+        raise SystemExit(PREEMPTED_EXIT_STATUS)
+
+
+class PassedFd:
+    """An open file descriptor of the launcher, passed to a spawned rank as a duplicate (the rank
+    gets its own number for the same open file). The job lock passed so is held as long as the
+    launcher *or any rank* lives (a rank that outlives a killed launcher still keeps a rerun out of
+    its folder)."""
+
+    def __init__(self, fd):
+        self.fd = fd.detach() if hasattr(fd, "detach") else fd  # in the rank: the duplicate's number
+
+    def __reduce__(self):
+        return PassedFd, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+@attrs.frozen
+class LauncherContext:
+    """What a spawned rank takes from its launcher as it starts: the environment and where stdout
+    and stderr go *now*. A rank is forked from the forkserver, which has what the launcher had when
+    the server started; the two differ when one Python process launches several jobs (a notebook,
+    a test session) after changing its environment or redirecting its output."""
+
+    environ: dict
+    stdout: PassedFd
+    stderr: PassedFd
+
+    @classmethod
+    def of_this_process(cls) -> "LauncherContext":
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        return cls(dict(os.environ), PassedFd(1), PassedFd(2))
+
+    def adopt(self) -> None:
+        """In the rank: the launcher's environment and standard output and error."""
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for passed, target in ((self.stdout, 1), (self.stderr, 2)):
+            os.dup2(passed.fd, target)
+            os.close(passed.fd)
+
+
+def _spawned_rank(index: int, config: TrainerConfig, lock: PassedFd, index_note: str | None,
+                  launcher: LauncherContext) -> None:
+    launcher.adopt()
+    _stop_with_launcher()
+    run_rank(attrs.evolve(config, global_rank=index, local_rank=index), checked=True, locked=True,
+             index_note=index_note)
+
+
+# What the forkserver imports once, before it forks each rank (instead of every rank importing it).
+FORKSERVER_PRELOAD = ["fixres_dist.training.trainer"]
+
+
+def start_method() -> str:
+    """How :func:`spawn` starts ranks: ``forkserver``, with torch, torchvision and this package
+    imported once in the server (a rank then starts in a fraction of a second instead of importing
+    them for seconds); each rank is still a fresh process forked from a server that never ran a
+    kernel, initialised CUDA or started threads. Where forkserver is missing: ``spawn``."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return "forkserver"
+
+
+def spawn(config: TrainerConfig, index_note: str | None = None) -> None:
+    """Hold the job lock, start ``config.num_tasks`` local ranks and wait (``index_note``: what
+    :func:`preflight` returned, for rank 0's log).
+
+    SIGTERM, SIGINT and the preemption signal received by this parent are forwarded to the ranks
+    (again every second until they exit, should one arrive before a rank listens). The forkserver
+    and the resource tracker ignore them: a signal to the whole process group reaches the ranks
+    (and this parent) only. When a rank fails the others are terminated; the parent exits 1 (3, or
+    130 for SIGINT, if the ranks stopped on a signal and wrote their checkpoint).
+    """
+    io.make_private_folder(config.job_folder)
+    lock = joblock.JobLock.acquire(config.job_folder, config.num_tasks)
+    signals = stop_signals(config.preempt_signal)
+    method = start_method()
+    with ignoring(signals):  # helper processes started now ignore the job's stop signals for good
+        multiprocessing.resource_tracker.ensure_running()
+        if method == "forkserver":
+            multiprocessing.forkserver.ensure_running()
+    received, context = [], None
+
+    def send(signum) -> None:
+        for process in context.processes if context is not None else ():
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, signum)
+                except ProcessLookupError:  # it exited since is_alive()
+                    pass
+
+    def forward(signum, frame):
+        received[:] = [signum]
+        send(signum)
+
+    previous = {s: signal.signal(s, forward) for s in signals}
+    try:
+        context = mp.start_processes(_spawned_rank, args=(config, PassedFd(lock.fd), index_note,
+                                           LauncherContext.of_this_process()),
+                                     nprocs=config.num_tasks,
+                                     join=False, start_method=method)
+        failed = _wait_for_ranks(context.processes, lambda: [send(signum) for signum in received])
+    except BaseException:  # leaving without the ranks' end (a bug, a caller's time limit): none outlives this
+        _stop_ranks(context.processes if context is not None else [])
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        lock.release()
+    codes = [p.exitcode for p in context.processes]
+    if failed is not None:
+        rank, code = failed
+        cause = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        say(f"fixres_dist: rank {rank} {cause}; stopped the other ranks")
+        raise SystemExit(1)
+    for status in (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS):
+        if status in codes:
+            raise SystemExit(status)
+
+
+def _stop_ranks(processes) -> None:
+    """SIGTERM to the ranks still running (each checkpoints and exits), SIGKILL to those still
+    running :data:`TERMINATE_GRACE_S` later."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+STOPPED = (0, PREEMPTED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS)  # how a rank ends without failing
+TERMINATE_GRACE_S = 30.0  # after a rank failed, the others get SIGTERM, then SIGKILL this much later
+
+
+def _wait_for_ranks(processes, every_second) -> tuple[int, int] | None:
+    """Wait until every rank process has exited; returns ``(rank, exit code)`` of the first that
+    failed (after terminating the others), or None. Ranks that stop on a signal (3, 130) are waited
+    for, not terminated: each writes its part of the checkpoint and exits by itself."""
+    failed, deadline = None, None
+    while any(p.exitcode is None for p in processes):
+        multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=1.0)
+        every_second()
+        for rank, process in enumerate(processes):
+            if failed is None and process.exitcode not in (None, *STOPPED):
+                failed, deadline = (rank, process.exitcode), time.monotonic() + TERMINATE_GRACE_S
+                for other in processes:
+                    if other.exitcode is None:
+                        other.terminate()
+        if deadline is not None and time.monotonic() > deadline:
+            for other in processes:
+                if other.exitcode is None:
+                    other.kill()
+    return failed
+
+
+def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
+    """Run ``main_scratch.py`` (``mode="scratch"``) or ``main_finetune.py`` (``"finetune"``).
+
+    ``argv``: the command line (default ``sys.argv[1:]``), or what :func:`fixres_dist.entry.cli.build_parser`
+    parsed of it (the scripts parse before importing this module: :func:`fixres_dist.entry.cli.run_script`).
+    """
+    args = argv if isinstance(argv, argparse.Namespace) else build_parser(mode).parse_args(argv)
+    try:
+        config, source = build_config(mode, args)
+        checked = source in ("spawn", "single") or config.global_rank == 0
+        index_note = preflight(config) if checked else None
+    except FixresError as exc:
+        rank = args.global_rank if args.global_rank is not None else \
+            os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+        say(f"fixres_dist: rank {rank}: {exc}")
+        raise SystemExit(1) from None
+    if source == "spawn":
+        try:
+            spawn(config, index_note)
+        except FixresError as exc:  # the job folder is in use
+            say(f"fixres_dist: rank 0: {exc}")
+            raise SystemExit(1) from None
+    else:
+        run_rank(config, checked, announce=source in ("flags", "slurm"), index_note=index_note)
+
+
+# The console entry points of installs made before they moved to fixres_dist.entry.cli (pip install -e . updates them).
+main_scratch, main_finetune = cli.main_scratch, cli.main_finetune

@@ -1,0 +1,79 @@
+"""Exponential moving average (EMA) of a model's weights: ``--model-ema``.
+
+The average is ``torch.optim.swa_utils.AveragedModel`` with ``get_ema_multi_avg_fn(decay)`` and
+``use_buffers=True`` (the parameters and the BatchNorm running statistics are averaged), as
+torchvision's references do (``references/classification/utils.py``, ``ExponentialMovingAverage``).
+It is updated every ``every`` optimizer steps: ``ema = decay x ema + (1 - decay) x weights``;
+``decay`` is per update (timm's and DeiT's meaning; torchvision rescales its ``--model-ema-decay``
+by the global batch, the update interval and the epochs, see :mod:`fixres_dist.training.recipes`). During
+the learning-rate warmup the average restarts at every update (it copies the weights), as in
+torchvision's references, so that it does not carry the random initialisation.
+
+The parameters of the average are the same on every rank (the weights are); its BatchNorm
+statistics are not (each rank's follow its own images) until :meth:`ModelEMA.average_statistics`
+averages them over the ranks, as the Trainer does for the model at each epoch's end
+(``--dist-bn reduce``), so that the average evaluated on every rank is one network.
+"""
+from __future__ import annotations
+
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from fixres_dist.distributed import collectives
+
+STATE_KEY = "model_ema"  # the checkpoint entry of the average's weights (weights.EMA_KEYS reads it)
+
+
+class ModelEMA:
+    """The EMA of ``model`` (the unwrapped module: not its DDP wrapper), on ``model``'s device.
+
+    ``decay`` in [0, 1): the average's weight at each update; ``every``: optimizer steps between
+    updates (>= 1). ``module`` is the averaged network (an ``nn.Module`` taking the model's inputs).
+    """
+
+    def __init__(self, model: nn.Module, decay: float, every: int):
+        if not 0 <= decay < 1 or every < 1:
+            raise ValueError(f"EMA decay must be in [0, 1) and every >= 1, got {decay}, {every}")
+        self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+        self.averaged.requires_grad_(False)
+        self.decay, self.every = decay, every
+
+    @property
+    def module(self) -> nn.Module:
+        return self.averaged.module
+
+    @property
+    def updates(self) -> int:
+        """Updates since the average last restarted (0: it holds no average yet)."""
+        return int(self.averaged.n_averaged)
+
+    def after_step(self, model: nn.Module, global_step: int, warming_up: bool) -> None:
+        """Update from ``model`` after optimizer step ``global_step`` (1-based) when it is due; during the
+        warmup (``warming_up``) the average restarts, i.e. copies the weights."""
+        if global_step % self.every:
+            return
+        if warming_up:
+            self.averaged.n_averaged.zero_()
+        self.averaged.update_parameters(model)
+
+    def average_statistics(self, model: nn.Module) -> None:
+        """Average the EMA's BatchNorm running statistics over all ranks (a collective), for the
+        normalisation layers that train in ``model`` (the others never change: they stay as they are)."""
+        for averaged, trained in zip(self.module.modules(), model.modules()):
+            averaged.training = trained.training
+        collectives.average_batchnorm_statistics(self.module)
+
+    def state_dict(self) -> dict:
+        """The averaged network's state_dict (the model's keys), as rank 0 saves it under ``model_ema``."""
+        return self.module.state_dict()
+
+    def extra_state(self) -> dict:
+        """What the checkpoint keeps besides the weights: the number of updates since the last restart."""
+        return {"updates": self.updates}
+
+    def load(self, weights: dict, extra: dict, buffers: dict | None = None) -> None:
+        """Restore from a checkpoint: ``weights`` (:meth:`state_dict`), ``extra`` (:meth:`extra_state`)
+        and, if given, this rank's BatchNorm ``buffers`` (:func:`fixres_dist.training.checkpoint.rank_buffers`)
+        over the statistics in ``weights``."""
+        self.module.load_state_dict({**weights, **(buffers or {})})
+        self.averaged.n_averaged.fill_(int(extra["updates"]))

@@ -1,0 +1,181 @@
+"""Checkpoint files: complete, written atomically, the last K kept, read without executing code.
+
+Layout in the job folder: ``checkpoint-<global step>.pth`` files (the last ``keep`` of them) and
+``checkpoint.pth``, a hard link to the newest. Every file is written by :func:`fixres_dist.io.write_private` (temporary name,
+fsync, rename, folder fsync), so a reader sees a complete old or new checkpoint, never a
+partial one, whatever kills the writer (full disk, SIGKILL, lost node).
+
+Contents (a plain dict, readable with ``torch.load(weights_only=True)``): ``format_version``,
+``model`` (the unwrapped module's state), ``optimizer``, ``schedule`` (base LR and progress in
+epochs), ``scaler`` (the fp16 GradScaler state or None), ``input_size`` (the training resolution,
+chosen by ``--input-size auto`` or given), ``epoch`` and ``images_in_epoch`` (where the
+sampler resumes), ``global_step``, ``ranks`` (per rank: RNG states of torch, CUDA, numpy, random and
+the rank's BatchNorm buffers, and its EMA's with ``--model-ema``), ``config`` (a plain dict), ``metrics`` (the events so far) and
+``lineage`` (the resolutions the weights were trained from scratch and FixRes-finetuned at:
+:mod:`fixres_dist.models.lineage`); with ``--model-ema`` also ``model_ema`` (the moving average's
+state_dict, rank 0's BatchNorm statistics; ``--weight-key model_ema`` loads it) and
+``model_ema_state`` (its update count, :mod:`fixres_dist.models.ema`). The learning-rate schedule and
+the samplers need no state of their own: both are functions of (seed, epoch, image in the epoch).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fixres_dist.errors import FixresError
+from fixres_dist.training.finite import describe_non_finite, non_finite_tensors
+from fixres_dist.io import fsync_folder, safe_load, write_private
+
+CHECKPOINT_FILE = "checkpoint.pth"
+FORMAT_VERSION = 1
+
+
+def _replace_with_link(source: Path, target: Path) -> None:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:  # file systems without hard links: an owner-only copy instead
+        with open(source, "rb") as src, os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    os.replace(tmp, target)
+
+
+def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int = 2,
+                    fault_hook=None, protect: str | Path | None = None) -> Path:
+    """Write ``state`` as ``checkpoint-<global_step>.pth``, point ``checkpoint.pth`` at it, keep ``keep``.
+
+    Only this job's numbered checkpoints in ``folder`` are deleted to keep ``keep``, never the file
+    ``protect`` (the one ``--resume`` named, which this job did not write).
+    ``fault_hook(global_step, file)`` is called mid-write (tests). Raises :class:`FixresError` when
+    the write fails (full or read-only disk), and before writing anything when ``state["model"]`` or
+    ``state["optimizer"]`` holds NaN or infinity (weights that diverged are never a checkpoint); the
+    previous checkpoints are left intact.
+    """
+    folder = Path(folder)
+    bad, total = non_finite_tensors({key: state.get(key) for key in ("model", "optimizer")})
+    if bad:
+        raise FixresError(f"checkpoint of step {global_step} not written: {describe_non_finite(bad, total)} "
+                          "(training diverged); the previous checkpoint is kept")
+    path = folder / f"checkpoint-{global_step:08d}.pth"
+
+    def write(f) -> None:
+        if fault_hook is not None:
+            fault_hook(global_step, f)
+        torch.save({"format_version": FORMAT_VERSION, **state}, f)
+
+    try:
+        write_private(path, write)
+        _replace_with_link(path, folder / CHECKPOINT_FILE)
+        fsync_folder(folder)
+    except OSError as exc:
+        raise FixresError(f"cannot write checkpoint in {folder}: {exc.strerror or exc}; "
+                          "the previous checkpoint is kept") from None
+    protected = Path(protect).resolve() if protect else None
+    for old in sorted(folder.glob("checkpoint-[0-9]*.pth"))[:-keep]:
+        if old.resolve() != protected:
+            old.unlink(missing_ok=True)
+    return path
+
+
+def resume_source(job_folder: str | Path, resume: str | None) -> tuple[Path | None, str | None]:
+    """Which checkpoint a run continues from: ``(path or None, a note for the log or None)``.
+
+    The rule (README, "Never losing work"): the job folder's own ``checkpoint.pth`` wins once it
+    exists, since it continues this job and is newer than anything the job started from; else
+    ``--resume`` (where a new job starts from); else none. So rerunning a command that carries
+    ``--resume OLD.pth`` after a preemption continues from the job's latest checkpoint, not from OLD.
+    """
+    own = Path(job_folder) / CHECKPOINT_FILE
+    if os.path.exists(own):
+        if resume and Path(resume).resolve() != own.resolve():
+            return own, (f"--resume {resume} not used: this job's own checkpoint {own} continues it "
+                         "(the job folder's checkpoint wins once the job has one)")
+        return own, None
+    return (Path(resume), None) if resume else (None, None)
+
+
+REQUIRED_KEYS = ("model", "optimizer", "epoch", "images_in_epoch", "global_step", "ranks", "config", "metrics")
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Read a checkpoint with ``weights_only=True``; FixresError if unreadable, incomplete, too new, or
+    if its weights hold NaN or infinity."""
+    path = Path(path)
+    state = safe_load(path, "checkpoint")
+    if not isinstance(state, dict):
+        raise FixresError(f"{path} is not a fixres_dist checkpoint")
+    version = state.get("format_version")
+    if not isinstance(version, int):
+        raise FixresError(f"{path} is not a fixres_dist checkpoint (no integer format_version)")
+    if version > FORMAT_VERSION:
+        raise FixresError(f"{path} has checkpoint format {version}, newer than this "
+                          f"fixres_dist reads ({FORMAT_VERSION}); upgrade fixres_dist")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise FixresError(f"{path} is not a complete fixres_dist checkpoint (missing {', '.join(missing)}); "
+                          "to start from its weights use --weight-path")
+    bad, total = non_finite_tensors(state["model"])
+    if bad:  # written by a version that did not stop at a diverged loss
+        raise FixresError(f"checkpoint {path} cannot be resumed: {describe_non_finite(bad, total)}; "
+                          "resume an earlier checkpoint-*.pth with --resume, or use a new --job-id")
+    return state
+
+
+def rng_state() -> dict:
+    """This process's RNG states (torch, CUDA, numpy, random) as plain data."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                      "has_gauss": has_gauss, "gauss": gauss},
+            "random": random.getstate()}
+
+
+BUFFER_SUFFIXES = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's per-rank state
+
+
+def buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s BatchNorm buffers (running mean and variance, batch count) on the CPU: what
+    differs between ranks (each rank's statistics follow its own images), kept per rank."""
+    return {k: v.cpu() for k, v in module.state_dict().items() if k.endswith(BUFFER_SUFFIXES)}
+
+
+def rank_buffers(ranks: list[dict], rank: int | None, key: str = "buffers") -> dict[str, torch.Tensor]:
+    """The per-rank buffers ``key`` (``buffers``: the model's, ``ema_buffers``: its EMA's) of a
+    checkpoint's ``ranks`` for global rank ``rank``; ``None`` (resumed on another world size): their
+    average over the ranks (in float64, back to each buffer's dtype)."""
+    if rank is not None:
+        return ranks[rank][key]
+    first = ranks[0][key]
+    return {k: (sum(r[key][k].double() for r in ranks) / len(ranks)).to(first[k].dtype) for k in first}
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    version, internal, gauss = state["random"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def check_resumable(config, saved: dict, path) -> None:
+    """Raise FixresError if the checkpoint at ``path`` (its config dict ``saved``) is of another run.
+
+    Only fields marked resumable on :class:`~fixres_dist.config.TrainerConfig` may differ.
+    """
+    changed = config.changed_since(saved)
+    if changed:
+        diff = ", ".join(f"{k}: {saved[k]!r} -> {getattr(config, k)!r}" if k in saved else
+                         f"{k}: absent (an older fixres_dist) -> {getattr(config, k)!r}" for k in changed[:3])
+        raise FixresError(f"{path} holds a checkpoint of another configuration ({diff}); a checkpoint continues only "
+                          f"its own: for a new run from its weights give another --job-id and --weight-path {path} "
+                          "(a fresh optimizer and schedule)")

@@ -1,0 +1,221 @@
+"""The training and evaluation loops, as functions of explicit arguments (no Trainer state).
+
+* :func:`train_step`: one optimizer step on this rank's share of a global batch (accumulated
+  micro-batches, MixUp/CutMix, gradient clipping as asked);
+* :func:`train_one_epoch`: the steps of one epoch (or of its rest, after a mid-epoch resume),
+  with the caller's hooks for the learning rate and for what happens after each step;
+* :func:`evaluate`: exact top-1/top-5 over every validation image once, whatever the world size;
+
+Evaluation counts every validation image exactly once: each rank runs the *unwrapped* model on its
+share (an :class:`~fixres_dist.data.samplers.ExactBatchSampler` without shuffling; no padding
+duplicates), then per-rank sums (top-1 hits, top-5 hits, summed loss, image count) are
+all-reduced in float64. Top-1/top-5 are percentages of the images counted.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fixres_dist.distributed import collectives
+from fixres_dist.data.pipeline import IMAGENET_NORMALIZATION, to_device
+from fixres_dist.fixres.finetuning import eval_mode
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
+
+
+def autocast(device: torch.device, amp: torch.dtype | None):
+    """Mixed precision for ``amp`` (``torch.bfloat16``/``torch.float16``) on ``device``; a no-op for None."""
+    if amp is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=amp)
+
+
+def micro_batches(images: int, accumulation: int) -> int:
+    """How many micro-batches a share of ``images`` images is cut into for ``accumulation``
+    accumulated micro-batches per optimizer step: ``accumulation``, fewer for a small last share so
+    that every micro-batch keeps at least 2 images (BatchNorm cannot train on one), at least 1.
+    :func:`train_step` passes the smallest rank's share, so that every rank takes as many forward
+    passes (synchronised BatchNorm meets the other ranks in each)."""
+    return max(1, min(accumulation, images // 2))
+
+
+def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               images: torch.Tensor, labels: torch.Tensor, *, device: torch.device, world: int,
+               global_batch: int | None = None, amp: torch.dtype | None = None, channels_last: bool = False,
+               label_smoothing: float = 0.0, normalization=IMAGENET_NORMALIZATION, accumulation: int = 1,
+               no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+               mix: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+               clip_grad_norm: float | None = None) -> torch.Tensor:
+    """One optimizer step on this rank's uint8 (B, 3, H, W) share of a global batch.
+
+    The loss is the mean over the *global* batch (``global_batch`` images on all ``world`` ranks;
+    default B x world): this rank's summed cross-entropy x world / global batch, which DDP's gradient
+    averaging turns into exactly the gradient of one process on the whole batch, even when the last
+    batch is split unevenly. ``forward`` is the (DDP-wrapped, maybe compiled) model.
+
+    ``accumulation``: the share is cut into that many micro-batches (:func:`micro_batches`), each
+    forward and backward in turn, gradients summed; all but the last under ``no_sync()`` (DDP's, so
+    that gradients are all-reduced once per step). The step's gradient is the same as one pass over
+    the whole share (up to float rounding and BatchNorm, whose statistics are per micro-batch).
+    ``mix(images, labels, micro-batch index)``: MixUp/CutMix (:mod:`fixres_dist.training.mixing`) on the
+    normalised float images; returns them and float (b, classes) soft targets.
+    ``clip_grad_norm``: clip the global gradient norm (L2 over all parameters, after unscaling
+    fp16) to this before the step (``torch.nn.utils.clip_grad_norm_``).
+    Returns the detached *summed* loss of this rank's images (against the mixed targets if mixing).
+    """
+    images = to_device(images, device, channels_last, normalization)
+    labels = labels.to(device, non_blocking=True)
+    global_batch = global_batch or labels.numel() * world
+    scale = world / global_batch
+    optimizer.zero_grad(set_to_none=True)
+    # The same count on every rank (shares differ by one image at most), unless unreadable images
+    # skipped left this share too small for it.
+    count = micro_batches(global_batch // world, accumulation)
+    if labels.numel() < 2 * count:
+        count = micro_batches(labels.numel(), accumulation)
+    total = None
+    for index, (part, part_labels) in enumerate(zip(images.tensor_split(count), labels.tensor_split(count))):
+        targets = part_labels
+        if mix is not None:
+            part, targets = mix(part, part_labels, index)
+        syncing = no_sync is None or index == count - 1
+        with contextlib.nullcontext() if syncing else no_sync():
+            with autocast(device, amp):
+                logits = forward(part)
+            loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum", label_smoothing=label_smoothing)
+            scaler.scale(loss_sum * scale).backward()  # fp16: scaled against underflow; otherwise as is
+        total = loss_sum.detach() if total is None else total + loss_sum.detach()
+    if clip_grad_norm is not None:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]],
+                                       clip_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    return total
+
+
+class EpochMeter:
+    """This rank's summed loss, images and unreadable images of the epoch so far, and its duration.
+
+    The loss sum stays on the device (no host sync per step); the counts are host integers.
+    ``start`` holds the totals and ``seconds_before`` the training time (seconds) before a
+    mid-epoch stop (rank 0 carries them across a resume).
+    """
+
+    def __init__(self, device: torch.device, start=(0.0, 0.0, 0.0), seconds_before: float = 0.0):
+        self.device = device
+        self.started, self.seconds_before = time.perf_counter(), seconds_before
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device) + \
+            torch.tensor(start, dtype=torch.float64, device=device)
+        self.counts = [0, 0]  # images, unreadable images
+
+    def add(self, loss_sum: torch.Tensor, images: int, skipped: int) -> None:
+        self.sums[0] += loss_sum.double()
+        self.counts[0] += images
+        self.counts[1] += skipped
+
+    def seconds(self) -> float:
+        """Seconds of training in this epoch, including those before a resume."""
+        return self.seconds_before + time.perf_counter() - self.started
+
+    def totals(self) -> torch.Tensor:
+        """(summed loss, images, unreadable images), float64 on the device."""
+        counts = torch.tensor(self.counts, dtype=torch.float64, device=self.device)
+        return self.sums + torch.cat([torch.zeros(1, dtype=torch.float64, device=self.device), counts])
+
+
+@attrs.frozen
+class EpochResult:
+    """An epoch over all ranks: mean loss (nats), images trained on, unreadable images skipped, speed
+    (images/s over the whole epoch, also across a resume), and images left out after a resume on more
+    ranks (:mod:`fixres_dist.data.samplers`)."""
+
+    loss: float
+    images: int
+    skipped: int
+    img_per_s: float
+    left_out: int = 0
+
+
+def train_one_epoch(step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], loader,
+                    meter: EpochMeter, *, epoch: int, start_image: int,
+                    set_progress: Callable[[float], None], after_step: Callable[[int], None],
+                    progress_bar=None) -> EpochResult:
+    """Train over ``loader`` (an ExactBatchSampler loader) from image ``start_image`` of ``epoch``.
+
+    Before each step ``set_progress(epochs done, as a float)`` (the LR schedule); ``step(images,
+    labels, global batch)`` returns the summed loss; then ``after_step(images done in the epoch)``
+    (periodic checkpoints, stop agreement). ``progress_bar``: a :class:`fixres_dist.reporting.progress.Bar`
+    over the epoch's images (all ranks), given each step's summed loss unread. Returns the epoch's
+    totals over all ranks.
+    """
+    sampler = loader.batch_sampler
+    sampler.set_epoch(epoch, skip=start_image)
+    global_batches = sampler.global_batch_sizes()
+    dataset_size = sampler.dataset_size
+    done, left_out = start_image, sampler.left_out
+    for index, (images, labels, skipped) in enumerate(loader):
+        set_progress(epoch + done / dataset_size)
+        loss = step(images, labels, global_batches[index])
+        meter.add(loss, labels.numel(), skipped)
+        now = sampler.images_done(index + 1)
+        if progress_bar is not None:  # the loss stays on the device until the bar redraws
+            progress_bar.advance(now - done, loss, labels.numel())
+        done = now
+        after_step(done)
+    seconds = meter.seconds()
+    loss_sum, images, skipped = collectives.all_reduce_sum(meter.totals()).tolist()
+    return EpochResult(loss_sum / max(images, 1), int(images), int(skipped), images / max(seconds, 1e-9), left_out)
+
+
+@attrs.frozen
+class EvalResult:
+    """Top-1 and top-5 in percent, mean cross-entropy loss (nats), number of distinct images."""
+
+    top1: float
+    top5: float
+    loss: float
+    images: int
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | None = None,
+             channels_last: bool = False, normalization=IMAGENET_NORMALIZATION,
+             after_batch: Callable[[], None] | None = None, progress_bar=None) -> EvalResult:
+    """Evaluate ``model`` (unwrapped, put in eval mode) on this rank's share and reduce over ranks.
+
+    ``amp``: autocast dtype (``torch.bfloat16``/``torch.float16``) or None; the sums are float64.
+    ``after_batch()`` runs after each batch that every rank has (a collective is allowed there: the
+    stop agreement, which may raise to abandon the evaluation). ``progress_bar``: a
+    :class:`fixres_dist.reporting.progress.Bar` over the validation images of all ranks.
+    """
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # top1 hits, top5 hits, loss sum, count
+    sampler = loader.batch_sampler if after_batch is not None or progress_bar is not None else None
+    common = sampler.common_batches if after_batch is not None else 0
+    done = 0
+    with eval_mode(model):
+        for index, (images, labels, _skipped) in enumerate(loader):
+            images = to_device(images, device, channels_last, normalization)
+            labels = labels.to(device, non_blocking=True)
+            with autocast(device, amp):
+                logits = model(images).float()
+            k = min(5, logits.shape[1])
+            hits = logits.topk(k, dim=1).indices.eq(labels[:, None])
+            sums += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(),
+                                 F.cross_entropy(logits, labels, reduction="sum"),
+                                 torch.tensor(labels.numel(), device=device)]).double()
+            if progress_bar is not None:
+                now = sampler.images_done(index + 1)
+                progress_bar.advance(now - done)
+                done = now
+            if index < common:
+                after_batch()
+    top1, top5, loss, count = collectives.all_reduce_sum(sums).tolist()
+    count = max(count, 1)
+    return EvalResult(100 * top1 / count, 100 * top5 / count, loss / count, int(count))

@@ -1,0 +1,79 @@
+"""Fault injection for tests: kill or break a chosen rank at a chosen step, or break a checkpoint write.
+
+Set ``FIXRES_FAULT`` to ``ACTION:rank=R:step=S`` (several separated by ``,``), where ACTION is
+
+* ``kill``: the rank SIGKILLs itself after global optimizer step S (a vanished node);
+* ``raise``: the rank raises ``RuntimeError("injected fault")`` after step S (a bug);
+* ``signal``: the rank sends itself the preemption signal after step S (SLURM's warning);
+* ``eval-signal``: the same, during the first evaluation after step S (at its first batch);
+* ``ckpt-write``: the checkpoint write at or after step S fails half-way with ENOSPC (a full disk).
+
+Unset (the normal case), every hook is a no-op.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+import attrs
+
+from fixres_dist.errors import FixresError
+
+ENV = "FIXRES_FAULT"
+ACTIONS = ("kill", "raise", "signal", "eval-signal", "ckpt-write")
+
+
+@attrs.frozen
+class Fault:
+    action: str
+    rank: int
+    step: int
+
+
+def planned_faults(environ=None) -> list[Fault]:
+    """Parse ``FIXRES_FAULT``; raises FixresError on a malformed value."""
+    text = (os.environ if environ is None else environ).get(ENV, "").strip()
+    faults = []
+    for item in filter(None, text.split(",")):
+        try:
+            action, *pairs = item.split(":")
+            fields = dict(pair.split("=") for pair in pairs)
+            fault = Fault(action, int(fields.get("rank", 0)), int(fields.get("step", 0)))
+        except ValueError:
+            raise FixresError(f"{ENV}={text!r}: expected ACTION:rank=R:step=S") from None
+        if fault.action not in ACTIONS:
+            raise FixresError(f"{ENV}: unknown action {fault.action!r} (one of {', '.join(ACTIONS)})")
+        faults.append(fault)
+    return faults
+
+
+class FaultInjector:
+    """Fires the planned faults of one rank at the Trainer's hooks."""
+
+    def __init__(self, rank: int, preempt_signal: int, environ=None):
+        self.faults = [f for f in planned_faults(environ) if f.rank == rank]
+        self.preempt_signal = preempt_signal
+
+    def after_step(self, global_step: int) -> None:
+        for fault in self.faults:
+            if fault.step == global_step:
+                if fault.action == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if fault.action == "raise":
+                    raise RuntimeError(f"injected fault at step {global_step}")
+                if fault.action == "signal":
+                    os.kill(os.getpid(), self.preempt_signal)
+
+    def during_evaluation(self, global_step: int) -> None:
+        for fault in self.faults:
+            if fault.action == "eval-signal" and fault.step == global_step:
+                self.faults.remove(fault)  # once
+                os.kill(os.getpid(), self.preempt_signal)
+                break
+
+    def checkpoint_write(self, global_step: int, file) -> None:
+        """Called mid-write: writes a partial record, then fails like a full disk."""
+        if any(f.action == "ckpt-write" and global_step >= f.step for f in self.faults):
+            file.write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

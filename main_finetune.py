@@ -3,6 +3,6 @@ if __name__ == "__main__":
     from fixres_dist.entry import startup
 
     startup.guard_signals()  # first: Ctrl-C or SIGTERM from here on is one line, not a traceback
-    from fixres_dist.entry.cli import main_finetune
+    from fixres_dist.entry.scripts import main_finetune
 
     main_finetune()

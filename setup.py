@@ -21,7 +21,7 @@ setup(
         "tensorboard": ["tensorboard"],
     },
     entry_points={"console_scripts": [
-        "fixres-scratch=fixres_dist.entry.cli:main_scratch",
-        "fixres-finetune=fixres_dist.entry.cli:main_finetune",
+        "fixres-scratch=fixres_dist.entry.scripts:main_scratch",
+        "fixres-finetune=fixres_dist.entry.scripts:main_finetune",
     ]},
 )

@@ -151,13 +151,13 @@ def time_pipelines(pipelines: dict, images: int, batch: int, repeats: int) -> di
     """name -> {"cpu": best CPU img/s, "wall": wall img/s of that pass}; pipelines interleaved."""
     batches = [list(range(start, min(images, start + batch))) for start in range(0, images, batch)]
     results = {name: {"cpu": 0.0, "wall": 0.0} for name in pipelines}
-    for name, pipeline in pipelines.items():  # warm-up: first-call costs (imports, allocator)
-        pipeline(batches[0][:4])
+    for name, run in pipelines.items():  # warm-up: first-call costs (imports, allocator)
+        run(batches[0][:4])
     for _ in range(repeats):
-        for name, pipeline in pipelines.items():
+        for name, run in pipelines.items():
             cpu, wall = time.thread_time(), time.perf_counter()
             for indices in batches:
-                pipeline(indices)
+                run(indices)
             cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
             if images / cpu > results[name]["cpu"]:
                 results[name] = {"cpu": images / cpu, "wall": images / wall}
@@ -322,8 +322,8 @@ def main() -> None:
         folder = "train" if train else "val"
         n = min(images, args.train_images if train else args.val_images)
         pipelines = {"reference": reference(root, folder, args.size, train),
-                     "ours": ours(data, root, folder, args.size, train),
-                     "ours + normalize": ours_normalized(data, root, folder, args.size, train)}
+                     "ours": ours(pipeline, root, folder, args.size, train),
+                     "ours + normalize": ours_normalized(pipeline, root, folder, args.size, train)}
         if args.compare_with:
             other = load_module_file(args.compare_with)
             pipelines["compared file"] = ours(other, root, folder, args.size, train)

@@ -6,8 +6,8 @@ what ``fixres_dist.entry.launch.spawn`` does: takes the job lock, picks ``launch
 (forkserver, whose server imports ``launch.FORKSERVER_PRELOAD`` once: torch, torchvision and this
 package), starts the resource tracker and the server with the stop signals ignored, and starts N
 ranks with ``torch.multiprocessing.start_processes``. Each rank does what a spawned rank does up
-to a formed group: ``launch._stop_with_launcher()``, then ``Trainer(config, checked=True,
-locked=True)._setup_process_group()`` (thread count, job folder, the ``file://`` rendezvous in the
+to a formed group: ``launch.stop_with_launcher()``, then its Trainer's session,
+``RankSession(config, log, locked=True).open()`` (thread count, job folder, the ``file://`` rendezvous in the
 job folder where rank 0 publishes a TCPStore, gloo's connections and barrier, the peer table, the
 control group). ``--start-method spawn`` measures torch.multiprocessing's ``spawn`` instead (every
 rank imports everything itself: the figure before the forkserver).
@@ -53,17 +53,18 @@ def rank_ready(index: int, config, lock, folder: str) -> None:
     before = set(sys.modules)
     import attrs
     from fixres_dist.entry import launch
-    from fixres_dist.training.trainer import Trainer
-    launch._stop_with_launcher()
-    trainer = Trainer(attrs.evolve(config, global_rank=index, local_rank=index), checked=True, locked=True,
-                      log=lambda message: None)
-    trainer._setup_process_group()
+    from fixres_dist.distributed.session import RankSession
+    import fixres_dist.training.trainer  # noqa: F401  (what the forkserver preloads: counted as before the start)
+    launch.stop_with_launcher()
+    session = RankSession(attrs.evolve(config, global_rank=index, local_rank=index), lambda message: None,
+                          locked=True)
+    session.open()
     ready, cpu_ready = time.time(), time.process_time()
     Path(folder, f"rank{index}.json").write_text(json.dumps({
         "started": started, "ready": ready, "cpu_to_start": cpu_started, "cpu_to_ready": cpu_ready - cpu_started,
         "preloaded": "torch" in before and "fixres_dist.training.trainer" in before,
         "imported_after_start": sorted(set(sys.modules) - before)}))
-    trainer.close()
+    session.close()
 
 
 def launcher(folder: str, ranks: int, method: str) -> None:

@@ -244,10 +244,10 @@ def run_rank(rank: int, world: int, port: int, spec: dict, folder: str) -> None:
         trainer.build(train_loader=loader)
         if device.type == "cpu":
             torch.set_num_threads(threads)  # the Trainer set its own share; both loops get the same
-        raw = RawLoop(spec, num_classes, cfg, trainer.base_lr, device, world)
+        raw = RawLoop(spec, num_classes, cfg, trainer.step.base_lr, device, world)
 
         def trainer_epoch(epoch: int) -> None:
-            trainer.epoch, trainer.images_in_epoch = epoch, 0
+            trainer.state.epoch, trainer.state.images_in_epoch = epoch, 0
             trainer.train_epoch()
 
         def sync() -> None:

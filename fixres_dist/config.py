@@ -417,6 +417,18 @@ class TrainerConfig:
                               "transform is deterministic): use --finetune-augmentation fixres to repeat augmentations")
 
     @property
+    def run_name(self) -> str:
+        """What this run is, in its log, metrics and reports: ``evaluation`` (``--eval-only``, whichever
+        script ran it), else ``scratch`` or ``finetune``."""
+        return "evaluation" if self.eval_only else self.mode
+
+    @property
+    def first_input_size(self) -> int:
+        """The training resolution in pixels; with ``--input-size auto``, the first of ``--test-sizes``
+        until the sweep before the finetune picks one."""
+        return self.input_size if self.input_size != "auto" else self.test_sizes[0]
+
+    @property
     def job_folder(self) -> Path:
         """``<shared_folder_path>/<job_id>``: where config.json, metrics.jsonl and checkpoint.pth go."""
         return Path(self.shared_folder_path) / self.job_id

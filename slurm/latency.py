@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without installing
 
-from fixres_dist.cluster import cli, monitor, submission
+from fixres_dist.cluster import cli, monitor, submission, template
 
 
 def first_time(predicate, started: float, timeout: float = 600, poll: float = 0.05) -> float:
@@ -44,8 +44,8 @@ def log_has(path: Path, pattern: str, run: int):
 
 
 def one(request, argv, poll_s: float) -> dict:
-    config = cli.config_from_argv("scratch", argv + ["--ckpt-every", "2"], request.num_tasks,
-                                  device="cuda" if request.gpus_per_node else "cpu")
+    config = template.config_from_argv("scratch", argv + ["--ckpt-every", "2"], request.num_tasks,
+                                       device="cuda" if request.gpus_per_node else "cpu")
     job, config, _ = submission.submit(config, request)
     submitted = time.time()
     states = {}

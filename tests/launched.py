@@ -11,7 +11,7 @@ commands). Everywhere else they use these two, which run the scripts' own code:
   ``--num-tasks N`` ranks spawned) *in this process*; spawned ranks are real processes, forked from
   this session's forkserver, which imported torch once.
 * :func:`start`: ``main_<script>.py ARGS`` as a process of its own (its pid, signals, exit status),
-  forked from that forkserver, running the scripts' entry point :func:`fixres_dist.entry.cli.run_script`.
+  forked from that forkserver, running the scripts' entry point :func:`fixres_dist.entry.scripts.run_script`.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import attrs
 
-from fixres_dist.entry import cli
+from fixres_dist.entry import cli, scripts
 from fixres_dist.entry import launch as launcher
 from fixres_dist.distributed import placement
 from fixres_dist.errors import FixresError
@@ -144,7 +144,7 @@ class Started:
 def start(script: str, *args, env: dict | None = None, new_session: bool = False, cwd=None,
           before=None, log: Path | None = None) -> Started:
     """Start ``main_<script>.py args`` as a process of its own: forked from this session's forkserver,
-    it runs what the script runs (:func:`fixres_dist.entry.cli.run_script`). ``new_session``: the leader of
+    it runs what the script runs (:func:`fixres_dist.entry.scripts.run_script`). ``new_session``: the leader of
     a process group of its own, as a shell job or a SLURM step (``os.killpg(started.pid, ...)``).
     ``env``: variables set for it; ``before``: a picklable callable it runs first (entering a node's
     namespaces, say); ``log``: one file for its stdout and stderr (default: two files in a
@@ -176,7 +176,7 @@ def _run(script: str, argv: list[str], environ: dict, out: str, err: str, cwd, n
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(file, fd)
         os.close(file)
-    cli.run_script(script, argv)
+    scripts.run_script(script, argv)
 
 
 def wait_all(started: list[Started], timeout: float) -> list[int]:

@@ -1,11 +1,13 @@
-"""The commands the README and the scripts' comments show, for the tests that run them.
+"""The commands the README, the pages of ``docs/`` and the scripts' comments show, for the tests
+that run them.
 
-A *block* is one fenced ```` ```bash ```` block of README.md, or one ``e.g.`` example in the header
-comment of a script (``scripts/*.sh``, ``slurm/job.sbatch``). Its *commands* are its logical lines:
-backslash continuations joined, comments and blank lines dropped. A test takes what it runs from
-here, by the start of a command (:func:`block`, :func:`command`), so that it runs what the README
-says, and ``tests/test_readme.py`` checks that every command shown is taken by some test.
-Placeholders (``DATA``, ``SHARED``, ``/tmp/runs``, ``n1``, ...) are replaced by :func:`filled`.
+A *block* is one fenced ```` ```bash ```` block of README.md or of a page ``docs/*.md``, or one
+``e.g.`` example in the header comment of a script (``scripts/*.sh``, ``slurm/job.sbatch``). Its
+*commands* are its logical lines: backslash continuations joined, comments and blank lines dropped.
+A test takes what it runs from here, by the start of a command (:func:`block`, :func:`command`), so
+that it runs what the pages say, and ``tests/test_readme.py`` checks that every command shown is
+taken by some test. Placeholders (``DATA``, ``SHARED``, ``/tmp/runs``, ``n1``, ...) are replaced by
+:func:`filled`.
 """
 from __future__ import annotations
 
@@ -32,10 +34,15 @@ def _logical_lines(lines: list[str]) -> list[str]:
     return commands
 
 
-def readme_blocks() -> list[list[str]]:
-    """The README's ```bash blocks (indented ones too), each as its list of commands."""
+def pages() -> list[Path]:
+    """The pages that show commands: README.md, then every ``docs/*.md`` by name."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def page_blocks(page: Path) -> list[list[str]]:
+    """The ```bash blocks of one page (indented ones too), each as its list of commands."""
     blocks, current = [], None
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in page.read_text().splitlines():
         fence = line.strip()
         if current is None and fence == "```bash":
             current, indent = [], len(line) - len(line.lstrip())
@@ -45,6 +52,11 @@ def readme_blocks() -> list[list[str]]:
         elif current is not None:
             current.append(line[indent:])
     return [b for b in blocks if b]
+
+
+def readme_blocks() -> list[list[str]]:
+    """The ```bash blocks of README.md and of every page of ``docs/``, page by page."""
+    return [b for page in pages() for b in page_blocks(page)]
 
 
 def script_examples() -> list[list[str]]:
@@ -68,7 +80,7 @@ def all_blocks() -> list[list[str]]:
 
 
 def block(start: str) -> list[str]:
-    """The one block (README or scripts' comments) that has a command starting with ``start``."""
+    """The one block (of a page or of a script's comments) that has a command starting with ``start``."""
     found = [b for b in all_blocks() if any(c.startswith(start) for c in b)]
     assert len(found) == 1, f"{len(found)} blocks shown have a command starting with {start!r}"
     return found[0]

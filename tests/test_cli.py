@@ -77,7 +77,7 @@ def test_usage_errors_answer_in_one_line_without_torch(mode, argv, message, how)
 
 def test_console_entry_points_are_the_torch_free_ones():
     for mode in MODES:
-        assert entry_point(f"fixres-{mode}") == f"fixres_dist.entry.cli:main_{mode}"
+        assert entry_point(f"fixres-{mode}") == f"fixres_dist.entry.scripts:main_{mode}"
 
 
 def expected_config(mode: str, argv: list[str] = ()) -> TrainerConfig:
@@ -188,7 +188,7 @@ def test_architecture_help_names_every_family():
 
 
 def test_parsed_arguments_reach_the_launcher(tmp_path):
-    """The scripts' entry point (:func:`fixres_dist.entry.cli.run_script`, all that main_scratch.py runs)
+    """The scripts' entry point (:func:`fixres_dist.entry.scripts.run_script`, all that main_scratch.py runs)
     parses first and hands the launcher the parsed arguments (exit 1: a bad value). The script file
     itself, as a new interpreter: test_bad_input.py::test_real_process_exit_status_and_single_line."""
     proc = start_script("scratch", "--num-tasks", "0", "--shared-folder-path", tmp_path)

@@ -55,8 +55,8 @@ def _identical_after_step(rank, world, port, data_path, out):
     trainer = Trainer(config)
     trainer.build()  # each rank initialises with seed + rank: DDP must broadcast rank 0's weights
     before = torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).clone()
-    trainer.train_loader.batch_sampler.set_epoch(0)
-    images, labels, _ = next(iter(trainer.train_loader))
+    trainer.data.train_loader.batch_sampler.set_epoch(0)
+    images, labels, _ = next(iter(trainer.data.train_loader))
     trainer.train_step(images, labels)
     after = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
     gathered = [torch.empty_like(after) for _ in range(world)]

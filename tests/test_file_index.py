@@ -104,7 +104,7 @@ def test_a_second_run_reuses_the_index_without_listing_a_folder(tree, tmp_path, 
     first.save()
     before = first.file.stat()
     listed = []
-    monkeypatch.setattr(data, "list_folder", lambda folder: listed.append(folder))
+    monkeypatch.setattr(pipeline, "list_folder", lambda folder: listed.append(folder))
     again = file_index.data_index(tree, tmp_path / "cache")
     assert not again.built and not again.unsaved and listed == []
     again.save()  # nothing to write

@@ -81,8 +81,8 @@ def test_cuda_defaults_bf16_channels_last_nccl():
 def test_trainer_takes_its_gpu_and_turns_on_cudnn_benchmark(tmp_path):
     trainer = Trainer(TrainerConfig(device="cuda", shared_folder_path=str(tmp_path), job_id="setup", progress=False))
     try:
-        trainer._setup_process_group()
-        assert trainer.device == torch.device("cuda", 0)
+        trainer.session.open()
+        assert trainer.session.device == torch.device("cuda", 0)
         assert torch.backends.cudnn.benchmark
     finally:
         torch.backends.cudnn.benchmark = False

@@ -7,6 +7,7 @@ formats, and JPEGs that decoder refuses, still go through PIL.
 """
 from __future__ import annotations
 
+import copy
 import io
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from PIL import Image
 
 from fixres_dist import FixresError
-from fixres_dist.data import pipeline
+from fixres_dist.data import images, pipeline
 from fixres_dist.data.samplers import SampleKey
 
 
@@ -49,9 +50,10 @@ def test_jpeg_tensor_path_matches_the_pil_path(jpeg_folder, transform):
             "fixres": lambda: pipeline.finetune_transform(48, "fixres")}[transform]
     base = pipeline.image_folder(jpeg_folder, "train")
     fast = pipeline.SeededDataset(base, make(), seed=7)
-    slow = pipeline.SeededDataset(base, make(), seed=7)
-    slow._read_files = False  # the ImageFolder's PIL images, as before
-    assert fast._read_files
+    pil_base = copy.copy(base)
+    pil_base.loader = lambda path: images.open_rgb(path)  # another loader: the ImageFolder's PIL images, as before
+    slow = pipeline.SeededDataset(pil_base, make(), seed=7)
+    assert fast.reads_files and not slow.reads_files
     for index, (path, _) in enumerate(base.samples):
         a, label_a = fast[SampleKey(index=index, epoch=2)]
         b, label_b = slow[SampleKey(index=index, epoch=2)]
@@ -79,7 +81,7 @@ def test_seeded_and_leaves_the_global_generator_alone(jpeg_folder):
 def test_other_transforms_get_pil_images(jpeg_folder):
     seen = []
     dataset = pipeline.SeededDataset(pipeline.image_folder(jpeg_folder, "val"), lambda image: seen.append(image) or 0, seed=0)
-    assert not dataset._read_files
+    assert not dataset.reads_files
     dataset[SampleKey(index=0, epoch=0)]
     assert isinstance(seen[0], Image.Image) and seen[0].mode == "RGB"
 
@@ -166,7 +168,7 @@ def test_erasing_fills_a_box_with_the_mean_colour_that_normalises_to_zero(fill):
 def test_augmented_samples_are_seeded_and_each_copy_draws_its_own(jpeg_folder):
     transform = pipeline.train_transform(32, auto_augment="ta_wide", random_erase=0.5)
     dataset = pipeline.SeededDataset(pipeline.image_folder(jpeg_folder, "train"), transform, seed=3)
-    assert dataset._read_files, "JPEGs still reach our transforms decoded"
+    assert dataset.reads_files, "JPEGs still reach our transforms decoded"
     torch.manual_seed(0)
     state = torch.get_rng_state()
     first = dataset[SampleKey(index=0, epoch=1)][0]
@@ -180,7 +182,8 @@ def test_augmented_samples_are_seeded_and_each_copy_draws_its_own(jpeg_folder):
 def test_copy_zero_is_seeded_as_before(jpeg_folder):
     transform = pipeline.train_transform(32)
     dataset = pipeline.SeededDataset(pipeline.image_folder(jpeg_folder, "train"), transform, seed=9)
-    image = dataset._load(2)[0]
+    assert dataset.reads_files
+    image = images.read_image(dataset.base.samples[2][0])  # what the transform gets: the decoded file
     torch.manual_seed(int(np.random.SeedSequence([9, 4, 2]).generate_state(1)[0]))
     assert torch.equal(dataset[SampleKey(index=2, epoch=4, copy=0)][0], transform(image))
 

@@ -1,5 +1,6 @@
 """The job lock's record of a run whose ranks have met (fixres_dist/distributed/joblock.py), with real flocks."""
 import fcntl
+import json
 import os
 import threading
 import time
@@ -34,9 +35,11 @@ def test_a_finished_runs_record_is_not_believed_while_a_new_launch_takes_the_loc
     new = os.open(tmp_path / joblock.LOCK_FILE, os.O_RDWR)
     fcntl.flock(new, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the new rank 0: locked, record not yet rewritten
 
-    def rewrite():
+    def rewrite():  # the new rank 0 writes its own record, in place, through the descriptor it locked
         time.sleep(0.2)
-        joblock._write_holder(tmp_path, {**previous, "pid": previous["pid"] + 1, "started": time.time(), "met": False})
+        os.ftruncate(new, 0)
+        record = {**previous, "pid": previous["pid"] + 1, "started": time.time(), "met": False}
+        os.pwrite(new, json.dumps(record).encode(), 0)
 
     writer = threading.Thread(target=rewrite)
     writer.start()
@@ -45,3 +48,4 @@ def test_a_finished_runs_record_is_not_believed_while_a_new_launch_takes_the_loc
     finally:
         writer.join()
         os.close(new)
+    assert joblock.read_holder(tmp_path)["pid"] == previous["pid"] + 1  # the new holder's record

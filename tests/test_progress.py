@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT, clean_env, run_script
 from fixres_dist import TrainerConfig
 from fixres_dist.reporting import progress
+from fixres_dist.training import plan
 from fixres_dist.training.trainer import Trainer
 
 # resnet20 at 16 px on few_data (20 train, 10 val images), a sweep of 16 and 24 px after training
@@ -101,14 +102,16 @@ def test_the_job_clock_counts_what_the_job_has_left(few_data, tmp_path):
     trainer = Trainer(config)
     try:
         trainer.build()
-        assert trainer._evaluations_left() == [16, 16, 16, 24]  # 2 epochs' evaluations, then the sweep
+        assert trainer.plan.evaluations() == [16, 16, 16, 24]  # 2 epochs' evaluations, then the sweep
         bar = progress.Bar(20, "epoch 1/2", enabled=True, file=io.StringIO())
-        assert trainer._job_left(bar) == "job ? left"  # nothing measured yet
+        assert trainer.remaining.postfix(bar) == "job ? left"  # nothing measured yet
+        steps = iter(trainer.plan)
+        assert next(steps) == plan.TrainEpoch(0)
         trainer.train_epoch()
-        trainer._phase = "epoch-eval"
-        assert trainer._evaluations_left() == [16, 16, 24]  # this epoch's evaluation is the one in progress
+        assert next(steps) == plan.Evaluate(16, 1, what="epoch 1/2")  # now in progress: the plan holds the rest
+        assert trainer.plan.evaluations() == [16, 16, 24]
         assert trainer.clock.train_images == 20 and trainer.clock.train_seconds > 0
-        assert re.fullmatch(r"job \d\d:\d\d left", trainer._job_left(bar))
+        assert re.fullmatch(r"job \d\d:\d\d left", trainer.remaining.postfix(bar))
         bar.close()
     finally:
         trainer.close()

@@ -1,9 +1,13 @@
-"""Every command the README and the scripts' comments show is run by a test, as shown.
+"""Every command the README, the pages of ``docs/`` and the scripts' comments show is run by a
+test, as shown; and the pages hold together.
 
-The tests take their commands from the README (:mod:`shown_commands`), fill in the placeholders
+The tests take their commands from the pages (:mod:`shown_commands`), fill in the placeholders
 (``DATA``, ``/tmp/runs``, ...) and run them in a folder that looks like a fresh clone with an
 activated ``.venv``. :func:`test_every_command_shown_is_run_by_a_test` fails when a command is
-shown that no test takes.
+shown that no test takes, or shown twice (one page shows it, the others link to it).
+:func:`test_the_pages_link_to_what_exists` fails on a relative link to a missing file or heading,
+:func:`test_the_layout_names_every_module` on a module that ``docs/layout.md`` does not describe,
+:func:`test_the_readme_is_a_front_door` on a README over 200 lines.
 """
 from __future__ import annotations
 
@@ -46,10 +50,77 @@ def test_every_command_shown_is_run_by_a_test():
     for command, runner in RUN_BY_CI.items():
         assert command in runner.read_text(), f"{runner} does not run {command!r}"
         covered.add(command)
-    missing = [c for b in shown.all_blocks() for c in b
-               if c not in covered and not any(c.startswith(s) for s in NOT_RUN_HERE)]
+    shown_all = [c for b in shown.all_blocks() for c in b]
+    missing = [c for c in shown_all if c not in covered and not any(c.startswith(s) for s in NOT_RUN_HERE)]
     assert not missing, f"commands shown that no test runs: {missing}"
+    twice = sorted({c for c in shown_all if shown_all.count(c) > 1})
+    assert not twice, f"commands shown more than once (show one, link to it): {twice}"
     assert len(shown.readme_blocks()) >= 8 and shown.script_examples()
+
+
+README_MAX_LINES = 200
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def unfenced(text: str) -> str:
+    """``text`` without its fenced blocks (whose ``#`` lines are comments, not headings)."""
+    return re.sub(r"^\s*```.*?^\s*```[^\n]*$", "", text, flags=re.S | re.M)
+
+
+def prose(text: str) -> str:
+    """``text`` without its fenced blocks and code spans, where a ``[x](y)`` is no link."""
+    return re.sub(r"`[^`]*`", "", unfenced(text))
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens,
+    ``-1``, ``-2``... after repeats."""
+    found: set[str] = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", unfenced(page.read_text()), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in found:
+            n += 1
+            candidate = f"{slug}-{n}"
+        found.add(candidate)
+    return found
+
+
+def test_the_pages_link_to_what_exists():
+    broken = []
+    for page in shown.pages():
+        for target in LINK.findall(prose(page.read_text())):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:: not ours to check
+                continue
+            path, _, anchor = target.partition("#")
+            where = (page.parent / path).resolve() if path else page
+            if not where.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and where.suffix == ".md" and anchor not in anchors(where):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading in {where.name})")
+    assert len(shown.pages()) > 1 and not broken, "\n".join(broken)
+
+
+def layout_sections(text: str) -> dict[str, str]:
+    """docs/layout.md by part: ``""`` for the package's top level, then each subpackage's part by
+    its name (``"entry"``: from the line that starts with its folder's name to the next part)."""
+    parts = re.split(r"^`(\w+)/`:", text, flags=re.M)
+    return {"": parts[0], **dict(zip(parts[1::2], parts[2::2]))}
+
+
+def test_the_layout_names_every_module():
+    """docs/layout.md has a line for every module of the package, in the part of its subpackage."""
+    sections = layout_sections((ROOT / "docs" / "layout.md").read_text())
+    package = ROOT / "fixres_dist"
+    unnamed = [path.relative_to(ROOT).as_posix() for path in sorted(package.rglob("*.py"))
+               if path.name != "__init__.py"
+               and f"`{path.name}`" not in sections.get(path.parent.relative_to(package).as_posix().strip("."), "")]
+    assert not unnamed, f"modules docs/layout.md does not describe (one line each, from the docstring): {unnamed}"
+
+
+def test_the_readme_is_a_front_door():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; at most {README_MAX_LINES}"
 
 
 def run_block(commands: list[str], cwd: Path, timeout: float, **values) -> subprocess.CompletedProcess:

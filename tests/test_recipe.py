@@ -78,7 +78,7 @@ def test_norm_weight_decay_reaches_the_optimizer(tiny_data, tmp_path):
     trainer = Trainer(config)
     try:
         trainer.build()
-        assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [1e-4, 3e-6]
+        assert [g["weight_decay"] for g in trainer.step.optimizer.param_groups] == [1e-4, 3e-6]
     finally:
         trainer.close()
 

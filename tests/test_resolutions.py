@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import run_main, run_script
-from fixres_dist.models import resolutions
+from fixres_dist.models import architectures, resolutions
 from fixres_dist.config import TrainerConfig
 
 HAS_TIMM = importlib.util.find_spec("timm") is not None
@@ -84,7 +84,7 @@ def test_sizes_a_model_cannot_run_at_are_refused_before_anything_is_written(case
     assert not (tmp_path / "shared").exists()
 
 
-def test_measured_sizes_of_torchvision_models():
+def test_measured_sizes_of_torchvision_models(monkeypatch):
     """The smallest size each runs at in evaluation, measured on the meta device."""
     for name, size, expected in [("inception_v3", 32, "the smallest size it runs at is 75 px"),
                                  ("alexnet", 40, "the smallest size it runs at is 63 px"),
@@ -92,9 +92,17 @@ def test_measured_sizes_of_torchvision_models():
         probe = resolutions.Probe(name, 10, 224 if name != "vit_b_16" else 32)
         assert probe.failure(size) is not None
         assert resolutions.supported_sizes_near(probe, size) == expected, name
+    built, build_model = [], architectures.build_model
+
+    def recorded(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        built.append({p.device.type for p in model.parameters()})
+        return model
+
+    monkeypatch.setattr(architectures, "build_model", recorded)
     probe = resolutions.Probe("resnet20", 10, 32)
     assert probe.failure(1) is None and probe.failure(4096) is None  # a CIFAR ResNet runs at any size
-    assert next(probe._models["meta"].parameters()).device.type == "meta"  # nothing was allocated
+    assert built == [{"meta"}]  # one model, on the meta device: nothing was allocated
 
 
 def test_the_sizes_a_run_uses():

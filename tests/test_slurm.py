@@ -38,11 +38,12 @@ import torch
 
 import shown_commands as shown
 from conftest import ROOT, SCRATCH, clean_env, read_only_folder, wait_for
-from fixres_dist import FixresError, TrainerConfig
+from fixres_dist import FixresError, Preempted, TrainerConfig
 from fixres_dist.training.checkpoint import load_checkpoint
 from fixres_dist.cluster import cli, inventory, monitor, submission, task
 from fixres_dist.cluster.inventory import Node, Partition
 from fixres_dist.cluster.request import SlurmRequest
+from fixres_dist.cluster.template import config_from_argv
 
 TIMEOUT_MIN = 5  # every job's time limit
 CLUSTER = ["--tasks-per-node", "2", "--timeout-min", str(TIMEOUT_MIN), "--signal-delay-s", "10", "--poll-s", "1"]
@@ -127,7 +128,7 @@ def wait_gone(job_id: str, timeout: float = JOB_WAIT) -> list:
 
 def submit_job(mode: str, request: SlurmRequest, argv: list) -> tuple:
     """What slurm/submit.py does, from Python: a template from main_*.py options, then submit()."""
-    config = cli.config_from_argv(mode, [str(a) for a in argv], request.num_tasks)
+    config = config_from_argv(mode, [str(a) for a in argv], request.num_tasks)
     return submission.submit(config, request)
 
 
@@ -465,13 +466,13 @@ def test_each_restart_of_a_job_meets_at_its_own_rendezvous_file(tmp_path):
 
 def test_the_job_template_takes_device_defaults_from_the_configuration(tmp_path):
     """The submitter only says where the job runs; backend, precision and layout follow from the config."""
-    gpu = cli.config_from_argv("scratch", ["--shared-folder-path", str(tmp_path)], 16, device="cuda")
-    cpu = cli.config_from_argv("scratch", ["--shared-folder-path", str(tmp_path)], 2, device="cpu")
+    gpu = config_from_argv("scratch", ["--shared-folder-path", str(tmp_path)], 16, device="cuda")
+    cpu = config_from_argv("scratch", ["--shared-folder-path", str(tmp_path)], 2, device="cpu")
     assert (gpu.device, gpu.dist_backend, gpu.amp, gpu.channels_last) == ("cuda", "nccl", "bf16", True)
     assert (cpu.device, cpu.dist_backend, cpu.amp, cpu.channels_last) == ("cpu", "gloo", "off", False)
     assert gpu.preempt_signal == "SIGUSR2" and gpu.num_tasks == 16
     with pytest.raises(FixresError, match="--job-id, --dist-url: SLURM sets the ranks"):
-        cli.config_from_argv("scratch", ["--job-id", "x", "--dist-url", "env://"], 2)
+        config_from_argv("scratch", ["--job-id", "x", "--dist-url", "env://"], 2)
 
 
 def test_a_failed_task_is_reported_by_its_one_line_cause():
@@ -495,17 +496,30 @@ def test_after_a_preemption_checkpoint_rank_0_requeues_only_on_the_warning_signa
                                                                                   expected):
     ran = []
     monkeypatch.setattr(task, "run_command", lambda cmd, timeout=15: ran.append(cmd))
-    stops = task._StopSignals(0, signal.SIGUSR2)
-    stops.on_signal(signum, None)  # what the Trainer does after its checkpoint: records, does not raise
-    config = TrainerConfig(num_tasks=2, job_id="77")
+
+    class Preempting:
+        """A Trainer stopped by ``signum``: after its checkpoint it calls the handler it replaced (the
+        task's, with no frame: records the signal, does not raise), then raises Preempted."""
+
+        def __init__(self, config, inputs=None):
+            pass
+
+        def __call__(self):
+            signal.getsignal(signum)(signum, None)
+            raise Preempted(f"stopped by {signum.name}; checkpoint written")
+
+    monkeypatch.setattr(task, "Trainer", Preempting)
+    config = TrainerConfig(num_tasks=2, job_id="77", preempt_signal="SIGUSR2")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
     if isinstance(expected, str):
         with pytest.raises(task.TaskFailed, match=re.escape(expected)):
-            task._after_preemption(config, stops, restart, max_requeues=3)
+            task.run_task(config, restart, max_requeues=3)
     else:
         with pytest.raises(SystemExit) as exited:
-            task._after_preemption(config, stops, restart, max_requeues=3)
+            task.run_task(config, restart, max_requeues=3)
         assert exited.value.code == 3
     assert ran == ([expected] if isinstance(expected, list) else [])
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # the task's handlers are gone again
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ def _run(agreement: StepAgreement, stops: StopSignals, rank: int, signal_at=None
     first_bad = None
     for step in range(1, STEPS + 1):
         if signal_at == (rank, step):
-            stops._record(signal.SIGUSR2, None)  # what the handler does
+            signal.raise_signal(signal.SIGUSR2)  # to this process: recorded by ``stops``, installed
         if (bad_at or {}).get(rank, (None,))[0] == step:
             first_bad = bad_at[rank][1]
         agreed = agreement.now(first_bad) if step in drain_at else agreement.after_step(first_bad)
@@ -49,8 +49,8 @@ def _agreement_rank(rank: int, port: int, out):
     collectives.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, 2, 60)
     results = {}
     for name, case in CASES.items():
-        stops = StopSignals()  # not installed: _record is called directly
-        results[name] = _run(StepAgreement(stops, collectives.control_group()), stops, rank, **case)
+        with StopSignals() as stops:
+            results[name] = _run(StepAgreement(stops, collectives.control_group()), stops, rank, **case)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     collectives.destroy_process_group()
 
@@ -71,9 +71,9 @@ def test_two_ranks_act_on_the_same_step_at_most_one_step_late(tmp_path):
 
 
 def test_one_process_agrees_at_once():
-    stops = StopSignals()
-    agreement = StepAgreement(stops)
-    assert agreement.after_step(None) == Agreed()
-    stops._record(signal.SIGTERM, None)
-    stops._record(signal.SIGUSR2, None)  # the preemption signal wins
-    assert agreement.after_step(7) == Agreed(signal.SIGUSR2, 7)
+    with StopSignals() as stops:
+        agreement = StepAgreement(stops)
+        assert agreement.after_step(None) == Agreed()
+        signal.raise_signal(signal.SIGTERM)  # recorded, not acted on
+        signal.raise_signal(signal.SIGUSR2)  # the preemption signal wins
+        assert agreement.after_step(7) == Agreed(signal.SIGUSR2, 7)

@@ -8,6 +8,7 @@
   submitit (:func:`submit_array` for job arrays);
 * :mod:`.monitor`: job states (submitit's watcher) and each task's outcome (``Job.exception()``);
 * :mod:`.sweep`: a FixRes resolution sweep as one job array, and its table;
+* :mod:`.template`: a job's :class:`~fixres_dist.TrainerConfig` template from ``main_*.py`` options;
 * :mod:`.cli`: the command lines of ``slurm/submit.py`` and ``slurm/sweep.py``.
 """
 from fixres_dist.entry.startup import quiet_native_logs

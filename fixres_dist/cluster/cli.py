@@ -2,8 +2,8 @@
 
 ``[cluster options] -- [main_*.py options]``: the cluster options make a
 :class:`~fixres_dist.cluster.request.SlurmRequest`, the main script's options (parsed by its own
-parser) a :class:`~fixres_dist.TrainerConfig` template; :mod:`.submission` submits them and
-:mod:`.monitor` follows the job with ``--wait``.
+parser) a :class:`~fixres_dist.TrainerConfig` template (:mod:`.template`); :mod:`.submission`
+submits them and :mod:`.monitor` follows the job with ``--wait``.
 """
 from __future__ import annotations
 
@@ -13,42 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-from fixres_dist.entry.cli import RANK_FLAGS, build_parser, config_fields
+from fixres_dist.entry.cli import build_parser
 from fixres_dist.config import TrainerConfig
 from fixres_dist.errors import FixresError
 from fixres_dist.cluster.monitor import POLL_S, first_failure, task_outcomes, watch
 from fixres_dist.cluster.request import SlurmRequest
 from fixres_dist.cluster.submission import job_folder, log_files, submit, submit_array
 from fixres_dist.cluster.sweep import gather_sweep, sweep_configs, sweep_table
-
-PATH_FIELDS = ("data_path", "weight_path", "shared_folder_path", "resume")
-
-
-def config_from_argv(mode: str, argv: list[str], num_tasks: int, device: str | None = None,
-                     overrides: dict | None = None) -> TrainerConfig:
-    """A job's template from ``main_*.py`` options (ranks left to the tasks; no input checks here).
-
-    ``device``: where the job runs when ``--device`` is not given (the submitter knows whether it
-    asked for GPUs; inside a job, None lets the node decide). Everything that follows from the
-    device (backend, mixed precision, memory format) is the configuration's own default.
-    """
-    args = build_parser(mode).parse_args(argv)
-    given = [f"--{name.replace('_', '-')}" for name in RANK_FLAGS if getattr(args, name) is not None]
-    if given:
-        raise FixresError(f"{', '.join(given)}: SLURM sets the ranks, the job id and the rendezvous; drop these flags")
-    if args.device is None and device is not None:
-        args.device = device
-    fields = {**config_fields(args, mode), **(overrides or {})}
-    if args.preempt_signal is None:
-        import submitit
-
-        fields["preempt_signal"] = "SIG" + submitit.JobEnvironment.USR_SIG  # what SLURM sends the job
-    for name in PATH_FIELDS:
-        if fields.get(name):
-            fields[name] = str(Path(fields[name]).expanduser().absolute())
-    fields.setdefault("shared_folder_path", str(Path("runs").absolute()))
-    return TrainerConfig(num_tasks=num_tasks, global_rank=0, local_rank=0, job_id="submit", dist_url="env://",
-                         **fields)
+from fixres_dist.cluster.template import config_from_argv
 
 
 def request_parser(description: str, modes: list[str] | None) -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ from fixres_dist.errors import FixresError
 from fixres_dist.cluster.inventory import check_request, check_shared_folder, read_partitions
 from fixres_dist.cluster.request import SlurmRequest
 from fixres_dist.cluster.task import SlurmTask
+from fixres_dist.training.inputs import preflight
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,9 +55,6 @@ def make_executor(request: SlurmRequest, shared: Path, mode: str):
 
 def _checked(configs: list[TrainerConfig], request: SlurmRequest) -> tuple[list[TrainerConfig], SlurmRequest]:
     """The request completed from ``sinfo``, the templates sized to it and their inputs checked."""
-    # TRAINER-SIDE: the launcher's checks of data, architecture, weights and resume (main_*.py runs them too).
-    from fixres_dist.entry.launch import preflight
-
     request = check_request(request, read_partitions())
     # Before the preflights: they write the data's file index into it (creating it if missing).
     check_shared_folder(Path(configs[0].shared_folder_path), request.nodes)

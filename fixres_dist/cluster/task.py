@@ -45,8 +45,10 @@ from fixres_dist.errors import FixresError, first_line, say, user_message
 # checkpoint (fixres_dist.distributed.preemption); if they move, only these imports change.
 from fixres_dist.distributed.preemption import PREEMPTED_EXIT_STATUS, Preempted
 from fixres_dist.distributed.rendezvous import PeersUnreachable
+from fixres_dist.training.inputs import JobInputs, preflight
 from fixres_dist.training.trainer import Trainer
 from fixres_dist.cluster.inventory import run_command
+from fixres_dist.cluster.template import config_from_argv
 
 FOLLOWER_WAIT_S = 120    # how long a rank other than 0 waits for rank 0's requeue to stop it
 MODES = {"main_scratch.py": "scratch", "scratch": "scratch", "main_finetune.py": "finetune", "finetune": "finetune"}
@@ -175,9 +177,9 @@ def _as_dict(result) -> dict:
     return attrs.asdict(result) if attrs.has(type(result)) else dict(result)
 
 
-def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3, index_note: str | None = None) -> dict:
+def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3, inputs: JobInputs | None = None) -> dict:
     """Run the Trainer as one task of a SLURM job, with the requeue protocol (module docstring).
-    ``index_note``: what the preflight returned, for rank 0's log (:class:`~fixres_dist.training.trainer.Trainer`).
+    ``inputs``: what the preflight returned in this process (:class:`~fixres_dist.training.trainer.Trainer`).
 
     Returns the Trainer's result as a dict. On failure prints one line ``fixres_dist: rank R: cause``
     on stderr (and the traceback first for bugs) and raises :class:`TaskFailed`; after a
@@ -187,7 +189,7 @@ def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3, ind
     stops = _StopSignals(rank, signal.Signals[config.preempt_signal])
     stops.install()
     try:
-        result = Trainer(config, index_note=index_note)()
+        result = Trainer(config, inputs)()
         stops.finished = True
         return _as_dict(result)
     except Preempted as exc:
@@ -249,22 +251,18 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m fixres_dist.cluster {main_scratch.py,main_finetune.py} [options]",
               file=sys.stderr)
         return 2
-    from fixres_dist.cluster.cli import config_from_argv
-    # TRAINER-SIDE: the launcher's input checks, run by rank 0 before the ranks meet (as main_*.py does).
-    from fixres_dist.entry.launch import preflight
-
     place = current_place()
     max_requeues = os.environ.get("FIXRES_MAX_REQUEUES", "3")
     try:
         if not max_requeues.isdigit():
             raise FixresError(f"FIXRES_MAX_REQUEUES={max_requeues!r} is not a number of requeues")
         config = task_config(config_from_argv(mode, argv[1:], place.num_tasks), place)
-        index_note = preflight(config) if place.global_rank == 0 else None
+        inputs = preflight(config) if place.global_rank == 0 else None  # as main_*.py: before the ranks meet
     except FixresError as exc:
         say(f"fixres_dist: rank {place.global_rank}: {exc}")
         return 1
     try:
-        run_task(config, place.restart, int(max_requeues), index_note)
+        run_task(config, place.restart, int(max_requeues), inputs)
     except TaskFailed:
         return 1
     return 0

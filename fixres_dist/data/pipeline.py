@@ -385,6 +385,12 @@ class SeededDataset(Dataset):
                             and base.transform is None and base.target_transform is None
                             and isinstance(transform, Uint8Pipeline))
 
+    @property
+    def reads_files(self) -> bool:
+        """Whether JPEG files reach ``transform`` decoded here (uint8 tensors, other formats as RGB PIL
+        images) rather than as the dataset's own items: see the class docstring for when."""
+        return self._read_files
+
     def __len__(self) -> int:
         return len(self.base)
 

@@ -13,14 +13,14 @@ import torch.distributed as dist
 
 from fixres_dist.distributed import network
 from fixres_dist.errors import FixresError, first_line
-from fixres_dist.distributed.rendezvous import LostPeers, Rendezvous, _never, make_store, meet_hosts
+from fixres_dist.distributed.rendezvous import LostPeers, Rendezvous, make_store, meet_hosts
 
 
 def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, timeout: float,
-                       should_stop=_never, check_joinable=_never) -> Rendezvous | None:
+                       should_stop=None, check_joinable=None) -> Rendezvous | None:
     """Meet the other ranks and create the default process group; returns the :class:`Rendezvous`.
 
-    World size 1: no group, returns None. ``should_stop()`` and ``check_joinable()`` are polled
+    World size 1: no group, returns None. ``should_stop()`` and ``check_joinable()``, if given, are polled
     while waiting at a file rendezvous (:func:`~fixres_dist.distributed.rendezvous.make_store`). Before the
     group is created the ranks exchange where they run and each picks the interface its
     collectives use (:mod:`fixres_dist.distributed.network`; sets ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``

@@ -120,6 +120,13 @@ def _check_torchrun_against_slurm(environ) -> None:
                               f"{slurm_name}={environ[slurm_name]} (SLURM); unset the stale ones")
 
 
+def _slurm_job_id(environ) -> str | None:
+    """The SLURM task's job id (it survives a requeue): ``<array job id>_<index>`` for an array task."""
+    if "SLURM_ARRAY_JOB_ID" in environ and "SLURM_ARRAY_TASK_ID" in environ:
+        return f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    return environ.get("SLURM_JOB_ID")
+
+
 def resolve_placement(num_tasks: int | None = None, global_rank: int | None = None,
                       local_rank: int | None = None, job_id: str | None = None,
                       dist_url: str | None = None, environ=None) -> Placement:
@@ -141,11 +148,7 @@ def resolve_placement(num_tasks: int | None = None, global_rank: int | None = No
     if torchrun and dist_url is None and not (environ.get("MASTER_ADDR") and environ.get("MASTER_PORT")):
         raise FixresError("torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE) without MASTER_ADDR and "
                           "MASTER_PORT: start with torchrun, or give --dist-url")
-    slurm_job = None
-    if slurm:
-        slurm_job = environ.get("SLURM_JOB_ID")
-        if "SLURM_ARRAY_JOB_ID" in environ and "SLURM_ARRAY_TASK_ID" in environ:
-            slurm_job = f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    slurm_job = _slurm_job_id(environ) if slurm else None
 
     if global_rank is not None or local_rank is not None:
         if global_rank is None:

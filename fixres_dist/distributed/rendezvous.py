@@ -241,16 +241,17 @@ def _tcp_rendezvous(host: str, port: int, rank: int, world_size: int, timeout: f
         raise FixresError(f"cannot open the rendezvous store at {host}:{port}: {first_line(exc)}") from None
 
 
-def make_store(dist_url: str, rank: int, world_size: int, timeout: float, should_stop=_never,
-               check_joinable=_never) -> tuple[dist.Store, str]:
+def make_store(dist_url: str, rank: int, world_size: int, timeout: float, should_stop=None,
+               check_joinable=None) -> tuple[dist.Store, str]:
     """Build the rendezvous store for ``dist_url`` (file://, tcp:// or env://); returns it and the
     ``HOST:PORT`` of the TCPStore behind it.
 
-    ``should_stop()`` is polled while waiting at a file rendezvous; when it returns True,
-    :class:`RendezvousInterrupted` is raised. A joining rank also polls ``check_joinable()``, which
-    raises to give up (the job it waits for is already running without it). Raises
+    ``should_stop()``, if given, is polled while waiting at a file rendezvous; when it returns True,
+    :class:`RendezvousInterrupted` is raised. A joining rank also polls ``check_joinable()``, if
+    given, which raises to give up (the job it waits for is already running without it). Raises
     :class:`FixresError` when the peers do not show up within ``timeout`` seconds.
     """
+    should_stop, check_joinable = should_stop or _never, check_joinable or _never
     url = urlparse(dist_url)
     if url.scheme == "file":
         path = Path(url.path)

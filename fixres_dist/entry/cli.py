@@ -1,10 +1,10 @@
-"""The command lines of ``main_scratch.py`` and ``main_finetune.py`` (FixRes flag names) and their start.
+"""The command lines of ``main_scratch.py`` and ``main_finetune.py`` (FixRes flag names).
 
 Each script's parser (:func:`build_parser`) lists only its own flags, with every default in its
 help, taken from :data:`MODE_DEFAULTS` and :class:`~fixres_dist.config.TrainerConfig`. This module
 imports nothing heavy (no torch, torchvision or numpy): ``--help`` and usage errors (exit status 2)
-answer in a fraction of a second; :func:`run_script` imports the launcher, and torch, only once the
-command line has parsed.
+answer in a fraction of a second; :mod:`fixres_dist.entry.scripts` imports the launcher, and torch,
+only once the command line has parsed.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import textwrap
 import attrs
 
 from fixres_dist.training import recipes
-from fixres_dist.entry import startup
 from fixres_dist.config import (AUTO_AUGMENT_POLICIES, CIFAR_RESNETS, CROP_RATIO, DEFAULT_INTERPOLATION, INTERPOLATIONS, LITE_MODELS, LR_SCHEDULERS, OPTIMIZERS, OPTIONAL_PACKAGES, SCOPES, TIMM_PREFIX, TrainerConfig)
 from fixres_dist.errors import FixresError
 
@@ -41,8 +40,6 @@ MODE_DEFAULTS = {
 DEVICE_DEFAULTS = {"dist_backend": ("nccl", "gloo"), "amp": ("bf16", "off"), "channels_last": (True, False)}
 # Flags that place this process in its job: resolved by fixres_dist.distributed.placement, not configuration fields.
 RANK_FLAGS = ("num_tasks", "global_rank", "local_rank", "job_id", "dist_url")
-# Flags that are not configuration fields themselves: --ra-sampler sets ra_reps (with --ra-reps, default 3).
-SWITCH_FLAGS = ("ra_sampler",)
 RA_REPS_DEFAULT = 3  # torchvision's --ra-reps default, and FixRes' repetitions
 COMPILE_BACKEND = "inductor"  # what --compile alone uses
 # main_finetune.py's own flags; main_scratch.py refuses them, naming the script they belong to.
@@ -235,30 +232,25 @@ def _architecture_help(default: str) -> str:
             "resolution: see --low-res-stem")
 
 
-def build_parser(mode: str) -> argparse.ArgumentParser:
-    """The parser of ``main_<mode>.py`` (``mode``: ``scratch`` or ``finetune``): that script's flags
-    only, each default in its help (:func:`defaults`, :data:`DEVICE_DEFAULTS`).
-
-    Values not given are ``None`` (no argparse defaults): rank resolution and :func:`config_fields`
-    fill them in, and a resumed job tells a flag given from one left out. Raises ValueError for
-    another ``mode``.
-    """
-    if mode not in MODE_DEFAULTS:
-        raise ValueError(f"mode must be one of {', '.join(MODE_DEFAULTS)}, got {mode!r}")
-    finetune = mode == "finetune"
+def _default_help(mode: str):
+    """``default(name)``: the default of field ``name`` in ``mode`` as ``--help`` writes it."""
     known = defaults(mode)
 
     def default(name: str) -> str:
         return f"default {shown(known[name])}"
 
-    def with_device(name: str) -> str:
-        cuda, cpu = DEVICE_DEFAULTS[name]
-        return f"default: {shown(cuda)} with --device cuda, {shown(cpu)} with --device cpu"
+    return default
 
-    what = "FixRes-finetune a classifier at the test resolution (Touvron et al., NeurIPS 2019)" if finetune \
-        else "train a classifier from scratch"
-    p = _Parser(allow_abbrev=False, description=f"fixres_dist: {what} with DistributedDataParallel.", formatter_class=_Formatter)
-    p.check = functools.partial(_training_fields, mode=mode)
+
+def _with_device(name: str) -> str:
+    """The help's default of a field that follows --device (:data:`DEVICE_DEFAULTS`)."""
+    cuda, cpu = DEVICE_DEFAULTS[name]
+    return f"default: {shown(cuda)} with --device cuda, {shown(cpu)} with --device cpu"
+
+
+def _add_placement(p: argparse.ArgumentParser, mode: str) -> None:
+    """Where this process sits in its job: ranks, job id, rendezvous, the shared folder."""
+    default = _default_help(mode)
     d = p.add_argument_group("distributed (see README: where a process learns its rank)")
     d.add_argument("--num-tasks", type=int, help="world size; alone and > 1: spawn that many local ranks "
                    "(default: torchrun's or SLURM's, else one process)")
@@ -267,12 +259,17 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     d.add_argument("--job-id", help="job name = folder under --shared-folder-path (default: the SLURM job id, else "
                    "<mode>-<architecture>-<hash of the configuration>, so the same command resumes)")
     d.add_argument("--dist-url", help="file://PATH, tcp://HOST:PORT or env:// (default: a file in the job folder)")
-    d.add_argument("--dist-backend", choices=["gloo", "nccl"], help=with_device("dist_backend"))
+    d.add_argument("--dist-backend", choices=["gloo", "nccl"], help=_with_device("dist_backend"))
     d.add_argument("--dist-timeout", type=float,
                    help=f"seconds to wait for peers and collectives ({default('dist_timeout')})")
     d.add_argument("--shared-folder-path", help=f"folder (shared by all nodes) for job folders "
                    f"({default('shared_folder_path')}, in the working directory)")
-    t = p.add_argument_group("finetuning" if finetune else "training")
+
+
+def _add_data_and_model(t, mode: str) -> None:
+    """The data, the model and its weights, the resolutions and the input normalisation."""
+    finetune = mode == "finetune"
+    default = _default_help(mode)
     t.add_argument("--data-path", "--imnet-path", dest="data_path",
                    help="ImageFolder root with train/ and val/ (default: embedded Fashion-MNIST subset)")
     t.add_argument("--architecture", help=_architecture_help(default("architecture")))
@@ -310,6 +307,12 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                         f"else {shown(CROP_RATIO)})")
     t.add_argument("--interpolation", choices=INTERPOLATIONS,
                    help=f"resize interpolation (default: timm's pretrained config, else {DEFAULT_INTERPOLATION})")
+
+
+def _add_training_run(t, mode: str) -> None:
+    """Batch, epochs, optimisation, BatchNorm statistics, workers, seed, device and progress bars."""
+    finetune = mode == "finetune"
+    default = _default_help(mode)
     t.add_argument("--batch", type=_positive_int,
                    help=f"images per process per step, >= 2 for training ({default('batch')})")
     t.add_argument("--epochs", type=_positive_int,
@@ -337,6 +340,12 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="rank 0's progress bars on stderr: epochs, evaluations, sweeps, the job's time left "
                         "(default: on when stderr is a terminal, off when it goes to a file or a pipe)")
+
+
+def _add_evaluation(p: argparse.ArgumentParser, mode: str) -> None:
+    """The finetune's own flags (or, in main_scratch.py, their refusal), evaluation and features."""
+    finetune = mode == "finetune"
+    default = _default_help(mode)
     f = p.add_argument_group("FixRes finetune, evaluation and feature extraction" if finetune else
                              "evaluation and feature extraction")
     if not finetune:
@@ -358,6 +367,12 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     f.add_argument("--extract-split", choices=["val", "train"], help=f"split to extract ({default('extract_split')})")
     f.add_argument("--overwrite", action="store_true", default=None,
                    help="let --extract-features replace results already in DIR")
+
+
+def _add_recipe_options(p: argparse.ArgumentParser, mode: str) -> None:
+    """What a --recipe sets: optimizer, schedule, clipping, accumulation, augmentation, EMA."""
+    finetune = mode == "finetune"
+    default = _default_help(mode)
     r = p.add_argument_group("recipe options (torchvision's references/classification names; README: Recipes)")
     mine = [name for name, recipe in recipes.RECIPES.items() if recipe.mode == mode]
     r.add_argument("--recipe", type=functools.partial(_recipe, mode), metavar="{" + ",".join(mine) + "}", help="a named preset of the options below and above, printed in full at "
@@ -409,17 +424,27 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     r.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                    help="write TensorBoard event files into the job folder's tensorboard/ (needs the tensorboard "
                         "extra) (default: off)")
+
+
+def _add_speed(p: argparse.ArgumentParser, mode: str) -> None:
+    """Mixed precision, memory format, compilation, SyncBatchNorm."""
+    finetune = mode == "finetune"
     g = p.add_argument_group("speed")
     g.add_argument("--amp", choices=["bf16", "fp16", "off"], help="mixed precision: bf16 autocast, fp16 with a "
-                   f"GradScaler (CUDA only), or off ({with_device('amp')})")
+                   f"GradScaler (CUDA only), or off ({_with_device('amp')})")
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"NHWC memory format for the model and its inputs ({with_device('channels_last')})")
+                   help=f"NHWC memory format for the model and its inputs ({_with_device('channels_last')})")
     g.add_argument("--compile", nargs="?", const=COMPILE_BACKEND, metavar="BACKEND",
                    help=f"torch.compile the training step with BACKEND ({COMPILE_BACKEND} if none is named; default: "
                         "not compiled); if compilation fails the run warns with the cause and continues uncompiled")
     g.add_argument("--sync-bn", action="store_true", default=None,
                    help="synchronise every BatchNorm over the ranks (SyncBatchNorm" +
                         ("; the trainable ones always are)" if finetune else ")"))
+
+
+def _add_checkpoints(p: argparse.ArgumentParser, mode: str) -> None:
+    """Checkpoints, resuming and preemption."""
+    default = _default_help(mode)
     c = p.add_argument_group("checkpoints and preemption")
     c.add_argument("--ckpt-every", type=int, help="also checkpoint every N optimizer steps (default: epoch ends only)")
     c.add_argument("--keep-checkpoints", type=int,
@@ -430,6 +455,31 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
                    f"({default('preempt_signal')})")
     c.add_argument("--skip-bad-images", action="store_true", default=None,
                    help="skip and count unreadable images instead of stopping")
+
+
+def build_parser(mode: str) -> argparse.ArgumentParser:
+    """The parser of ``main_<mode>.py`` (``mode``: ``scratch`` or ``finetune``): that script's flags
+    only, each default in its help (:func:`defaults`, :data:`DEVICE_DEFAULTS`).
+
+    Values not given are ``None`` (no argparse defaults): rank resolution and :func:`config_fields`
+    fill them in, and a resumed job tells a flag given from one left out. Raises ValueError for
+    another ``mode``.
+    """
+    if mode not in MODE_DEFAULTS:
+        raise ValueError(f"mode must be one of {', '.join(MODE_DEFAULTS)}, got {mode!r}")
+    finetune = mode == "finetune"
+    what = "FixRes-finetune a classifier at the test resolution (Touvron et al., NeurIPS 2019)" if finetune \
+        else "train a classifier from scratch"
+    p = _Parser(allow_abbrev=False, description=f"fixres_dist: {what} with DistributedDataParallel.", formatter_class=_Formatter)
+    p.check = functools.partial(_training_fields, mode=mode)
+    _add_placement(p, mode)
+    training = p.add_argument_group("finetuning" if finetune else "training")
+    _add_data_and_model(training, mode)
+    _add_training_run(training, mode)
+    _add_evaluation(p, mode)
+    _add_recipe_options(p, mode)
+    _add_speed(p, mode)
+    _add_checkpoints(p, mode)
     return p
 
 
@@ -493,28 +543,3 @@ def _check_given_together(given: dict, fields: dict) -> None:
     if fields["opt"] == "adamw" and "momentum" in given:
         raise FixresError("--momentum does not apply to --opt adamw (its moments are Adam's betas)")
 
-
-def run_script(mode: str, argv: list[str] | None = None) -> None:
-    """What ``main_<mode>.py`` and the console entry points run: parse ``argv`` (default: the
-    command line) before anything heavy is imported, then import the launcher (and torch) and run
-    (:func:`fixres_dist.entry.launch.main`). Stop signals before the launcher listens end it with one line,
-    and those that arrive once the job is over are ignored (:mod:`fixres_dist.entry.startup`)."""
-    startup.guard_signals()  # before torch loads: Ctrl-C or SIGTERM while starting is one line, not a traceback
-    startup.quiet_native_logs()
-    try:
-        args = build_parser(mode).parse_args(argv)
-        from fixres_dist.entry.launch import main
-
-        main(mode, args)
-    finally:
-        startup.ignore_signals()
-
-
-def main_scratch() -> None:
-    """Console entry point ``fixres-scratch`` (same as ``python main_scratch.py``)."""
-    run_script("scratch")
-
-
-def main_finetune() -> None:
-    """Console entry point ``fixres-finetune`` (same as ``python main_finetune.py``)."""
-    run_script("finetune")

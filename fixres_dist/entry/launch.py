@@ -21,23 +21,17 @@ import signal
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import attrs
 import torch.multiprocessing as mp
 
-from fixres_dist.training import checkpoint
-from fixres_dist.entry import cli
-from fixres_dist.data import pipeline, file_index
 from fixres_dist.distributed import collectives, joblock, placement
-from fixres_dist.reporting import extraction, tensorboard_events
-from fixres_dist.fixres import finetuning
 from fixres_dist import io
-from fixres_dist.models import lineage, architectures, resolutions, weights
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.config import TrainerConfig
 from fixres_dist.errors import FixresError, first_line, say, user_message
 from fixres_dist.distributed.preemption import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, Preempted, exit_status, ignoring, stop_signals)
+from fixres_dist.training.inputs import JobInputs, preflight
 from fixres_dist.training.trainer import RunResult, Trainer
 
 
@@ -55,79 +49,17 @@ def build_config(mode: str, args: argparse.Namespace, environ=None) -> tuple[Tra
     return config, where.source
 
 
-def preflight(config: TrainerConfig) -> str:
-    """Check data, architecture, resolutions (measured: :mod:`fixres_dist.models.resolutions`), weights,
-    finetune scope and the features folder before anything starts; raises FixresError.
-
-    The data are checked through their file index (:mod:`fixres_dist.data.file_index`), loaded from the
-    shared folder or walked; a walked index is written there only once every check has passed
-    (bad input leaves nothing written). Returns the log line that says which (rank 0 logs it).
-    """
-    root = config.data_path or pipeline.embedded_data_path()
-    index = file_index.data_index(root, config.file_index_folder)
-    classes = pipeline.check_image_folder(root, 2 * config.num_tasks, index)
-    if config.grad_accum_steps > 1 and not config.eval_only:
-        train_images = sum(len(paths) for paths in index.scan("train").images.values())
-        step = config.batch * config.num_tasks * config.grad_accum_steps
-        if step > train_images:
-            raise FixresError(f"--grad-accum-steps {config.grad_accum_steps}: one step would take {step:,} images "
-                              f"(--batch {config.batch} x {config.num_tasks} rank(s) x {config.grad_accum_steps}), more "
-                              f"than the {train_images:,} training images; the linear scaling rule would count images "
-                              "that are not there")
-    shared = Path(config.shared_folder_path).absolute()
-    existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise FixresError(f"cannot create the job folder {shared / config.job_id}: {existing} is not a writable folder")
-    resume, _ = checkpoint.resume_source(config.job_folder, config.resume)
-    if resume is not None:
-        checkpoint.check_resumable(config, checkpoint.load_checkpoint(resume)["config"], resume)
-    architectures.check_architecture(config.architecture, config.low_res_stem)
-    if config.device == "cuda":
-        placement.cuda_device(config.local_rank)
-    if config.compile:
-        import torch._dynamo
-        if config.compile not in torch._dynamo.list_backends(exclude_tags=()):
-            raise FixresError(f"--compile {config.compile!r} is not a torch.compile backend; known: "
-                              f"{', '.join(torch._dynamo.list_backends())}")
-    sizes = {config.input_size, config.test_size, config.train_size, *(config.test_sizes or ())} - {None, "auto"}
-    for size in sorted(sizes):
-        architectures.check_resolution(config.architecture, size)
-    if config.extract_features:
-        extraction.check_destination(config.extract_features, config.overwrite)
-    if config.tensorboard:
-        tensorboard_events.check_available()
-        tensorboard_events.check_folder(config.job_folder)
-    found = weights.read_weight_file(config.weight_path, config.weight_key) if config.weight_path else None
-    resolutions.check_run_sizes(config, len(classes), lineage.for_run(config, found).train_size)
-    if found:
-        build_size = resolutions.build_size(config)
-        model = architectures.build_model(config.architecture, len(classes), image_size=build_size,
-                                   low_res_stem=config.low_res_stem)
-        loaded = weights.load_weights(model, found)
-        if config.input_size == "auto" and loaded.new_head_from is not None:
-            raise FixresError(
-                f"--input-size auto picks the finetune resolution from the sweep before finetuning, but "
-                f"{config.weight_path} gets a new {len(classes)}-class head (its head has {loaded.new_head_from} "
-                f"classes): that sweep would rank an untrained head. Train the head first at one size "
-                f"(main_finetune.py --input-size N --finetune-scope head), then FixRes-finetune that "
-                f"checkpoint.pth with --input-size auto")
-        if config.mode == "finetune" and not config.eval_only:
-            finetuning.trainable_modules(model, build_size, config.finetune_scope, config.last_norm)
-    index.save()
-    return index.describe()
-
-
-def run_rank(config: TrainerConfig, checked: bool = False, locked: bool = False, announce: bool = False,
+def run_rank(config: TrainerConfig, inputs: JobInputs | None = None, locked: bool = False, announce: bool = False,
              index_note: str | None = None) -> RunResult:
     """Run one rank; on failure print one stderr line and exit 1 (3 or 130 after a stop checkpoint).
 
-    ``checked``: :func:`preflight` already ran for this job in this process or its parent;
-    ``locked``, ``announce``, ``index_note`` (what :func:`preflight` returned): see
+    ``inputs``: what :func:`~fixres_dist.training.inputs.preflight` returned in this process;
+    ``locked``, ``announce``, ``index_note`` (the launcher's line about the file index): see
     :class:`~fixres_dist.training.trainer.Trainer`.
     """
     prefix = f"fixres_dist: rank {config.global_rank}:"
     try:
-        return Trainer(config, checked=checked, locked=locked, announce=announce, index_note=index_note)()
+        return Trainer(config, inputs, locked=locked, announce=announce, index_note=index_note)()
     except Preempted as exc:
         say(f"{prefix} {exc}")
         raise SystemExit(exit_status(exc.signal)) from None
@@ -147,7 +79,7 @@ def run_rank(config: TrainerConfig, checked: bool = False, locked: bool = False,
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _stop_with_launcher() -> None:
+def stop_with_launcher() -> None:
     """Ask Linux to send this process SIGTERM when its parent exits (best effort, Linux only).
 
     A spawned rank's parent is the launcher's forkserver, which exits when the launcher's end of its
@@ -210,9 +142,8 @@ class LauncherContext:
 def _spawned_rank(index: int, config: TrainerConfig, lock: PassedFd, index_note: str | None,
                   launcher: LauncherContext) -> None:
     launcher.adopt()
-    _stop_with_launcher()
-    run_rank(attrs.evolve(config, global_rank=index, local_rank=index), checked=True, locked=True,
-             index_note=index_note)
+    stop_with_launcher()
+    run_rank(attrs.evolve(config, global_rank=index, local_rank=index), locked=True, index_note=index_note)
 
 
 # What the forkserver imports once, before it forks each rank (instead of every rank importing it).
@@ -330,13 +261,13 @@ def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
     """Run ``main_scratch.py`` (``mode="scratch"``) or ``main_finetune.py`` (``"finetune"``).
 
     ``argv``: the command line (default ``sys.argv[1:]``), or what :func:`fixres_dist.entry.cli.build_parser`
-    parsed of it (the scripts parse before importing this module: :func:`fixres_dist.entry.cli.run_script`).
+    parsed of it (the scripts parse before importing this module: :func:`fixres_dist.entry.scripts.run_script`).
     """
     args = argv if isinstance(argv, argparse.Namespace) else build_parser(mode).parse_args(argv)
     try:
         config, source = build_config(mode, args)
-        checked = source in ("spawn", "single") or config.global_rank == 0
-        index_note = preflight(config) if checked else None
+        checked = source in ("spawn", "single") or config.global_rank == 0  # else after meeting the peers
+        inputs = preflight(config) if checked else None
     except FixresError as exc:
         rank = args.global_rank if args.global_rank is not None else \
             os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
@@ -344,13 +275,9 @@ def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
         raise SystemExit(1) from None
     if source == "spawn":
         try:
-            spawn(config, index_note)
+            spawn(config, inputs.index.describe())
         except FixresError as exc:  # the job folder is in use
             say(f"fixres_dist: rank 0: {exc}")
             raise SystemExit(1) from None
     else:
-        run_rank(config, checked, announce=source in ("flags", "slurm"), index_note=index_note)
-
-
-# The console entry points of installs made before they moved to fixres_dist.entry.cli (pip install -e . updates them).
-main_scratch, main_finetune = cli.main_scratch, cli.main_finetune
+        run_rank(config, inputs, announce=source in ("flags", "slurm"))

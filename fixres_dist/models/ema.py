@@ -21,8 +21,6 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from fixres_dist.distributed import collectives
 
-STATE_KEY = "model_ema"  # the checkpoint entry of the average's weights (weights.EMA_KEYS reads it)
-
 
 class ModelEMA:
     """The EMA of ``model`` (the unwrapped module: not its DDP wrapper), on ``model``'s device.

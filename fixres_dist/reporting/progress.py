@@ -25,6 +25,8 @@ from typing import Callable, Iterable
 import torch
 from tqdm import tqdm
 
+from fixres_dist.errors import is_terminal
+
 REFRESH_SECONDS = 0.5  # a bar redraws at most this often
 FORWARD_SHARE = 1 / 3  # an evaluated image's cost against a trained one's, until one is measured
 
@@ -106,6 +108,13 @@ class Bar:
     def close(self) -> None:
         """Remove the bar (it leaves no line behind)."""
         self._bar.close()
+
+
+def shown(config) -> bool:
+    """Whether this process draws progress bars for a run of ``config``: rank 0, with ``--progress``,
+    or by default when its stderr is a terminal (not a log file or a pipe)."""
+    wanted = config.progress
+    return config.global_rank == 0 and (is_terminal(sys.stderr) if wanted is None else wanted)
 
 
 class JobClock:

@@ -24,6 +24,7 @@ import random
 import shutil
 from pathlib import Path
 
+import attrs
 import numpy as np
 import torch
 
@@ -100,7 +101,44 @@ def resume_source(job_folder: str | Path, resume: str | None) -> tuple[Path | No
     return (Path(resume), None) if resume else (None, None)
 
 
-REQUIRED_KEYS = ("model", "optimizer", "epoch", "images_in_epoch", "global_step", "ranks", "config", "metrics")
+@attrs.frozen
+class Contents:
+    """A checkpoint's entries (the module docstring), each named once, here: written as
+    :meth:`as_dict`, read back with :meth:`from_dict` (entries that older versions did not write
+    take their defaults). Shapes: ``epoch_sums`` the epoch's (loss sum, images, skipped) so far, over
+    all ranks; ``epoch_seconds`` its training time so far (seconds); ``ranks`` one dict per global rank
+    (``rng``, ``buffers``, ``ema_buffers``); ``tensorboard_at`` images trained on up to which the job's
+    TensorBoard event files hold the curves (None: not recorded)."""
+
+    model: dict
+    optimizer: dict
+    epoch: int
+    images_in_epoch: int
+    global_step: int
+    ranks: list
+    config: dict
+    metrics: list
+    schedule: dict | None = None
+    scaler: dict | None = None
+    input_size: int | None = None
+    epoch_sums: list | None = None
+    epoch_seconds: float = 0.0
+    lineage: dict | None = None
+    tensorboard_at: int | None = None
+    model_ema: dict | None = None
+    model_ema_state: dict | None = None
+
+    def as_dict(self) -> dict:
+        """The dict that :func:`save_checkpoint` writes (without the EMA entries when there is no EMA)."""
+        state = attrs.asdict(self, recurse=False)
+        return {k: v for k, v in state.items() if v is not None or k not in ("model_ema", "model_ema_state")}
+
+    @classmethod
+    def from_dict(cls, state: dict) -> "Contents":
+        return cls(**{f.name: state[f.name] for f in attrs.fields(cls) if f.name in state})
+
+
+REQUIRED_KEYS = tuple(f.name for f in attrs.fields(Contents) if f.default is attrs.NOTHING)
 
 
 def load_checkpoint(path: str | Path) -> dict:

@@ -1,0 +1,154 @@
+"""The run's record: its history of events, and where rank 0 shows and writes them.
+
+Every rank keeps the history (a list of :meth:`~fixres_dist.reporting.metrics.MetricsLog.event`
+dicts; it goes into the checkpoint); rank 0 alone prints log lines (above the progress bar),
+appends ``metrics.jsonl`` and, with ``--tensorboard``, writes TensorBoard event files
+(:mod:`fixres_dist.reporting.tensorboard_events`) whose x axis is images trained on.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+from fixres_dist.config import CONFIG_FILE, TrainerConfig
+from fixres_dist.errors import FixresWarning
+from fixres_dist.io import write_private
+from fixres_dist.reporting.metrics import METRICS_FILE, MetricsLog
+
+POINTS_PER_EPOCH = 50  # about this many points of the per-step training curves an epoch
+
+
+class RunLog:
+    """Log lines, events and curves of one rank's run (see the module docstring).
+
+    ``log``: where rank 0's lines go (default the console, above the progress bar).
+    ``history``: every event so far, this run's and those of the checkpoint it resumed.
+    """
+
+    def __init__(self, config: TrainerConfig, log: Callable[[str], None] | None = None):
+        self.config, self.rank0 = config, config.global_rank == 0
+        self._print = log or tqdm.write
+        self.history: list[dict] = []
+        self.metrics = MetricsLog(config.job_folder / METRICS_FILE, self.rank0)
+        self.board = None  # rank 0's TensorBoardLog with --tensorboard
+        self.board_every = 1  # optimizer steps between two per-step points of the training curves
+        self.board_until = 0  # images trained on up to which the event files hold the curves
+
+    def log(self, message: str) -> None:
+        if self.rank0:
+            self._print(message)
+
+    def warn(self, message: str) -> None:
+        """Rank 0: a :class:`~fixres_dist.errors.FixresWarning` and a ``warning:`` line in the log
+        (``Trainer(config)()`` shows only the line)."""
+        if self.rank0:
+            warnings.warn(message, FixresWarning, stacklevel=3)
+            self.log(f"warning: {message}")
+
+    def record(self, event: str, **fields) -> dict:
+        """Add an event to the history (with its time, which a resumed run's rewrite keeps), to
+        ``metrics.jsonl`` and to the curves; returns it."""
+        entry = MetricsLog.event(event, **fields)
+        self.history.append(entry)
+        self.metrics.write(entry)
+        if self.board is not None:
+            self.board.event(entry)
+        return entry
+
+    def epoch_trained(self, epoch: int, result, lr: float) -> None:
+        """Epoch ``epoch`` (0-based) trained: its ``train`` event and log line, from its
+        :class:`~fixres_dist.training.engine.EpochResult` and the learning rate at its end."""
+        cfg = self.config
+        self.record("train", epoch=epoch + 1, loss=result.loss, lr=lr, img_per_s=result.img_per_s,
+                    **({"skipped_images": result.skipped} if result.skipped else {}),
+                    **({"left_out_images": result.left_out} if result.left_out else {}))
+        self.log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {result.loss:.4f}, lr {lr:.4g}, "
+                 f"{result.img_per_s:,.0f} img/s"
+                 + (f", {result.skipped} unreadable images skipped" if result.skipped else "")
+                 + (f", its last {result.left_out} images left out: fewer than 2 per rank after resuming on "
+                    f"{cfg.num_tasks} ranks" if result.left_out else ""))
+
+    def events(self, event: str, **fields) -> list[dict]:
+        """The events of kind ``event`` whose ``fields`` have these values, oldest first."""
+        return [e for e in self.history if e["event"] == event and all(e.get(k) == v for k, v in fields.items())]
+
+    def epoch_evaluated(self, epoch: int, event: str = "eval") -> bool:
+        """Whether epoch ``epoch``'s evaluation (``eval``, or ``ema_eval`` of the EMA) is recorded (not a
+        sweep's: those carry a label)."""
+        return any("label" not in e for e in self.events(event, epoch=epoch))
+
+    def start(self, history: list[dict], board_at: int, resume_at: int, images_per_epoch: int) -> None:
+        """Rank 0 writes ``config.json`` and the history of the checkpoint resumed (dropping events
+        it does not know of) to ``metrics.jsonl``; with ``--tensorboard`` it opens the event files.
+
+        ``board_at``: images trained on up to which the job's event files hold the curves
+        (:func:`resumed_board_at`). ``resume_at``:
+        images trained on at the checkpoint. The event files are opened where the checkpoint resumed
+        from, or where they stop if that is earlier (the log was off or had failed); what an
+        interrupted run wrote after that point is hidden and the events the checkpoint knows are
+        rewritten from it (no duplicate points on a curve, no gap in the per-epoch ones).
+        """
+        self.history = list(history)
+        if not self.rank0:
+            return
+        write_private(self.config.job_folder / CONFIG_FILE, self.config.to_json() + "\n")
+        self.metrics.rewrite(self.history)
+        self.board_until = board_at
+        if not self.config.tensorboard:
+            return  # the checkpoints carry on where the event files stop
+        from fixres_dist.reporting.tensorboard_events import TensorBoardLog  # its writer is imported only when asked
+
+        since = min(resume_at, self.board_until)
+        self.board = TensorBoardLog(self.config.job_folder, images_per_epoch, resume_at=since,
+                                    on_failure=self._board_failed)
+        self.log(f"TensorBoard: event files in {self.board.folder} (x axis: images trained on; "
+                 f"tensorboard --logdir {self.board.folder})"
+                 + (f"; the curves from image {since:,} on rewritten from the checkpoint's history" if since < resume_at
+                    else ""))
+        self.board.replay(self.history, since=since)
+        self.board_until = since
+        cfg = self.config
+        steps_per_epoch = -(-images_per_epoch // (cfg.batch * cfg.grad_accum_steps * cfg.num_tasks))
+        self.board_every = max(1, steps_per_epoch // POINTS_PER_EPOCH)
+
+    def _board_failed(self, message: str) -> None:
+        """The TensorBoard log stopped (a write failed): say so once; training goes on."""
+        self.board = None
+        self.warn(f"{message}; training goes on (metrics.jsonl has every figure)")
+
+    def step_scalars(self, global_step: int, images_seen: int, loss: float, lr: float) -> None:
+        """The per-step training curves (every :attr:`board_every` optimizer steps): rank 0's images'
+        mean loss and the learning rate at ``images_seen`` images trained on."""
+        if self.board is not None and global_step % self.board_every == 0:
+            self.board.step_scalars(images_seen, loss, lr)
+
+    def figure(self, tag: str, figure, images_seen: int) -> None:
+        if self.board is not None:
+            self.board.figure(tag, figure, images_seen)
+
+    def checkpointed(self, images_seen: int) -> int:
+        """A checkpoint is written at ``images_seen``: returns where the event files hold the curves up
+        to (the checkpoint's ``tensorboard_at``)."""
+        if self.board is not None:
+            self.board_until = images_seen
+        return self.board_until
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+
+def resumed_board_at(checkpoint_path: Path | None, state, job_folder: Path, resume_at: int) -> int:
+    """Where the event files of ``job_folder`` hold the curves up to, by the checkpoint resumed
+    (``state``: its :class:`~fixres_dist.training.checkpoint.Contents`; None if none): its own record,
+    or for a checkpoint written before it recorded one, all of them if that run wrote curves. A
+    checkpoint of another job's folder says nothing about this folder's files (0)."""
+    if checkpoint_path is None or Path(checkpoint_path).resolve().parent != job_folder.resolve():
+        return 0
+    if state.tensorboard_at is not None:
+        return state.tensorboard_at
+    return resume_at if state.config.get("tensorboard") else 0

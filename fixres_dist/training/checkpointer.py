@@ -1,0 +1,102 @@
+"""Writing the job's checkpoints and continuing from one, with every rank taking part.
+
+A checkpoint (:mod:`fixres_dist.training.checkpoint`: the file format) holds the unwrapped model,
+the optimizer step's state (:class:`~fixres_dist.training.step.TrainStep`), the position
+(:class:`~fixres_dist.training.state.TrainState`), the history (:class:`~fixres_dist.reporting.run_log.RunLog`)
+and, per rank, its RNG states and BatchNorm buffers; resuming it is bit-identical on the same world
+size, and on another one re-derives the learning rate (linear scaling rule) and averages the buffers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fixres_dist.config import TrainerConfig
+from fixres_dist.distributed import collectives
+from fixres_dist.errors import FixresError, plural
+from fixres_dist.reporting.run_log import RunLog
+from fixres_dist.training import checkpoint, finite
+from fixres_dist.training.faults import FaultInjector
+from fixres_dist.training.network import Network
+from fixres_dist.training.state import TrainState
+from fixres_dist.training.step import TrainStep
+
+
+class Checkpointer:
+    """The job's checkpoints. ``last_step``: the global step of the last checkpoint written or
+    resumed (None: none yet); ``unsaved``: trained since it."""
+
+    def __init__(self, config: TrainerConfig, run_log: RunLog, faults: FaultInjector, control_group=None):
+        self.config, self.run_log, self.faults, self.control_group = config, run_log, faults, control_group
+        self.last_step: int | None = None
+        self.unsaved = False
+
+    def save(self, state: TrainState, network: Network, step: TrainStep, images_per_epoch: int, lineage) -> None:
+        """All ranks: gather per-rank RNG and BatchNorm buffers; rank 0 writes; all learn the outcome.
+        Raises :class:`~fixres_dist.errors.FixresError` on every rank when the write failed (the
+        previous checkpoint is kept), :class:`~fixres_dist.training.finite.NonFiniteLoss` if the
+        epoch's sums are not finite."""
+        cfg = self.config
+        mine = {"rng": checkpoint.rng_state(), "buffers": checkpoint.buffers_of(network.model),
+                **({"ema_buffers": checkpoint.buffers_of(step.ema.module)} if step.ema is not None else {})}
+        ranks = collectives.gather_object(mine, self.control_group)
+        partial = state.meter is not None and state.images_in_epoch
+        sums = state.meter.totals() if partial else torch.zeros(3, dtype=torch.float64, device=network.device)
+        epoch_sums = collectives.all_reduce_sum(sums).tolist()  # all ranks: a collective
+        if not all(map(math.isfinite, epoch_sums)):  # a last guard: the callers agreed on this step first
+            raise self.diverged(state, state.global_step)
+        error = None
+        if cfg.global_rank == 0:
+            contents = checkpoint.Contents(
+                model=network.model.state_dict(), **step.state_dict(state.epoch + state.images_in_epoch / images_per_epoch),
+                input_size=state.input_size, epoch_sums=epoch_sums, epoch=state.epoch,
+                images_in_epoch=state.images_in_epoch, global_step=state.global_step, ranks=ranks,
+                epoch_seconds=state.meter.seconds() if partial else 0.0, config=cfg.to_dict(),
+                metrics=self.run_log.history, lineage=lineage.record(),
+                tensorboard_at=self.run_log.checkpointed(state.images_seen(images_per_epoch)))
+            try:
+                checkpoint.save_checkpoint(cfg.job_folder, contents.as_dict(), state.global_step, cfg.keep_checkpoints,
+                                           self.faults.checkpoint_write, protect=cfg.resume)
+            except FixresError as exc:
+                error = str(exc)
+        error = collectives.broadcast_object(error)
+        if error:
+            raise FixresError(error if cfg.global_rank == 0 else f"rank 0 could not write the checkpoint: {error}")
+        self.unsaved, self.last_step = False, state.global_step
+
+    def restore(self, resume, state: TrainState, network: Network, step: TrainStep, train_images: int) -> None:
+        """Continue from ``resume`` (:class:`~fixres_dist.training.inputs.Resume`): parameters, the
+        optimizer step's state, RNG and BatchNorm buffers (``state`` already holds the position)."""
+        cfg, contents = self.config, resume.contents
+        network.model.load_state_dict(contents.model)
+        self.last_step = state.global_step
+        same_world = len(contents.ranks) == cfg.num_tasks
+        rank = cfg.global_rank if same_world else None
+        if same_world:
+            checkpoint.set_rng_state(contents.ranks[cfg.global_rank]["rng"])
+        buffers = checkpoint.rank_buffers(contents.ranks, rank)
+        network.model.load_state_dict({**network.model.state_dict(), **buffers})
+        step.load(contents, checkpoint.rank_buffers(contents.ranks, rank, "ema_buffers") if step.ema else None)
+        if not same_world:
+            self.run_log.warn(f"resuming a {len(contents.ranks)}-rank checkpoint on {plural(cfg.num_tasks, 'rank')}: lr "
+                              f"re-derived by the linear scaling rule ({step.base_lr:g}), BatchNorm statistics averaged, "
+                              f"epoch {state.epoch + 1} continues at image {state.images_in_epoch} of {train_images} "
+                              "of the same permutation (no image repeated); RNG streams restart")
+        if state.epoch >= cfg.epochs:
+            self.run_log.log(f"{resume.path}: this job already completed its {cfg.epochs} epochs; nothing to do "
+                             "(use another --job-id for a new run)")
+        else:
+            self.run_log.log(f"resumed from {resume.path}: epoch {state.epoch + 1}, image {state.images_in_epoch} of "
+                             f"the epoch, step {state.global_step}")
+
+    def diverged(self, state: TrainState, step: int) -> finite.NonFiniteLoss:
+        """Every rank, at a non-finite loss of optimizer step ``step``: records it; returns the error to
+        raise (nothing more is written)."""
+        cfg = self.config
+        self.run_log.record("diverged", epoch=state.epoch + 1, step=step, reason="non-finite loss")
+        kept = (f"the last good checkpoint (step {self.last_step}) is kept in {cfg.job_folder}"
+                if self.last_step is not None else "no checkpoint was written")
+        return finite.NonFiniteLoss(f"non-finite loss (NaN or infinity) at epoch {state.epoch + 1}, step {step}: "
+                                    f"training stopped on all ranks; {kept}; lower --learning-rate "
+                                    "(or raise --warmup-epochs) and use a new --job-id")

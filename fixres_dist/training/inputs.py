@@ -1,0 +1,138 @@
+"""What a run is built from, read and checked once: the data's file index and classes, the
+checkpoint it continues, the weight file it starts from.
+
+One path for both places that need it. :func:`preflight` runs it before anything starts (in the
+launcher, or in rank 0's process before it meets its peers) with every check a bad command line
+could fail, so that bad input is refused in seconds with nothing written; the
+:class:`~fixres_dist.training.trainer.Trainer` then builds from what it returned (in the same
+process) or, in a rank started elsewhere, runs :meth:`JobInputs.read` itself after meeting its peers,
+so that its failure reaches them. Every check raises :class:`~fixres_dist.errors.FixresError`.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attrs
+
+from fixres_dist.config import TrainerConfig
+from fixres_dist.data import file_index, pipeline
+from fixres_dist.distributed import placement
+from fixres_dist.errors import FixresError
+from fixres_dist.fixres import finetuning
+from fixres_dist.models import architectures, lineage, resolutions, weights
+from fixres_dist.reporting import extraction, tensorboard_events
+from fixres_dist.training import checkpoint
+
+
+@attrs.frozen
+class Resume:
+    """The checkpoint a run continues (:func:`fixres_dist.training.checkpoint.resume_source`):
+    ``path``, ``note`` (a line for the log, or None) and its :class:`~fixres_dist.training.checkpoint.Contents`."""
+
+    path: Path
+    note: str | None
+    contents: checkpoint.Contents
+
+
+@attrs.frozen
+class JobInputs:
+    """The inputs of one run of ``config``, read and checked (see the module docstring).
+
+    ``root``: the data folder; ``index``: its file index (:mod:`fixres_dist.data.file_index`, walked
+    or loaded; written by rank 0 or the launcher); ``classes``: the class names, in label order;
+    ``resume``: the checkpoint continued, or None; ``weights``: ``--weight-path`` read, or None.
+    """
+
+    root: Path
+    index: file_index.DataIndex
+    classes: list[str]
+    resume: Resume | None
+    weights: weights.WeightFile | None
+
+    @classmethod
+    def read(cls, config: TrainerConfig) -> "JobInputs":
+        """The checks that building the run makes anyway: the data and their index, a too large
+        ``--grad-accum-steps``, the job folder, the checkpoint continued, the features folder, the
+        weight file."""
+        root = Path(config.data_path or pipeline.embedded_data_path())
+        index = file_index.data_index(root, config.file_index_folder)
+        classes = pipeline.check_image_folder(root, 2 * config.num_tasks, index)
+        _check_accumulation(config, index)
+        _check_job_folder(config)
+        path, note = checkpoint.resume_source(config.job_folder, config.resume)
+        resume = None
+        if path is not None:
+            state = checkpoint.load_checkpoint(path)
+            checkpoint.check_resumable(config, state["config"], path)
+            resume = Resume(path, note, checkpoint.Contents.from_dict(state))
+        if config.extract_features:
+            extraction.check_destination(config.extract_features, config.overwrite)
+        found = weights.read_weight_file(config.weight_path, config.weight_key) if config.weight_path else None
+        return cls(root, index, classes, resume, found)
+
+
+def _check_accumulation(config: TrainerConfig, index: file_index.DataIndex) -> None:
+    if config.grad_accum_steps > 1 and not config.eval_only:
+        train_images = sum(len(paths) for paths in index.scan("train").images.values())
+        step = config.batch * config.num_tasks * config.grad_accum_steps
+        if step > train_images:
+            raise FixresError(f"--grad-accum-steps {config.grad_accum_steps}: one step would take {step:,} images "
+                              f"(--batch {config.batch} x {config.num_tasks} rank(s) x {config.grad_accum_steps}), more "
+                              f"than the {train_images:,} training images; the linear scaling rule would count images "
+                              "that are not there")
+
+
+def _check_job_folder(config: TrainerConfig) -> None:
+    shared = Path(config.shared_folder_path).absolute()
+    existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise FixresError(f"cannot create the job folder {shared / config.job_id}: {existing} is not a writable folder")
+
+
+def preflight(config: TrainerConfig) -> JobInputs:
+    """:meth:`JobInputs.read`, then what only a whole command line can fail: the architecture, the
+    GPU, the ``--compile`` backend, every resolution (measured: :mod:`fixres_dist.models.resolutions`),
+    TensorBoard, the weights against the model and the finetune scope. Writes a walked file index
+    once every check passed (bad input leaves nothing written)."""
+    inputs = JobInputs.read(config)
+    architectures.check_architecture(config.architecture, config.low_res_stem)
+    if config.device == "cuda":
+        placement.cuda_device(config.local_rank)
+    if config.compile:
+        _check_compile_backend(config.compile)
+    sizes = {config.input_size, config.test_size, config.train_size, *(config.test_sizes or ())} - {None, "auto"}
+    for size in sorted(sizes):
+        architectures.check_resolution(config.architecture, size)
+    if config.tensorboard:
+        tensorboard_events.check_available()
+        tensorboard_events.check_folder(config.job_folder)
+    resolutions.check_run_sizes(config, len(inputs.classes), lineage.for_run(config, inputs.weights).train_size)
+    if inputs.weights:
+        _check_weights(config, inputs)
+    inputs.index.save()
+    return inputs
+
+
+def _check_compile_backend(backend: str) -> None:
+    import torch._dynamo  # seconds to import: only with --compile
+
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise FixresError(f"--compile {backend!r} is not a torch.compile backend; known: "
+                          f"{', '.join(torch._dynamo.list_backends())}")
+
+
+def _check_weights(config: TrainerConfig, inputs: JobInputs) -> None:
+    build_size = resolutions.build_size(config)
+    model = architectures.build_model(config.architecture, len(inputs.classes), image_size=build_size,
+                                      low_res_stem=config.low_res_stem)
+    loaded = weights.load_weights(model, inputs.weights)
+    if config.input_size == "auto" and loaded.new_head_from is not None:
+        raise FixresError(
+            f"--input-size auto picks the finetune resolution from the sweep before finetuning, but "
+            f"{config.weight_path} gets a new {len(inputs.classes)}-class head (its head has {loaded.new_head_from} "
+            f"classes): that sweep would rank an untrained head. Train the head first at one size "
+            f"(main_finetune.py --input-size N --finetune-scope head), then FixRes-finetune that "
+            f"checkpoint.pth with --input-size auto")
+    if config.mode == "finetune" and not config.eval_only:
+        finetuning.trainable_modules(model, build_size, config.finetune_scope, config.last_norm)

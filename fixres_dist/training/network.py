@@ -1,0 +1,128 @@
+"""The network a run trains or evaluates: built, its weights loaded, prepared for training.
+
+:class:`Network` holds the unwrapped classifier (``model``: evaluation and checkpoints use it), the
+DDP-wrapped one (``ddp``), the forward that training calls (``--compile``: compiled at its first
+call, uncompiled if compilation fails), the preprocessing its weights expect
+(:mod:`fixres_dist.models.preprocessing`) and the lineage of those weights
+(:mod:`fixres_dist.models.lineage`: the resolution they were trained at from scratch).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from fixres_dist.config import TrainerConfig
+from fixres_dist.errors import first_line
+from fixres_dist.fixres import finetuning
+from fixres_dist.models import architectures, batchnorm, lineage, preprocessing, resolutions, weights
+
+
+class Network:
+    """Build ``config.architecture`` for ``num_classes`` classes at ``size`` pixels on ``device``, with
+    ``found`` (the ``--weight-path`` file read, or None) loaded; ``log``/``warn``: rank 0's log.
+
+    ``new_head``: ``(classes, the weight file's head's classes)`` when the weights got a new head, else
+    None; ``train_size``: the resolution (pixels) the weights were trained at from scratch, None when
+    unknown. Raises :class:`~fixres_dist.errors.FixresError` for weights that do not fit the model.
+    """
+
+    def __init__(self, config: TrainerConfig, num_classes: int, size: int, found: weights.WeightFile | None,
+                 device: torch.device, log: Callable[[str], None], warn: Callable[[str], None]):
+        self.config, self.device, self.log, self.warn = config, device, log, warn
+        model = architectures.build_model(config.architecture, num_classes, image_size=size,
+                                          low_res_stem=config.low_res_stem)
+        self.new_head = None
+        if found is not None:
+            log(found.describe())
+            loaded = weights.load_weights(model, found)
+            if loaded.note:
+                log(loaded.note)
+            if loaded.new_head_from is not None:
+                self.new_head = (num_classes, loaded.new_head_from)
+        self.preprocessing = preprocessing.resolve(config, found.config if found else None)
+        log(self.preprocessing.describe())
+        self.weights_lineage = lineage.for_run(config, found)
+        self.train_size = self.weights_lineage.train_size
+        if config.eval_only:
+            log(f"evaluating weights: {self.weights_lineage.describe()}")
+        if config.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model.to(device)
+        self.ddp = self.forward = self.model
+        self._compile_checked = True
+
+    @staticmethod
+    def build_size(config: TrainerConfig, input_size: int) -> int:
+        """The size (pixels) to build at: the training resolution ``input_size`` (resumed: the size
+        trained at), or with ``--eval-only`` the first size evaluated."""
+        return resolutions.build_size(config) if config.eval_only else input_size
+
+    def lineage_at(self, input_size: int) -> lineage.Lineage:
+        """The lineage of the network this run reports on and checkpoints: the weights evaluated
+        (``--eval-only``), those trained from scratch here at ``input_size``, or those finetuned here at
+        ``input_size`` from weights trained at :attr:`train_size`."""
+        if self.config.eval_only:
+            return self.weights_lineage
+        if self.config.mode == "scratch":
+            return lineage.Lineage(input_size)
+        return lineage.Lineage(self.train_size, input_size)
+
+    def prepare_for_training(self, input_size: int) -> None:
+        """Finetune (FixRes): train only ``--finetune-scope`` at ``input_size``, the rest frozen. Then
+        ``--sync-bn``. Before the optimizer is built: both may replace BatchNorm modules."""
+        cfg = self.config
+        if cfg.mode == "finetune":
+            self._freeze_for_finetune(input_size)
+        if cfg.sync_bn and cfg.num_tasks > 1:
+            synchronised = batchnorm.synchronise(self.model, None, self.device.type)
+            self.log(f"--sync-bn: {len(synchronised)} BatchNorm layers synchronised over {cfg.num_tasks} ranks")
+
+    def _freeze_for_finetune(self, input_size: int) -> None:
+        """The scope's parameters train; trainable BatchNorms see the union of all ranks' images."""
+        cfg = self.config
+        self.model = architectures.for_resolution(self.model, input_size)  # ViT: position embeddings
+        trainable = finetuning.freeze_for_finetune(self.model, input_size, cfg.finetune_scope, cfg.last_norm)
+        count = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.log(f"finetuning ({cfg.finetune_scope}) {count:,} of {sum(p.numel() for p in self.model.parameters()):,} "
+                 f"parameters in {len(trainable)} tensors: {', '.join(trainable)}")
+        below = finetuning.finetune_resolution_warning(self.train_size, input_size)
+        if below:
+            self.warn(below)
+        if cfg.num_tasks > 1:
+            norms = [name for name, m in self.model.named_modules() if isinstance(m, finetuning.NORM_TYPES)
+                     and any(p.requires_grad for p in m.parameters(recurse=False))]
+            synchronised = batchnorm.synchronise(self.model, norms, self.device.type)
+            if synchronised:
+                self.log(f"BatchNorm statistics over all {cfg.num_tasks} ranks' images: {', '.join(synchronised)}")
+
+    def wrap(self) -> None:
+        """The DDP wrap (world size > 1) and, with ``--compile``, the forward to compile at its first call."""
+        cfg = self.config
+        self.ddp = self.model if cfg.num_tasks == 1 else DistributedDataParallel(
+            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            forward_sync_buffers=cfg.dist_bn == "broadcast")
+        self.forward = torch.compile(self.ddp, backend=cfg.compile) if cfg.compile else self.ddp
+        self._compile_checked = not cfg.compile
+
+    @property
+    def no_sync(self):
+        """DDP's ``no_sync`` (gradient accumulation without all-reducing each micro-batch), or None."""
+        return self.ddp.no_sync if self.ddp is not self.model else None
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """The training forward. Compilation happens at the first call; if it fails, the run warns
+        with the cause and goes on uncompiled (same results, eager speed) rather than losing the job
+        to a compiler problem."""
+        if self._compile_checked:
+            return self.forward(images)
+        try:
+            logits = self.forward(images)
+        except Exception as exc:  # any compiler failure; a genuine error recurs below, uncompiled
+            self.warn(f"--compile {self.config.compile} failed ({type(exc).__name__}: {first_line(exc)}); "
+                      "continuing uncompiled")
+            self.forward, self._compile_checked = self.ddp, True
+            return self.ddp(images)
+        self._compile_checked = True
+        return logits

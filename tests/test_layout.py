@@ -1,0 +1,254 @@
+"""The code's shape, checked from its syntax trees (nothing is imported): short functions and
+classes, no import cycle among the package's modules, and no private name of ours used outside the
+module that defines it. Each check fails with the whole list of offenders."""
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "fixres_dist"
+MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 300
+MAX_FILE_LINES = {"fixres_dist/training/trainer.py": 250}
+# Where private names of ours must not be reached into: the package, and the code that uses it.
+USERS = ("tests", "benchmarks", "slurm")
+SELF = ("self", "cls")
+# Third-party private names the tests, benchmarks and slurm scripts cannot do without (`base._name`:
+# the name, with the last part of its base or module where the name alone would be too broad).
+THIRD_PARTY_PRIVATE = {
+    "_actions",            # argparse: a parser's options (its only list of them)
+    "os._exit",            # leave a forked process without running the parent's clean-up
+    "torch._dynamo",       # torch.compile's backends and reset
+    "_parameters", "_buffers", "_modules",  # torch.nn.Module's registries
+    "batchnorm._BatchNorm",               # torch.nn.modules.batchnorm: every BatchNorm's base class
+    "forkserver._forkserver",             # multiprocessing's forkserver (a test kills its server)
+    "_fc", "_bn1",         # efficientnet_lite_pytorch's classifier and last norm (its own names)
+}
+
+
+def fail_with(offenders: list[str], what: str) -> None:
+    if offenders:
+        in_order = sorted(offenders, key=lambda line: re.sub(r"\d+", lambda number: number[0].zfill(9), line))
+        pytest.fail(f"{what} ({len(offenders)}):\n" + "\n".join(in_order), pytrace=False)
+
+
+def relative(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+@cache
+def tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+def package_files() -> list[Path]:
+    return sorted((ROOT / PACKAGE).rglob("*.py"))
+
+
+def user_files() -> list[Path]:
+    return sorted(p for folder in USERS for p in (ROOT / folder).rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name (a package by its ``__init__``)."""
+    return {module_name(path): path for path in package_files()}
+
+
+def is_package(name: str) -> bool:
+    return modules().get(name, Path()).name == "__init__.py"
+
+
+def imported_from(node: ast.ImportFrom, importer: str) -> str:
+    """The absolute module name of ``from X import ...`` in module ``importer``."""
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".")
+    base = base if is_package(importer) else base[:-1]
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(importer: str, module: ast.Module):
+    """``(line, imported module, alias bound or None, imported name or None)`` for every import in
+    ``module``, at module level or in a function; ``from package import submodule`` imports the
+    submodule."""
+    for node in ast.walk(module):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, alias.asname, None
+        elif isinstance(node, ast.ImportFrom):
+            source = imported_from(node, importer)
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                if submodule in modules():
+                    yield node.lineno, submodule, alias.asname or alias.name, None
+                else:
+                    yield node.lineno, source, None, alias.name
+
+
+def private(name: str | None) -> bool:
+    return bool(name) and name.startswith("_") and not name.startswith("__") and name != "_"
+
+
+def third_party(base: str, name: str) -> bool:
+    """Whether ``base._name`` (``base``: a dotted name, or a module ``name`` is imported from) is allowed."""
+    return name in THIRD_PARTY_PRIVATE or f"{base.rpartition('.')[2]}.{name}" in THIRD_PARTY_PRIVATE
+
+
+def test_functions_and_classes_are_short():
+    offenders = []
+    for path in package_files():
+        for node in ast.walk(tree(path)):
+            limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    offenders.append(f"{relative(path)}:{node.lineno} {node.name}: {lines} lines (at most {limit})")
+    for name, limit in MAX_FILE_LINES.items():
+        lines = len((ROOT / name).read_text().splitlines())
+        if lines > limit:
+            offenders.append(f"{name}: {lines} lines (at most {limit})")
+    fail_with(offenders, "too long")
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {module of the package it imports: line of the first such import}."""
+    graph = {}
+    for name, path in modules().items():
+        edges = graph.setdefault(name, {})
+        for line, imported, _, _ in imports(name, tree(path)):
+            if imported in modules() and imported != name:
+                edges.setdefault(imported, line)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle through each strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(set(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    found = []
+    for component in components:  # the shortest way back to its first module, breadth first
+        start = min(component)
+        paths, seen = [[start]], {start}
+        while paths:
+            path = paths.pop(0)
+            nexts = sorted(o for o in graph[path[-1]] if o in component)
+            if start in nexts:
+                found.append(path + [start])
+                break
+            for other in nexts:
+                if other not in seen:
+                    seen.add(other)
+                    paths.append(path + [other])
+    return found
+
+
+def test_no_import_cycle():
+    """Counting the imports inside functions too: a deferred import may avoid a cost (torch before
+    ``--help``), never close a cycle."""
+    graph = import_graph()
+    offenders = [" -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+                 for cycle in cycles(graph)]
+    fail_with(offenders, "import cycles")
+
+
+def test_the_graph_sees_deferred_and_submodule_imports():
+    scripts = import_graph()["fixres_dist.entry.scripts"]
+    assert "fixres_dist.entry.launch" in scripts  # inside run_script
+    assert "fixres_dist.entry.startup" in scripts and "fixres_dist.entry" not in scripts  # from package import module
+    assert cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == [["a", "b", "c", "a"]]
+
+
+def dotted(node: ast.expr) -> str | None:
+    """``a.b.c`` for a chain of names and attributes, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def module_aliases(importer: str, module: ast.Module) -> dict[str, str]:
+    """Names bound to modules of the package in ``module`` (``import fixres_dist.x as x``, ``from
+    fixres_dist import x``; ``import fixres_dist.x`` binds ``fixres_dist``)."""
+    bound = {}
+    for _, imported, alias, name in imports(importer, module):
+        if name is None and (imported == PACKAGE or imported.startswith(PACKAGE + ".")):
+            bound[alias or imported.split(".")[0]] = imported if alias else imported.split(".")[0]
+    return bound
+
+
+def private_uses(path: Path, importer: str, ours_only: bool) -> list[str]:
+    """Private names of another module that ``path`` uses: imported, or read as an attribute of a
+    module of the package; with ``ours_only`` False (tests, benchmarks, slurm scripts), also any
+    ``obj._name`` outside ``self``/``cls``, and any private name imported, but those of
+    :data:`THIRD_PARTY_PRIVATE`."""
+    module, where = tree(path), relative(path)
+    found = []
+    for line, imported, alias, name in imports(importer, module):
+        ours = imported.startswith(PACKAGE)
+        if private(name) and (ours or not (ours_only or third_party(imported, name))):
+            found.append(f"{where}:{line} from {imported} import {name}")
+        elif private(imported.rpartition(".")[2]) and imported.startswith(PACKAGE):
+            found.append(f"{where}:{line} import {imported}")
+    aliases = module_aliases(importer, module)
+    for node in ast.walk(module):
+        if not isinstance(node, ast.Attribute) or not private(node.attr):
+            continue
+        base = dotted(node.value)
+        if base is not None and base.split(".")[0] in aliases:
+            target = ".".join([aliases[base.split(".")[0]], *base.split(".")[1:]])
+            if target in modules() or target == PACKAGE:
+                found.append(f"{where}:{node.lineno} {base}.{node.attr}")
+                continue
+        if ours_only or base in SELF:
+            continue
+        if not third_party(base or "", node.attr):
+            found.append(f"{where}:{node.lineno} {base or ast.unparse(node.value)}.{node.attr}")
+    return found
+
+
+def test_no_private_name_is_used_across_modules():
+    offenders = []
+    for path in package_files():
+        offenders += private_uses(path, module_name(path), ours_only=True)
+    for path in user_files():
+        offenders += private_uses(path, path.stem, ours_only=False)
+    fail_with(offenders, "private names used outside the module that defines them")

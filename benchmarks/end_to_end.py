@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the package is not installed in .venv
-from input_pipeline import make_jpeg_folder  # noqa: E402  (benchmarks/ is this script's folder)
-from step_overhead import FixedBatchLoader, RawLoop  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
 from fixres_dist.data.samplers import ExactBatchSampler
+from input_pipeline import make_jpeg_folder  # benchmarks/ is this script's folder
+from step_overhead import FixedBatchLoader, RawLoop
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PRESETS = {
     "cpu": {"device": "cpu", "architecture": "resnet18", "size": 64, "batch": 32, "train_images": 640,
@@ -104,7 +104,8 @@ def main() -> None:
     parser.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND")
     parser.add_argument("--raw-steps", type=int, default=20, help="steps per epoch of the raw loop")
     parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "fixres_dist_jpeg_e2e"))
-    parser.add_argument("--source-dir", help="folder of foolbox's imagenet_*_*.jpg (default: foolbox's own data folder)")
+    parser.add_argument("--source-dir",
+                        help="folder of foolbox's imagenet_*_*.jpg (default: foolbox's own data folder)")
     parser.add_argument("--json", metavar="FILE", help="write the figures here")
     args = parser.parse_args()
     preset = PRESETS[args.preset or ("gpu" if args.device == "cuda" else "cpu")]

@@ -22,8 +22,9 @@ class, named like ImageNet's (``n00000000_17.JPEG``). Empty files cost an inode 
   this machine's 2 cores the ranks' imports alone take minutes), so this measures exactly what a
   job does with the data before its first step: the preflight (index loaded or walked, the data
   checked from it, a walked index written; before: the check's walk), then ``--ranks`` processes at
-  once, each making both datasets as :meth:`fixres_dist.training.trainer.Trainer._build_data` does (index
-  loaded and checked, then the datasets; before: each walks the folders). The processes are forked
+  once, each making both datasets as a rank does (index loaded and checked, by
+  :class:`fixres_dist.training.inputs.JobInputs`, then the datasets, by
+  :class:`fixres_dist.data.job_data.JobData`; before: each walks the folders). The processes are forked
   from this one after its imports, so Python's and torch's import time (see
   ``process_group_ready.py``) is not counted. Wall clock from the preflight's start to the last
   rank holding its datasets.
@@ -49,9 +50,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
-from torchvision import datasets  # noqa: E402
+from torchvision import datasets
 
-from fixres_dist.data import pipeline, file_index
+from fixres_dist.data import file_index, pipeline
 
 DONE_MARK = ".complete"  # hidden: no part of the data (the walk never reads the root's own entries)
 
@@ -88,7 +89,7 @@ def best(repeats: int, function) -> float:
 
 
 def rank_datasets(root: Path, cache: Path | None) -> None:
-    """One rank's data before its first step (as Trainer._build_data): index loaded and checked (or
+    """One rank's data before its first step (as JobInputs, then JobData): index loaded and checked (or
     walked), then both datasets; ``cache`` None: walk the folders, as before the index."""
     index = file_index.data_index(root, cache) if cache is not None else None
     train, val = pipeline.image_folder(root, "train", index), pipeline.image_folder(root, "val", index)

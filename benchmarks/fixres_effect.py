@@ -40,7 +40,7 @@ checkpoint when the same command runs again. The report is printed and written t
 
 Defaults (2 CPU cores): ``resnet20`` (He et al. 2016 section 4.2: total stride 4, so 16-32 px inputs
 keep feature maps of 4-8 px and a change of input size does not change the network's geometry,
-unlike stride-32 ImageNet networks, see the README); ``plain`` trained at 16 px and tested at 24 px,
+unlike stride-32 ImageNet networks, see docs/models.md); ``plain`` trained at 16 px and tested at 24 px,
 ``canvas`` trained at 24 px and tested at 32 px (the apparent-object-size estimate of FixRes section
 3.1 is 1.36 x K_train: 21.8 and 32.7 px); the first 1,000 training images per class (10,000), all
 10,000 test images (standard error about 0.35 point); scratch: 12 epochs, lr 0.1 per 256 images,
@@ -65,18 +65,19 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
-from torchvision.transforms import v2  # noqa: E402
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
 
 from fixres_dist.data import pipeline
-from fixres_dist.models import architectures
-from fixres_dist.fixres.sweep import standard_error
-from fixres_dist.models.weights import load_weights, read_weight_file
 from fixres_dist.errors import FixresError
+from fixres_dist.fixres.sweep import standard_error
+from fixres_dist.models import architectures
+from fixres_dist.models.weights import load_weights, read_weight_file
+
+REPO = Path(__file__).resolve().parents[1]
 
 SOURCE = Path("/usr/share/datasets/fashion-mnist")
 IDX_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
@@ -274,8 +275,11 @@ def run_seed(args, dataset: str, seed: int, data_path: Path, runs: Path) -> dict
               "--seed", str(seed), *(["--device", args.device] if args.device else [])]
     scratch_args = [*common, "--epochs", str(args.epochs), "--learning-rate", str(args.lr),
                     "--warmup-epochs", str(args.warmup_epochs)]
-    job = lambda script, stage, extra, epochs: run_job(  # noqa: E731
-        script, f"{dataset}-{stage}", seed, extra, epochs, runs, args.num_tasks, args.workers, sweep=False)
+
+    def job(script, stage, extra, epochs):
+        return run_job(script, f"{dataset}-{stage}", seed, extra, epochs, runs, args.num_tasks, args.workers,
+                       sweep=False)
+
     low, low_s = job("main_scratch.py", f"scratch{train}", [*scratch_args, "--input-size", str(train)], args.epochs)
     high, high_s = job("main_scratch.py", f"scratch{test}", [*scratch_args, "--input-size", str(test)], args.epochs)
     weights = runs / job_id(f"{dataset}-scratch{train}", seed,
@@ -386,7 +390,8 @@ def report_dataset(args, dataset: str, results: list[dict]) -> list[str]:
               f"- detail-matched - standard test, FixRes finetuned: {mean_std(detail, True)} points "
               "(0: the test resolution helps by the apparent object size alone; below 0: it also uses "
               "the extra detail, or the upscaling blur costs by itself)",
-              f"- training cost: at {train} px {statistics.fmean(r['img_per_s']['train'] for r in results):,.0f} img/s, "
+              f"- training cost: at {train} px "
+              f"{statistics.fmean(r['img_per_s']['train'] for r in results):,.0f} img/s, "
               f"at {test} px {statistics.fmean(r['img_per_s']['test'] for r in results):,.0f} img/s "
               f"({cost:.2f}x cheaper at the train resolution); binomial standard error of one top-1 here: "
               f"{standard_error(statistics.fmean(r['baseline'] for r in results), n):.2f} point"]

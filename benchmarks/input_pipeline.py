@@ -135,7 +135,8 @@ def ours_normalized(module, root, split, size, train):
 
 
 def reference(root: Path, split: str, size: int, train: bool):
-    dataset = datasets.ImageFolder(str(root / split), transform=reference_train(size) if train else reference_test(size))
+    dataset = datasets.ImageFolder(str(root / split),
+                                   transform=reference_train(size) if train else reference_test(size))
     return lambda indices: default_collate([dataset[i] for i in indices])[0]
 
 
@@ -204,19 +205,26 @@ def breakdown(root: Path, size: int, repeats: int, count: int = 100) -> list[tup
 
     steps = [
         ("read the file (page cache)", lambda i: Path(paths[i]).read_bytes(), len(paths)),
-        ("decode: PIL open + convert('RGB') [reference, ours before]", lambda i: Image.open(io.BytesIO(encoded[i])).convert("RGB"), len(paths)),
+        ("decode: PIL open + convert('RGB') [reference, ours before]",
+         lambda i: Image.open(io.BytesIO(encoded[i])).convert("RGB"), len(paths)),
         ("decode: torchvision.io.decode_jpeg to uint8 tensor [ours]", tv_decode, len(paths)),
         ("decode: PIL draft 1/2 (DCT-domain downscale, for info)", lambda i: draft_decode(i, 2), len(paths)),
         ("decode: PIL draft 1/4 (for info)", lambda i: draft_decode(i, 4), len(paths)),
-        (f"RandomResizedCrop({size}) on PIL [reference, ours before]", lambda i: TF.resized_crop(pil[i % 20], **params[i % 20], size=[size, size]), 20),
-        (f"RandomResizedCrop({size}) on uint8 tensor [ours]", lambda i: TF.resized_crop(tensors[i % 20], **params[i % 20], size=[size, size], antialias=True), 20),
-        (f"Resize({round(size / pipeline.CROP_RATIO)}) on PIL [reference test]", lambda i: TF.resize(pil[i % 20], [round(size / pipeline.CROP_RATIO)]), 20),
-        (f"Resize({round(size / pipeline.CROP_RATIO)}) on uint8 tensor [ours test]", lambda i: TF.resize(tensors[i % 20], [round(size / pipeline.CROP_RATIO)], antialias=True), 20),
+        (f"RandomResizedCrop({size}) on PIL [reference, ours before]",
+         lambda i: TF.resized_crop(pil[i % 20], **params[i % 20], size=[size, size]), 20),
+        (f"RandomResizedCrop({size}) on uint8 tensor [ours]",
+         lambda i: TF.resized_crop(tensors[i % 20], **params[i % 20], size=[size, size], antialias=True), 20),
+        (f"Resize({round(size / pipeline.CROP_RATIO)}) on PIL [reference test]",
+         lambda i: TF.resize(pil[i % 20], [round(size / pipeline.CROP_RATIO)]), 20),
+        (f"Resize({round(size / pipeline.CROP_RATIO)}) on uint8 tensor [ours test]",
+         lambda i: TF.resize(tensors[i % 20], [round(size / pipeline.CROP_RATIO)], antialias=True), 20),
         ("PIL -> uint8 tensor [ours before]", lambda i: TF.pil_to_tensor(crops[i % 20]), 20),
         ("ToTensor + Normalize, float32 [reference]", lambda i: to_float(crops[i % 20]), 20),
         ("seeding: fork_rng + torch.manual_seed [ours before]", old_seed, 100),
         ("seeding: CPU generator reseed + restore [ours]", new_seed, 100),
-        ("normalize, per image of a batch of 64 (out of place) [before]", lambda i: (batch.float() - torch.tensor(pipeline.IMAGENET_MEAN).view(1, 3, 1, 1) * 255) / (torch.tensor(pipeline.IMAGENET_STD).view(1, 3, 1, 1) * 255), 64),
+        ("normalize, per image of a batch of 64 (out of place) [before]",
+         lambda i: ((batch.float() - torch.tensor(pipeline.IMAGENET_MEAN).view(1, 3, 1, 1) * 255)
+                    / (torch.tensor(pipeline.IMAGENET_STD).view(1, 3, 1, 1) * 255)), 64),
         ("normalize, per image of a batch of 64 (in place) [ours]", lambda i: pipeline.normalize(batch), 64),
     ]
     rows = []
@@ -240,8 +248,8 @@ def loader_throughput(root: Path, size: int, batch: int, workers: int) -> dict:
     results = {}
     train_set = pipeline.image_folder(root, "train")
     loaders = {
-        "ours, train": pipeline.make_loader(train_set, pipeline.train_transform(size), batch_size=batch, world_size=1, rank=0,
-                                        shuffle=True, seed=0, workers=workers),
+        "ours, train": pipeline.make_loader(train_set, pipeline.train_transform(size), batch_size=batch, world_size=1,
+                                            rank=0, shuffle=True, seed=0, workers=workers),
         "reference, train": DataLoader(datasets.ImageFolder(str(root / "train"), transform=reference_train(size)),
                                        batch_size=batch, shuffle=True, num_workers=workers, persistent_workers=True,
                                        multiprocessing_context="fork"),
@@ -295,7 +303,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "fixres_dist_jpeg_bench"),
                         help="where the JPEG ImageFolder is made (reused when present)")
-    parser.add_argument("--source-dir", help="folder of foolbox's imagenet_*_*.jpg (default: foolbox's own data folder)")
+    parser.add_argument("--source-dir",
+                        help="folder of foolbox's imagenet_*_*.jpg (default: foolbox's own data folder)")
     parser.add_argument("--train-images", type=int, default=1000)
     parser.add_argument("--val-images", type=int, default=200)
     parser.add_argument("--size", type=int, default=224, help="crop size K in pixels")
@@ -354,7 +363,8 @@ def main() -> None:
 
     if args.workers > 0:
         res = loader_throughput(root, args.size, args.batch, args.workers)
-        print(f"\nreal DataLoader, {args.workers} worker process(es), one epoch of {args.train_images} images (wall clock):")
+        print(f"\nreal DataLoader, {args.workers} worker process(es), one epoch of {args.train_images} images "
+              "(wall clock):")
         print("| loader           | img/s | img/s per worker |")
         print("|------------------|------:|-----------------:|")
         for name, value in res.items():
@@ -372,8 +382,9 @@ def main() -> None:
             print(f"| GPU {name:<33} | {value:6,.0f} |")
         print(f"| CPU ours, train, x {cores:>2} cores (estimate) | {cpu_all:6,.0f} |")
         pays = res["decode + crop + normalize"] > cpu_all
-        print("GPU decoding " + ("pays" if pays else "does not pay") + f" here: {res['decode + crop + normalize']:,.0f} img/s "
-              f"on the GPU vs {cpu_all:,.0f} from all {cores} CPU cores (and GPU decoding takes GPU time from training)")
+        print("GPU decoding " + ("pays" if pays else "does not pay")
+              + f" here: {res['decode + crop + normalize']:,.0f} img/s on the GPU vs {cpu_all:,.0f} from all {cores} "
+              "CPU cores (and GPU decoding takes GPU time from training)")
         out["gpu_decode"] = {**res, "cpu_all_cores": cpu_all, "pays": pays}
 
     if args.json:

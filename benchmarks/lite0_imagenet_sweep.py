@@ -30,8 +30,8 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixres_dist.data import pipeline
-from fixres_dist.models import architectures, preprocessing, weights
 from fixres_dist.errors import FixresError
+from fixres_dist.models import architectures, preprocessing, weights
 
 PHOTO = re.compile(r"imagenet_(\d+)_(\d+)\.jpg")
 

@@ -21,12 +21,12 @@ launcher's Python (its own import of the package included) to ready. Per rank: C
 its start (for a forked rank: since the fork) to running its code, and from there to ready;
 whether torch and the Trainer were already imported when its code started (``preloaded``: from
 the forkserver; under ``spawn`` the rank imported them itself while unpickling its arguments, which
-its CPU seconds to start show), and the modules it imported itself after that. ``--end-to-end`` also runs ``main_scratch.py
---num-tasks N`` on the embedded data and times its log lines: the job line (rank 0 running, before
-the rendezvous), the ``lr ...`` line (model, optimizer and DDP built: the first step starts), and
-the stop after the first step (``--ckpt-every 1`` and ``FIXRES_FAULT=signal:rank=0:step=1``).
-On a shared machine other work stretches the wall-clock figures: the load average is printed
-before and after; the CPU seconds are not affected.
+its CPU seconds to start show), and the modules it imported itself after that. ``--end-to-end``
+also runs ``main_scratch.py --num-tasks N`` on the embedded data and times its log lines: the job
+line (rank 0 running, before the rendezvous), the ``lr ...`` line (model, optimizer and DDP built:
+the first step starts), and the stop after the first step (``--ckpt-every 1`` and
+``FIXRES_FAULT=signal:rank=0:step=1``). On a shared machine other work stretches the wall-clock
+figures: the load average is printed before and after; the CPU seconds are not affected.
 
 Run from the repository root:  .venv/bin/python benchmarks/process_group_ready.py [--ranks 8] [--end-to-end]
 """
@@ -52,9 +52,10 @@ def rank_ready(index: int, config, lock, folder: str) -> None:
     started, cpu_started = time.time(), time.process_time()
     before = set(sys.modules)
     import attrs
-    from fixres_dist.entry import launch
-    from fixres_dist.distributed.session import RankSession
+
     import fixres_dist.training.trainer  # noqa: F401  (what the forkserver preloads: counted as before the start)
+    from fixres_dist.distributed.session import RankSession
+    from fixres_dist.entry import launch
     launch.stop_with_launcher()
     session = RankSession(attrs.evolve(config, global_rank=index, local_rank=index), lambda message: None,
                           locked=True)
@@ -73,11 +74,12 @@ def launcher(folder: str, ranks: int, method: str) -> None:
     import multiprocessing.resource_tracker
 
     import torch.multiprocessing as mp
+
     from fixres_dist import io
     from fixres_dist.distributed import joblock
+    from fixres_dist.distributed.preemption import ignoring, stop_signals
     from fixres_dist.entry import launch
     from fixres_dist.entry.cli import build_parser
-    from fixres_dist.distributed.preemption import ignoring, stop_signals
     argv = ["--num-tasks", str(ranks), "--shared-folder-path", folder, "--job-id", "ready", "--no-progress"]
     config, source = launch.build_config("scratch", build_parser("scratch").parse_args(argv))  # as main_scratch.py
     assert source == "spawn", source

@@ -74,10 +74,10 @@ from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
 from fixres_dist import FixresWarning, Trainer, TrainerConfig
-from fixres_dist.distributed import collectives, placement
 from fixres_dist.data.pipeline import check_image_folder, embedded_data_path, normalize
-from fixres_dist.training.optim import parameter_groups
 from fixres_dist.data.samplers import ExactBatchSampler
+from fixres_dist.distributed import collectives, placement
+from fixres_dist.training.optim import parameter_groups
 
 TARGET = 0.97
 # --recipe-options: the TrainerConfig fields of the step's own options, mirrored by RawLoop.
@@ -147,7 +147,8 @@ class RawLoop:
         self.optimizer = torch.optim.SGD(parameter_groups(self.model, cfg.weight_decay, cfg.norm_weight_decay),
                                          lr=lr, momentum=cfg.momentum, nesterov=cfg.opt == "sgd-nesterov")
         if world > 1:
-            self.model = DistributedDataParallel(self.model, device_ids=[device.index] if device.type == "cuda" else None,
+            self.model = DistributedDataParallel(self.model,
+                                                 device_ids=[device.index] if device.type == "cuda" else None,
                                                  forward_sync_buffers=False)
         self.forward = torch.compile(self.model, backend=spec["compile"]) if spec["compile"] else self.model
         self.compile_failed = None
@@ -332,11 +333,12 @@ def main() -> None:
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                         help="default: on for CUDA")
     parser.add_argument("--compile", nargs="?", const="inductor", metavar="BACKENDS",
-                        help="torch.compile backend(s), comma-separated; 'none' = not compiled; bare --compile = inductor "
+                        help="torch.compile backend(s), comma-separated; 'none' = not compiled; "
+                             "bare --compile = inductor "
                              "(dynamo's 'eager' backend traces without generating code: a cheap check)")
     parser.add_argument("--recipe-options", action="store_true",
-                        help="both loops with Nesterov momentum, label smoothing, MixUp/CutMix, 2 accumulated micro-batches, "
-                             "gradient clipping and an EMA per step")
+                        help="both loops with Nesterov momentum, label smoothing, MixUp/CutMix, "
+                             "2 accumulated micro-batches, gradient clipping and an EMA per step")
     parser.add_argument("--json", metavar="FILE", help="also write the rows here (list of dicts)")
     args = parser.parse_args()
 
@@ -372,7 +374,8 @@ def main() -> None:
             for backend in variants:
                 for world in worlds:
                     if device == "cuda" and world > torch.cuda.device_count():
-                        print(f"| {arch + ' @ ' + str(size):<17} | {world:>5} | skipped: {torch.cuda.device_count()} GPU(s) visible |")
+                        print(f"| {arch + ' @ ' + str(size):<17} | {world:>5} | "
+                              f"skipped: {torch.cuda.device_count()} GPU(s) visible |")
                         continue
                     spec = {"name": f"{arch}-{size}-{backend or 'off'}-w{world}", "architecture": arch, "size": size,
                             "batch": preset["batch"], "steps": preset["steps"], "repeats": preset["repeats"],
@@ -388,12 +391,15 @@ def main() -> None:
                              channels_last=channels_last, device=device, batch=preset["batch"])
                     rows.append(r)
                     if "error" in r:
-                        print(f"| {arch + ' @ ' + str(size):<17} | {world:>5} | {backend or 'off':<8} | failed: {r['error']} |", flush=True)
+                        print(f"| {arch + ' @ ' + str(size):<17} | {world:>5} | {backend or 'off':<8} | "
+                              f"failed: {r['error']} |", flush=True)
                         continue
                     mem = (f"{r['peak_raw_gib']:12.2f} | {r['peak_trainer_gib']:16.2f}" if device == "cuda"
                            else f"{'-':>12} | {'-':>16}")
-                    print(f"| {arch + ' @ ' + str(size):<17} | {world:>5} | {backend or 'off':<8} | {r['threads'] or '-':>12} | "
-                          f"{r['raw']:>9,.0f} | {r['trainer']:>13,.0f} | {r['ratio']:5.3f} | {r['epoch_ratio']:11.3f} | "
+                    print(f"| {arch + ' @ ' + str(size):<17} | {world:>5} | {backend or 'off':<8} | "
+                          f"{r['threads'] or '-':>12} | "
+                          f"{r['raw']:>9,.0f} | {r['trainer']:>13,.0f} | {r['ratio']:5.3f} | "
+                          f"{r['epoch_ratio']:11.3f} | "
                           f"{mem} |" + ("" if r["ratio"] >= TARGET else " below target")
                           + (f" ({r['note']})" if r.get("note") else ""), flush=True)
     if args.json:

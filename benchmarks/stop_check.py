@@ -46,8 +46,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
 from fixres_dist.distributed import collectives
-from fixres_dist.entry.launch import start_method
 from fixres_dist.distributed.preemption import StepAgreement, StopSignals
+from fixres_dist.entry.launch import start_method
 
 CHECKS = ("none", "blocking", "pipelined")
 
@@ -130,7 +130,8 @@ def summary(times: dict) -> dict:
         step = statistics.median(times[check]["step"])
         inside = statistics.median(times[check]["check"]) if times[check]["check"] else 0.0
         rows[check] = {"step_ms": step * 1e3, "in_check_us": inside * 1e6,
-                       "mean_in_check_us": statistics.fmean(times[check]["check"]) * 1e6 if times[check]["check"] else 0.0,
+                       "mean_in_check_us": (statistics.fmean(times[check]["check"]) * 1e6 if times[check]["check"]
+                                            else 0.0),
                        "cost_us": (step - base) * 1e6, "percent_of_step": 100 * inside / base}
     return rows
 

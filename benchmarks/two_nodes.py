@@ -35,9 +35,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fixres_dist.data.pipeline import embedded_data_path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def subset(dest: Path, train: int, val: int) -> Path:

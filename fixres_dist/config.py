@@ -40,7 +40,8 @@ JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 DEFAULT_INTERPOLATION = "bilinear"
 CROP_RATIO = 0.875  # test-time centre crop keeps 87.5 % of the resized shorter side (--crop-ratio)
-# --finetune-scope: what trains (fixres_dist.fixres.finetuning). FixRes trained the head and the last BatchNorm (section 4).
+# --finetune-scope: what trains (fixres_dist.fixres.finetuning). FixRes trained the head and the last BatchNorm
+# (section 4).
 SCOPES = ("head+last-norm", "head", "norms+head", "all")
 
 # The training recipes' option names (torchvision's references/classification/train.py):
@@ -86,7 +87,8 @@ def _positive(instance, attribute, value):
 def _one_of(*choices):
     def check(instance, attribute, value):
         if value not in choices:
-            raise FixresError(f"--{attribute.name.replace('_', '-')} must be one of {', '.join(choices)}; got {value!r}")
+            raise FixresError(f"--{attribute.name.replace('_', '-')} must be one of {', '.join(choices)}; "
+                              f"got {value!r}")
     return check
 
 
@@ -313,7 +315,7 @@ class TrainerConfig:
     norm_weight_decay: float = attrs.field(default=0.0, validator=_at_most(_non_negative, MAX_WEIGHT_DECAY, _DECAYS))
     label_smoothing: float = attrs.field(default=0.0, validator=_fraction)
     warmup_epochs: float = attrs.field(default=1.0, validator=_non_negative)
-    # The recipes users bring from torchvision's references, DeiT and timm (README, "Recipes").
+    # The recipes users bring from torchvision's references, DeiT and timm (docs/recipes.md, "Recipes").
     opt: str = attrs.field(default="sgd", validator=_one_of(*OPTIMIZERS), metadata=ADDED_LATER)
     lr_scheduler: str = attrs.field(default="cosine", validator=_one_of(*LR_SCHEDULERS), metadata=ADDED_LATER)
     lr_step_size: int = attrs.field(default=30, validator=_at_least_one, metadata=ADDED_LATER)  # epochs
@@ -405,16 +407,17 @@ class TrainerConfig:
         the whole network at a new resolution); the finetune's preprocessing is always
         ``--finetune-augmentation``'s, and repeated augmentation needs one that is random."""
         if (self.mixup_alpha or self.cutmix_alpha) and self.finetune_scope != "all":
-            raise FixresError(f"--mixup-alpha/--cutmix-alpha do not go with --finetune-scope {self.finetune_scope}: the "
-                              "FixRes finetune fits the head and norms to test-time image statistics, which mixed "
-                              "images are not; use --finetune-scope all to mix")
+            raise FixresError("--mixup-alpha/--cutmix-alpha do not go with --finetune-scope "
+                              f"{self.finetune_scope}: the FixRes finetune fits the head and norms to test-time "
+                              "image statistics, which mixed images are not; use --finetune-scope all to mix")
         if self.auto_augment or self.random_erase:
             flag = "--auto-augment" if self.auto_augment else "--random-erase"
             raise FixresError(f"{flag} does not apply to main_finetune.py: the finetune's preprocessing is "
                               "--finetune-augmentation's (test = the test transform, FixRes' choice; or fixres)")
         if self.ra_reps > 1 and self.finetune_augmentation == "test":
-            raise FixresError("--ra-sampler with --finetune-augmentation test would train on identical copies (the test "
-                              "transform is deterministic): use --finetune-augmentation fixres to repeat augmentations")
+            raise FixresError("--ra-sampler with --finetune-augmentation test would train on identical copies "
+                              "(the test transform is deterministic): use --finetune-augmentation fixres to repeat "
+                              "augmentations")
 
     @property
     def run_name(self) -> str:

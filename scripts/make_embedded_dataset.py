@@ -96,8 +96,8 @@ def main() -> None:
     if args.out.exists():
         shutil.rmtree(args.out)
     n_train = write_split(read_idx(args.source / "train-images-idx3-ubyte.gz"),
-                          read_idx(args.source / "train-labels-idx1-ubyte.gz"), args.train_per_class, args.out / "train",
-                          args.canvas, seed=1)
+                          read_idx(args.source / "train-labels-idx1-ubyte.gz"), args.train_per_class,
+                          args.out / "train", args.canvas, seed=1)
     n_val = write_split(read_idx(args.source / "t10k-images-idx3-ubyte.gz"),
                         read_idx(args.source / "t10k-labels-idx1-ubyte.gz"), args.val_per_class, args.out / "val",
                         args.canvas, seed=2)

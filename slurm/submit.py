@@ -1,4 +1,4 @@
-"""Submit main_scratch.py or main_finetune.py to SLURM through submitit (see README, "Multi-node and SLURM").
+"""Submit main_scratch.py or main_finetune.py to SLURM through submitit (see docs/cluster.md).
 
     python slurm/submit.py finetune --nodes 2 --gpus-per-node 8 --partition gpu --timeout-min 240 \
         -- --shared-folder-path /checkpoint/$USER/fixres --data-path /datasets/imagenet --weight-path CKPT

@@ -17,9 +17,9 @@ from fixres_dist.entry import startup
 
 startup.quiet_native_logs()  # before torch loads, as the scripts do (the jobs' output has no c10d warnings)
 
-import launched  # noqa: E402  (imports torch)
-from fixres_dist.entry import launch as launcher
+import launched  # imports torch
 from fixres_dist.data.pipeline import embedded_data_path
+from fixres_dist.entry import launch as launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest_plugins = ["jobs_fixtures"]  # session jobs several files share

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import attrs
 
+from fixres_dist.distributed import placement
 from fixres_dist.entry import cli, scripts
 from fixres_dist.entry import launch as launcher
-from fixres_dist.distributed import placement
-from fixres_dist.errors import FixresError
 from fixres_dist.entry.startup import INHERITED_IGNORED
+from fixres_dist.errors import FixresError
 
 # What launchers (torchrun, SLURM) tell a process about its place; no test job inherits them.
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

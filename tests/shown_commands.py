@@ -119,6 +119,7 @@ def shell_env(**extra) -> dict:
     """The environment of an activated ``.venv`` (``python``, ``torchrun`` are the venv's), with no
     launcher variables, the repository importable, and ``extra``."""
     import sys
+
     from conftest import clean_env
     env = clean_env(**extra)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

@@ -19,9 +19,9 @@ from torch import nn
 
 from conftest import run_main, run_script
 from fixres_dist.data import pipeline
+from fixres_dist.errors import FixresError
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, preprocessing, weights
-from fixres_dist.errors import FixresError
 
 
 def _package_folder(module: str) -> Path | None:
@@ -221,7 +221,8 @@ def test_input_normalization_per_architecture():
 def test_lite0_weights_into_a_10_class_model_get_a_new_head():
     state = weights.read_weight_file(LITE_WEIGHTS).state_dict
     model = architectures.build_model("efficientnet_lite0", 10)
-    assert weights.load_weights(model, state, str(LITE_WEIGHTS)).note == "new 10-class head _fc (weights had 1000 classes)"
+    note = weights.load_weights(model, state, str(LITE_WEIGHTS)).note
+    assert note == "new 10-class head _fc (weights had 1000 classes)"
     assert torch.equal(model._bn1.running_mean, state["_bn1.running_mean"])
     assert model._fc.weight.shape == (10, 1280)
     headless = {k: v for k, v in state.items() if not k.startswith("_fc.")}

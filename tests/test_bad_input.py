@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import FAST, make_subset, run_interpreter
-from fixres_dist.models import architectures
 from fixres_dist.entry.launch import main
+from fixres_dist.models import architectures
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +58,11 @@ def broken_data(tmp_path_factory):
 
 
 CASES = {
-    "rank >= num tasks": (["--num-tasks", "2", "--global-rank", "2", "--job-id", "x"], "--global-rank 2 must be < --num-tasks 2"),
+    "rank >= num tasks": (["--num-tasks", "2", "--global-rank", "2", "--job-id", "x"],
+                          "--global-rank 2 must be < --num-tasks 2"),
     "negative rank": (["--num-tasks", "2", "--global-rank", "-1", "--job-id", "x"], "--global-rank must be >= 0"),
-    "local rank >= num tasks": (["--num-tasks", "2", "--global-rank", "0", "--local-rank", "5", "--job-id", "x"], "--local-rank 5"),
+    "local rank >= num tasks": (["--num-tasks", "2", "--global-rank", "0", "--local-rank", "5", "--job-id", "x"],
+                                "--local-rank 5"),
     "zero tasks": (["--num-tasks", "0"], "--num-tasks must be >= 1"),
     "missing data": (["--data-path", "{tmp}/nowhere"], "does not exist"),
     "no val folder": (["--data-path", "{broken}/no_val"], "has no val/ folder"),

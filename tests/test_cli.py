@@ -13,8 +13,16 @@ import pytest
 import torch
 
 from conftest import ROOT, clean_env, start_script
-from fixres_dist.entry.cli import (DEVICE_DEFAULTS, FINETUNE_ONLY_FLAGS, RANK_FLAGS, SCRATCH_ONLY_FLAGS, build_parser, config_fields, shown)
 from fixres_dist.config import CIFAR_RESNETS, LITE_MODELS, TIMM_PREFIX, TrainerConfig
+from fixres_dist.entry.cli import (
+    DEVICE_DEFAULTS,
+    FINETUNE_ONLY_FLAGS,
+    RANK_FLAGS,
+    SCRATCH_ONLY_FLAGS,
+    build_parser,
+    config_fields,
+    shown,
+)
 
 MODES = ("scratch", "finetune")
 HEAVY = ("torch", "torchvision", "numpy")

@@ -11,12 +11,12 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import FAST, free_port, run_script, start_script, wait_for
-from fixres_dist import TrainerConfig, Trainer
+from fixres_dist import Trainer, TrainerConfig
 from fixres_dist.data import pipeline
 from fixres_dist.distributed import collectives
-from fixres_dist.training import engine
-from fixres_dist.models import architectures
 from fixres_dist.entry.launch import start_method
+from fixres_dist.models import architectures
+from fixres_dist.training import engine
 
 SMALL = [*FAST, "--architecture", "resnet20"]  # what the separately started ranks train: the model plays no part
 

@@ -13,10 +13,10 @@ from PIL import Image
 from torchvision.datasets import ImageFolder
 
 from conftest import make_subset, run_script
-from fixres_dist.data import pipeline, images
-from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
-from fixres_dist.errors import FixresError
+from fixres_dist.data import images, pipeline
 from fixres_dist.data.samplers import SampleKey
+from fixres_dist.errors import FixresError
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 LEVELS = np.arange(180, dtype=np.uint8).reshape(12, 15)  # 180 grey levels, the image
 
@@ -108,7 +108,8 @@ def _bilevel(folder):
 
 
 MODES = {"I;16 png": (_png16, "I;16"), "I;16B tiff": (_tiff16_big_endian, "I;16B"), "I pgm maxval 4095": (_pgm16, "I"),
-         "I 32-bit tiff": (_tiff_int32, "I"), "F tiff": (_tiff_float, "F"), "P + transparency": (_palette_transparent, "P"),
+         "I 32-bit tiff": (_tiff_int32, "I"), "F tiff": (_tiff_float, "F"),
+         "P + transparency": (_palette_transparent, "P"),
          "LA": (_la, "LA"), "RGBA": (_rgba, "RGBA"), "CMYK": (_cmyk, "CMYK"), "1": (_bilevel, "1")}
 
 
@@ -128,7 +129,8 @@ def test_16bit_grey_keeps_its_180_levels_through_the_data_pipeline(tmp_path):
     assert len(np.unique(np.asarray(Image.open(tmp_path / "train" / "grey" / "a.png").convert("RGB")))) == 2
     folder = pipeline.image_folder(tmp_path, "train")
     assert np.array_equal(np.asarray(folder[0][0]), _grey(LEVELS))
-    dataset = pipeline.SeededDataset(folder, pipeline.test_transform(12, crop_ratio=1.0, interpolation="nearest"), seed=0)
+    dataset = pipeline.SeededDataset(folder, pipeline.test_transform(12, crop_ratio=1.0, interpolation="nearest"),
+                                     seed=0)
     image, _ = dataset[SampleKey(index=0, epoch=0)]
     assert image.dtype == torch.uint8 and len(torch.unique(image)) == 144  # the centre 12 x 12 of the levels
     assert torch.equal(image[0], torch.from_numpy(LEVELS[:, 2:14].copy()))  # CenterCrop: columns 2-13 of 15
@@ -150,7 +152,8 @@ def test_values_without_an_8bit_meaning_are_named_like_any_unreadable_image(tmp_
     base = pipeline.image_folder(tmp_path, "train")
     with pytest.raises(FixresError, match=rf"^unreadable image {path} \(ImageModeError: {reason}.*--skip-bad-images$"):
         pipeline.SeededDataset(base, pipeline.train_transform(8), seed=0)[SampleKey(0, 0)]
-    assert pipeline.SeededDataset(base, pipeline.train_transform(8), seed=0, skip_bad_images=True)[SampleKey(0, 0)] is None
+    skipping = pipeline.SeededDataset(base, pipeline.train_transform(8), seed=0, skip_bad_images=True)
+    assert skipping[SampleKey(0, 0)] is None
 
 
 def test_premultiplied_and_unconvertible_modes():

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 
 from conftest import FAST, make_subset, read_only_folder, run_script, wait_for
-from fixres_dist.data import pipeline, file_index
-from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from fixres_dist.config import FILE_INDEX_FOLDER, TrainerConfig
+from fixres_dist.data import file_index, pipeline
 from fixres_dist.errors import FixresError
-
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 RACY_MARGIN_NS = file_index.RACY_MARGIN_NS  # the product's, which the ranks forked for real runs keep
 SMALL = [*FAST, "--architecture", "resnet20"]  # the real runs' model plays no part
@@ -380,7 +379,8 @@ def test_two_rank_runs_build_the_index_once_then_every_rank_uses_it(tiny_data, t
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"data: file index reused: 121 files in 11 classes of {data_path}, loaded and checked " in again.stdout
     assert (file.stat().st_ino, file.stat().st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
-    assert tuple(load_checkpoint(tmp_path / "shared" / "again" / CHECKPOINT_FILE)["model"]["fc.weight"].shape) == (11, 64)
+    state = load_checkpoint(tmp_path / "shared" / "again" / CHECKPOINT_FILE)
+    assert tuple(state["model"]["fc.weight"].shape) == (11, 64)
 
 
 def test_a_run_with_a_read_only_index_folder_warns_and_trains(tiny_data, read_only_index_folder):

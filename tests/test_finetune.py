@@ -60,7 +60,8 @@ def test_scratch_then_finetune_end_to_end_with_two_ranks(scratch_job, finetune_j
 
 
 def test_a_finetune_at_the_train_resolution_is_reported_as_a_control():
-    history = [{"event": "eval", "label": "train-resolution", "resolution": 24, "top1": 80.0, "top5": 99.0, "images": 9},
+    history = [{"event": "eval", "label": "train-resolution", "resolution": 24, "top1": 80.0, "top5": 99.0,
+                "images": 9},
                {"event": "eval", "label": "before", "resolution": 24, "top1": 80.0, "top5": 99.0, "images": 9},
                {"event": "eval", "resolution": 24, "top1": 81.0, "top5": 99.0, "images": 9}]
     table = reports.finetune_table(history, "resnet20", 2, 24, 24)
@@ -81,7 +82,8 @@ def test_a_finetune_with_a_new_head_says_its_gain_is_the_heads_training(few_data
 
 
 def test_a_finetune_of_finetuned_weights_says_they_were_finetuned_before():
-    history = [{"event": "eval", "label": "train-resolution", "resolution": 24, "top1": 80.0, "top5": 99.0, "images": 9},
+    history = [{"event": "eval", "label": "train-resolution", "resolution": 24, "top1": 80.0, "top5": 99.0,
+                "images": 9},
                {"event": "eval", "label": "before", "resolution": 40, "top1": 81.0, "top5": 99.0, "images": 9},
                {"event": "eval", "resolution": 40, "top1": 82.0, "top5": 99.0, "images": 9}]
     table = reports.finetune_table(history, "resnet20", 1, 40, 40, finetuned_before=32)

@@ -17,12 +17,12 @@ from torchvision import transforms as v1
 
 from conftest import free_port, run_main, run_script, run_two_ranks_and_one
 from fixres_dist import FixresError
-from fixres_dist.models import batchnorm, architectures
 from fixres_dist.data import pipeline
 from fixres_dist.distributed import collectives
-from fixres_dist.reporting import extraction
-from fixres_dist.fixres import finetuning, sweep
 from fixres_dist.entry.launch import main, start_method
+from fixres_dist.fixres import finetuning, sweep
+from fixres_dist.models import architectures, batchnorm
+from fixres_dist.reporting import extraction
 from fixres_dist.training.checkpoint import load_checkpoint
 
 

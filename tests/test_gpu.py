@@ -22,8 +22,8 @@ import torch
 from conftest import FAST, clean_env, run_script, start_script
 from fixres_dist import Trainer, TrainerConfig
 from fixres_dist.data import pipeline
-from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from fixres_dist.entry.cli import build_parser, config_fields
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torchvision.transforms import v2
 
 from fixres_dist import FixresError
 from fixres_dist.data import images, pipeline
@@ -80,7 +81,8 @@ def test_seeded_and_leaves_the_global_generator_alone(jpeg_folder):
 
 def test_other_transforms_get_pil_images(jpeg_folder):
     seen = []
-    dataset = pipeline.SeededDataset(pipeline.image_folder(jpeg_folder, "val"), lambda image: seen.append(image) or 0, seed=0)
+    dataset = pipeline.SeededDataset(pipeline.image_folder(jpeg_folder, "val"), lambda image: seen.append(image) or 0,
+                                     seed=0)
     assert not dataset.reads_files
     dataset[SampleKey(index=0, epoch=0)]
     assert isinstance(seen[0], Image.Image) and seen[0].mode == "RGB"
@@ -98,7 +100,8 @@ def test_broken_jpeg_is_unreadable_or_skipped(tmp_path, content):
     base = pipeline.image_folder(tmp_path, "train")
     with pytest.raises(FixresError, match=f"unreadable image {bad}"):
         pipeline.SeededDataset(base, pipeline.train_transform(32), seed=0)[SampleKey(index=0, epoch=0)]
-    assert pipeline.SeededDataset(base, pipeline.train_transform(32), seed=0, skip_bad_images=True)[SampleKey(0, 0)] is None
+    skipping = pipeline.SeededDataset(base, pipeline.train_transform(32), seed=0, skip_bad_images=True)
+    assert skipping[SampleKey(0, 0)] is None
 
 
 def test_normalize_in_place_is_exact_and_keeps_channels_last():
@@ -112,7 +115,6 @@ def test_normalize_in_place_is_exact_and_keeps_channels_last():
 
 
 # ----------------------------------------------------------------- training augmentation recipes
-from torchvision.transforms import v2  # noqa: E402
 
 
 def _inputs():
@@ -138,7 +140,8 @@ def test_default_train_transform_is_the_crop_and_flip_bit_for_bit(interpolation)
     before = v2.Compose([v2.RandomResizedCrop(24, interpolation=mode, antialias=True), v2.RandomHorizontalFlip(),
                          pipeline.ToUint8Tensor()])
     for transform in (pipeline.train_transform(24, interpolation),
-                      pipeline.train_transform(24, interpolation, auto_augment=None, random_erase=0.0, fill=(0.5,) * 3)):
+                      pipeline.train_transform(24, interpolation, auto_augment=None, random_erase=0.0,
+                                               fill=(0.5,) * 3)):
         for kind, image in _inputs().items():
             for seed in range(6):
                 torch.manual_seed(seed)

@@ -1,10 +1,12 @@
 """The code's shape, checked from its syntax trees (nothing is imported): short functions and
 classes, no import cycle among the package's modules, and no private name of ours used outside the
-module that defines it. Each check fails with the whole list of offenders."""
+module that defines it; and the linter's rules (ruff). Each check fails with the whole list of offenders."""
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -252,3 +254,13 @@ def test_no_private_name_is_used_across_modules():
     for path in user_files():
         offenders += private_uses(path, path.stem, ours_only=False)
     fail_with(offenders, "private names used outside the module that defines them")
+
+
+def test_ruff_finds_nothing():
+    """The linter's rules (ruff.toml: pycodestyle, pyflakes, import order, 120 columns) hold everywhere;
+    ``scripts/setup.sh`` installs ruff into the environment that runs the tests."""
+    ruff = Path(sys.executable).with_name("ruff")
+    assert ruff.exists(), f"{ruff} is missing: run bash scripts/setup.sh (setup.py's test extra installs ruff)"
+    found = subprocess.run([str(ruff), "check", "--output-format", "concise", str(ROOT)], capture_output=True,
+                           text=True, timeout=120, cwd=ROOT)
+    assert found.returncode == 0, found.stdout[-4000:] + found.stderr[-2000:]

@@ -21,7 +21,7 @@ node cut off costs the survivors a 10 s collective time-out
 leave it enough work for the signal or the loss to land before its end: the default ResNet-18 for
 the preemption, 12 epochs for the loss. The lost-node tests with explicit ranks fork their ranks
 with torch imported and move them onto their node as slurm/on-node.sh moves a command
-(:func:`fork_ranks`): the README's line without 4 Python interpreters to start, which the test of
+(:func:`fork_ranks`): docs/cluster.md's line without 4 Python interpreters to start, which the test of
 that line itself starts.
 
 Skipped, with the reason, where the nodes cannot be made (not root, no ``ip netns``) or SLURM cannot
@@ -30,8 +30,8 @@ start. Test traffic stays on loopback and the bridge these tests made.
 from __future__ import annotations
 
 import ctypes
-import json
 import functools
+import json
 import os
 import re
 import shutil
@@ -128,7 +128,7 @@ def node_of(rank: int) -> int:
 
 
 def by_hand(rank: int, job_id: str, args: list[str]) -> list[str]:
-    """The README's line that starts one rank by hand (``python main_scratch.py ...``), then ``args``."""
+    """docs/cluster.md's line that starts one rank by hand (``python main_scratch.py ...``), then ``args``."""
     readme = shown.argv(shown.command("python main_scratch.py --num-tasks 4 --global-rank R"), R=rank, L=rank % 2,
                         DATA=args[args.index("--data-path") + 1], SHARED=args[args.index("--shared-folder-path") + 1],
                         myjob=job_id, **{"main_scratch.py": ROOT / "main_scratch.py"})
@@ -136,7 +136,7 @@ def by_hand(rank: int, job_id: str, args: list[str]) -> list[str]:
 
 
 def start_ranks(job_id: str, args: list[str], tmp_path: Path) -> list[subprocess.Popen]:
-    """The 4 ranks, each started by hand in a shell on its node: the README's line run by
+    """The 4 ranks, each started by hand in a shell on its node: docs/cluster.md's line run by
     slurm/on-node.sh, a Python interpreter of its own; output in rank<R>.log."""
     procs = []
     for rank in range(4):
@@ -164,7 +164,7 @@ def enter_node(node: int) -> None:
 
 
 def fork_ranks(job_id: str, args: list[str], tmp_path: Path) -> list[launched.Started]:
-    """The same 4 ranks as :func:`start_ranks` (the README's line and ``args``, on the same nodes),
+    """The same 4 ranks as :func:`start_ranks` (docs/cluster.md's line and ``args``, on the same nodes),
     each a process forked with torch already imported (no interpreter to start: for the tests
     about what happens once they run); output in rank<R>.log."""
     return [launched.start("scratch", *by_hand(rank, job_id, args)[2:], env=clean_env(),
@@ -321,7 +321,7 @@ def test_a_lost_node_ends_every_rank_within_the_timeout_naming_the_ranks_lost_an
 
 # ------------------------------------------------------------------------------------------ SLURM
 def sbatch(env: dict, tmp_path: Path, data: Path, shared: Path, *args) -> str:
-    """The README's 2-node sbatch line (``slurm/job.sbatch main_scratch.py``), then ``args``."""
+    """docs/cluster.md's 2-node sbatch line (``slurm/job.sbatch main_scratch.py``), then ``args``."""
     readme = shown.argv(shown.command("sbatch --nodes 2 --ntasks-per-node 2 slurm/job.sbatch"), DATA=data,
                         SHARED=shared, **{"slurm/job.sbatch": ROOT / "slurm" / "job.sbatch"})
     out = subprocess.run([readme[0], "--parsable", "--time", "10", "--output", str(tmp_path / "job.out"), *readme[1:],
@@ -398,6 +398,7 @@ def test_a_lost_node_under_slurm_requeues_the_job_which_resumes_on_two_nodes(slu
     wait_for(lambda: finished(slurm_env, job), 400, f"job {job} to finish after the requeue")
     log = (tmp_path / "job.out").read_text()
     assert sacct_states(slurm_env, job)[-1] == "COMPLETED", log
-    assert re.search(rf"job {job}: rank [01] requeued it \(restart 1 of at most 3\) after losing ranks 2-3 on n2", log), log
+    assert re.search(rf"job {job}: rank [01] requeued it \(restart 1 of at most 3\) after losing ranks 2-3 on n2",
+                     log), log
     assert re.search(rf"job {job} restart 1: .*\n(.*\n)*resumed from ", log), log
     assert final_eval(shared / job)["images"] == 30

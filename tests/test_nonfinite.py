@@ -11,16 +11,17 @@ import pytest
 import torch
 
 from conftest import run_script
-from fixres_dist.training import finite
-from fixres_dist.models import architectures, weights
-from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from fixres_dist.errors import FixresError
+from fixres_dist.models import architectures, weights
 from fixres_dist.reporting.metrics import MetricsLog
+from fixres_dist.training import finite
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 
 DIVERGE = ["--learning-rate", "1e6", "--warmup-epochs", "0", "--architecture", "resnet20", "--input-size", "16",
            "--batch", "8", "--epochs", "2", "--workers", "0", "--no-progress"]
 LINE = re.compile(r"^fixres_dist: rank (\d): non-finite loss \(NaN or infinity\) at epoch 1, step (\d+): training "
-                  r"stopped on all ranks; (.*); lower --learning-rate \(or raise --warmup-epochs\) and use a new --job-id$")
+                  r"stopped on all ranks; (.*); lower --learning-rate \(or raise --warmup-epochs\) "
+                  r"and use a new --job-id$")
 
 
 def strict_events(path):
@@ -60,7 +61,8 @@ def test_divergence_stops_all_ranks_at_one_step_and_keeps_the_last_good_checkpoi
 
 
 def test_divergence_before_any_checkpoint_writes_none(tiny_data, tmp_path):
-    proc = run_script("scratch", "--data-path", tiny_data, "--shared-folder-path", tmp_path, "--job-id", "nan", *DIVERGE)
+    proc = run_script("scratch", "--data-path", tiny_data, "--shared-folder-path", tmp_path, "--job-id", "nan",
+                      *DIVERGE)
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = rank_lines(proc.stderr)
     assert set(lines) == {0} and lines[0].group(3) == "no checkpoint was written"
@@ -91,7 +93,8 @@ def test_checkpoint_writer_refuses_non_finite_state_and_keeps_the_previous(tmp_p
     bad_state["fc.weight"][0, 0] = float("nan")
     bad_state["conv1.weight"][0, 0, 0, 0] = float("inf")
     with pytest.raises(FixresError, match=r"^checkpoint of step 2 not written: 2 of \d+ tensors hold NaN or "
-                                          r"infinity \(e.g. model/conv1.weight, model/fc.weight\) \(training diverged\); "
+                                          r"infinity \(e.g. model/conv1.weight, model/fc.weight\) "
+                                          r"\(training diverged\); "
                                           r"the previous checkpoint is kept$"):
         save_checkpoint(tmp_path, {**good, "model": bad_state, "global_step": 2}, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-00000001.pth", "checkpoint.pth"]

@@ -12,10 +12,10 @@ from PIL import Image
 from torchvision.transforms import v2
 
 from conftest import FAST, run_main, run_script
-from fixres_dist.data import pipeline
-from fixres_dist.models import preprocessing
 from fixres_dist.config import TrainerConfig
+from fixres_dist.data import pipeline
 from fixres_dist.errors import FixresError
+from fixres_dist.models import preprocessing
 
 HAS_TIMM = importlib.util.find_spec("timm") is not None
 HAS_LITE = importlib.util.find_spec("efficientnet_lite_pytorch") is not None

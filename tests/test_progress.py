@@ -79,13 +79,15 @@ def test_evaluations_and_sweeps_show_progress_on_stderr_and_a_log_file_gets_none
     assert shown.returncode == 0, shown.stderr[-3000:]
     err = shown.stderr
     assert "epoch 1/1" in err and "eval 16 px (epoch 1/1)" in err
-    assert "eval 16 px (1/2 of the sweep after training)" in err and "eval 24 px (2/2 of the sweep after training)" in err
+    assert "eval 16 px (1/2 of the sweep after training)" in err
+    assert "eval 24 px (2/2 of the sweep after training)" in err
     assert "/10" in err  # images done of the 10 validation images
     assert "eval 16 px" not in shown.stdout and "img/s]" not in shown.stdout  # bars stay on stderr
     # log lines stay whole: each starts a line of its own
     lines = [line for line in shown.stdout.splitlines() if line]
-    assert lines and all(line.startswith(("job ", "data:", "input ", "sgd lr ", "epoch 1/1: train loss", "eval", "|",
-                                          "top-1", "best", "network", "train resolution", "plot", "warning: ")) for line in lines)
+    expected = ("job ", "data:", "input ", "sgd lr ", "epoch 1/1: train loss", "eval", "|", "top-1", "best", "network",
+                "train resolution", "plot", "warning: ")
+    assert lines and all(line.startswith(expected) for line in lines)
     quiet = run_script("scratch", "--job-id", "quiet", "--shared-folder-path", tmp_path, "--data-path", few_data,
                        *RUN)  # stderr is a file here, as a log file under SLURM: no bars by default
     assert quiet.returncode == 0, quiet.stderr[-3000:]
@@ -122,7 +124,7 @@ def test_a_terminal_gets_bars_by_default_even_one_that_reports_no_size(few_data,
     """``script`` run from a pipe gives the run a pseudo-terminal of 0 x 0 characters, where tqdm alone
     draws nothing (a real ``python main_scratch.py`` in that terminal)."""
     command = " ".join(shlex.quote(str(a)) for a in [sys.executable, ROOT / "main_scratch.py", "--job-id", "tty",
-                                                        "--shared-folder-path", tmp_path, "--data-path", few_data, *RUN])
+                                                     "--shared-folder-path", tmp_path, "--data-path", few_data, *RUN])
     result = subprocess.run(["script", "-qec", command, "/dev/null"], capture_output=True, text=True, timeout=300,
                             env=clean_env(), stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-3000:]

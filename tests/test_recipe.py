@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from conftest import FAST
 from fixres_dist import FixresError, TrainerConfig
-from fixres_dist.training import engine, optim
-from fixres_dist.fixres import finetuning
-from fixres_dist.models import architectures
-from fixres_dist.training.checkpoint import check_resumable
 from fixres_dist.entry.cli import FIXRES_FINETUNE_LR_PER_256, MODE_DEFAULTS, build_parser, config_fields
 from fixres_dist.entry.launch import main
+from fixres_dist.fixres import finetuning
+from fixres_dist.models import architectures
+from fixres_dist.training import engine, optim
+from fixres_dist.training.checkpoint import check_resumable
 
 
 def test_learning_rate_defaults_per_256_images():
@@ -118,7 +118,8 @@ def test_resumable_fields_come_from_the_configuration():
     with pytest.raises(FixresError, match=r"another configuration \(learning_rate: 0.1 -> 0.3\)"):
         check_resumable(TrainerConfig(learning_rate=0.3), saved, "ckpt.pth")
     # fields whose default is what older versions did (issue 13): absent means the default
-    before_13 = {k: v for k, v in saved.items() if k not in ("weight_key", "mean", "std", "crop_ratio", "interpolation")}
+    new_in_13 = ("weight_key", "mean", "std", "crop_ratio", "interpolation")
+    before_13 = {k: v for k, v in saved.items() if k not in new_in_13}
     assert TrainerConfig().changed_since(before_13) == []
     assert TrainerConfig(mean=0.5, std=0.2, crop_ratio=0.9).changed_since(before_13) == ["crop_ratio", "mean", "std"]
     assert TrainerConfig.from_json(TrainerConfig(mean=0.5, std=(0.1, 0.2, 0.3)).to_json()).changed_since(

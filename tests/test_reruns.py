@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from conftest import FAST, ROOT, clean_env, free_port, run_main, run_script, start_script, wait_for
-from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from fixres_dist.config import FILE_INDEX_FOLDER, TrainerConfig
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 # A small model: what these runs show does not depend on it.
 TRAIN = ["--input-size", "32", "--batch", "8", "--epochs", "2", "--workers", "0", "--no-progress",

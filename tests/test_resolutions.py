@@ -9,8 +9,8 @@ import json
 import pytest
 
 from conftest import run_main, run_script
-from fixres_dist.models import architectures, resolutions
 from fixres_dist.config import TrainerConfig
+from fixres_dist.models import architectures, resolutions
 
 HAS_TIMM = importlib.util.find_spec("timm") is not None
 needs_timm = pytest.mark.skipif(not HAS_TIMM, reason="timm not installed (pip install -e .[timm])")

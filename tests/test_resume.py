@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import FAST, SCRATCH, make_subset, run_script, start_script, wait_for
-from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 from fixres_dist.entry.launch import main
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
 
 TRAIN = SCRATCH  # what conftest.scratch_job trained: the runs here are compared with it
 SHORT = [*FAST, "--architecture", "resnet20"]  # one epoch of a small model: where the model plays no part

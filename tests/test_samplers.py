@@ -1,7 +1,11 @@
+from collections import Counter
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from fixres_dist.data.samplers import ExactBatchSampler
+from fixres_dist.data.samplers import ExactBatchSampler, SampleKey, epoch_stream, global_batches
 
 
 def epoch_batches(n, world, batch, epoch, shuffle=True, seed=0):
@@ -29,7 +33,9 @@ def test_reshuffles_per_epoch_and_agrees_across_ranks():
     _, first = epoch_batches(100, 2, 8, epoch=0)
     _, second = epoch_batches(100, 2, 8, epoch=1)
     _, again = epoch_batches(100, 2, 8, epoch=0)
-    order = lambda batches: [k.index for b in batches[0] for k in b]
+    def order(batches):
+        return [k.index for b in batches[0] for k in b]
+
     assert order(first) != order(second)
     assert first == again  # deterministic in (seed, epoch): every rank computes the same permutation
 
@@ -48,7 +54,6 @@ def test_length_matches_iteration():
 
 
 # ----------------------------------------------------------------- resume on any world size
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @st.composite
@@ -93,9 +98,6 @@ def test_one_rank_checkpoint_with_two_images_left_resumed_on_three_ranks():
 
 
 # ----------------------------------------------------------------- repeated augmentation
-from collections import Counter  # noqa: E402
-
-from fixres_dist.data.samplers import SampleKey, epoch_stream, global_batches
 
 
 def ra_epoch(n, world, batch, epoch, reps, skip=0, seed=5):

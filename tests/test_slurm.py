@@ -39,11 +39,11 @@ import torch
 import shown_commands as shown
 from conftest import ROOT, SCRATCH, clean_env, read_only_folder, wait_for
 from fixres_dist import FixresError, Preempted, TrainerConfig
-from fixres_dist.training.checkpoint import load_checkpoint
 from fixres_dist.cluster import cli, inventory, monitor, submission, task
 from fixres_dist.cluster.inventory import Node, Partition
 from fixres_dist.cluster.request import SlurmRequest
 from fixres_dist.cluster.template import config_from_argv
+from fixres_dist.training.checkpoint import load_checkpoint
 
 TIMEOUT_MIN = 5  # every job's time limit
 CLUSTER = ["--tasks-per-node", "2", "--timeout-min", str(TIMEOUT_MIN), "--signal-delay-s", "10", "--poll-s", "1"]
@@ -387,7 +387,8 @@ def unwritable(tmp_path):
     ("nodes", ["--nodes", "16"], [], "cannot run 16 node(s)"),
     ("cpus", ["--cpus-per-task", "512"], [], "x 512 CPU(s)"),
     ("memory", ["--mem-gb", "100000"], [], "100000 GB"),
-    ("timeout", ["--timeout-min", "1", "--signal-delay-s", "90"], [], "--timeout-min 1 is too short for --signal-delay-s 90"),
+    ("timeout", ["--timeout-min", "1", "--signal-delay-s", "90"], [],
+     "--timeout-min 1 is too short for --signal-delay-s 90"),
     ("missing shared", [], ["--shared-folder-path", "MISSING"], "does not exist"),
     ("unwritable shared", [], ["--shared-folder-path", "UNWRITABLE"], "writable"),
     ("rank flags", [], ["--num-tasks", "2"], "--num-tasks: SLURM sets the ranks"),
@@ -483,7 +484,8 @@ def test_a_failed_task_is_reported_by_its_one_line_cause():
              "fixres_dist.cluster.task.TaskFailed: RuntimeError: injected fault at step 2\n")
     assert monitor.failure_cause(FailedJobError(f"Job failed with trace:\n{trace}see the logs")) == \
         (True, "RuntimeError: injected fault at step 2")
-    raised, cause = monitor.failure_cause(UncompletedJobError("Job 7 (task: 1) with path x\nhas not produced any output"))
+    raised, cause = monitor.failure_cause(
+        UncompletedJobError("Job 7 (task: 1) with path x\nhas not produced any output"))
     assert not raised and cause.startswith("ended without a result")
 
 
@@ -554,7 +556,9 @@ def test_sigterm_to_every_process_of_an_srun_job_checkpoints_without_a_traceback
     expected = "TIMEOUT" if how == "time limit" else "FAILED"
     assert wait_for(lambda: sacct_states(job_id) == [expected], 15, f"sacct {expected}"), sacct_states(job_id)
     # The step's state in sacct: TIMEOUT|0:0 until its ranks have exited, then FAILED|3:0.
-    step = lambda: sacct("-j", f"{job_id}.0", "-o", "State,ExitCode").split()
+    def step():
+        return sacct("-j", f"{job_id}.0", "-o", "State,ExitCode").split()
+
     try:
         wait_for(lambda: step() == ["FAILED|3:0"], 60, "every rank's exit status 3 in sacct")
     except AssertionError as exc:
@@ -571,10 +575,10 @@ def test_sigterm_to_every_process_of_an_srun_job_checkpoints_without_a_traceback
     assert len(state["ranks"]) == 2 and state["global_step"] > 0
 
 
-# ----------------------------------------------- the README's GPU cluster examples (tests/test_readme.py)
+# ------------------------------------------ docs/cluster.md's GPU cluster examples (tests/test_readme.py)
 
 def test_the_gpu_cluster_examples_are_refused_in_one_line_by_a_cluster_without_gpus(cluster, tiny_data, tmp_path):
-    """The 8-GPU examples (README and job.sbatch's comment), on the local SLURM, which has no `gpu`
+    """The 8-GPU examples (docs/cluster.md and job.sbatch's comment), on the local SLURM, which has no `gpu`
     partition and no GPUs: each is refused at once, in one line that says why. They run at the
     same time (each a shell, and a Python for the submitters)."""
     home = shown.sandbox(tmp_path / "clone")

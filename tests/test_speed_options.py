@@ -14,7 +14,6 @@ from fixres_dist import FixresError
 from fixres_dist.distributed import placement
 from fixres_dist.training.checkpoint import load_checkpoint
 
-
 # resnet20 at 16 px, 1 epoch on few_data (20 images): what the speed options change is not the network;
 # 4 images per rank divide the 20, so a compiled step sees one batch shape (no recompilation for a last one)
 SMALL = ["--architecture", "resnet20", "--input-size", "16", "--batch", "4", "--epochs", "1", "--workers", "0",

@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 
 from conftest import free_port
 from fixres_dist.distributed import collectives
-from fixres_dist.entry.launch import start_method
 from fixres_dist.distributed.preemption import Agreed, StepAgreement, StopSignals
+from fixres_dist.entry.launch import start_method
 
 STEPS = 8
 

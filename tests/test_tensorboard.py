@@ -13,10 +13,16 @@ import pytest
 from matplotlib.figure import Figure
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, EventAccumulator
 
-from fixres_dist.errors import FixresError
 from fixres_dist.entry.launch import start_method
+from fixres_dist.errors import FixresError
 from fixres_dist.reporting.metrics import MetricsLog
-from fixres_dist.reporting.tensorboard_events import (FOLDER, TensorBoardLog, check_available, check_folder, event_scalars)
+from fixres_dist.reporting.tensorboard_events import (
+    FOLDER,
+    TensorBoardLog,
+    check_available,
+    check_folder,
+    event_scalars,
+)
 
 
 def load(job) -> EventAccumulator:

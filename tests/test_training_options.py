@@ -13,10 +13,10 @@ import torchvision
 
 from conftest import make_subset, run_main, run_script
 from fixres_dist import FixresError, TrainerConfig
-from fixres_dist.training import engine, optim, recipes
-from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.data.pipeline import normalize
+from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.models.ema import ModelEMA
+from fixres_dist.training import engine, optim, recipes
 
 
 # ------------------------------------------------------------------ optimizers and schedules
@@ -282,7 +282,8 @@ def test_all_options_on_two_ranks_stopped_mid_epoch_resume_bit_identical(tmp_pat
     assert stopped["epoch"] == 0 and 0 < stopped["images_in_epoch"] < 40 and stopped["model_ema_state"]["updates"] >= 1
     second = _train_all(tmp_path, data, "job")
     assert second.returncode == 0, second.stderr[-3000:]
-    a, b = load_checkpoint(tmp_path / "straight" / "checkpoint.pth"), load_checkpoint(tmp_path / "job" / "checkpoint.pth")
+    a = load_checkpoint(tmp_path / "straight" / "checkpoint.pth")
+    b = load_checkpoint(tmp_path / "job" / "checkpoint.pth")
     assert a["global_step"] == b["global_step"] == 6
     for key in ("model", "model_ema"):
         assert a[key].keys() == b[key].keys()
@@ -298,8 +299,8 @@ def test_all_options_on_two_ranks_stopped_mid_epoch_resume_bit_identical(tmp_pat
                 if e["event"] in ("train", "eval", "ema_eval")]
     assert scores(a) == scores(b) and [s[0] for s in scores(a)] == ["train", "eval", "ema_eval"] * 2
     curves, resumed = _scalars(tmp_path / "straight"), _scalars(tmp_path / "job")
-    assert curves.keys() == resumed.keys() and {"train/loss", "train/loss_step", "eval/top1/16px", "eval_ema/top1/16px"} \
-        <= curves.keys()
+    assert curves.keys() == resumed.keys()
+    assert {"train/loss", "train/loss_step", "eval/top1/16px", "eval_ema/top1/16px"} <= curves.keys()
     for tag in curves:
         steps = [s for s, _ in resumed[tag]]
         assert steps == sorted(set(steps)) == [s for s, _ in curves[tag]], tag  # each point once, same axis
@@ -337,8 +338,8 @@ def test_refused_before_anything_starts_for_the_data_and_folders_given(capsys, t
     assert "--grad-accum-steps 6: one step would take 96 images (--batch 8 x 2 rank(s) x 6), more than the 80" in err
     (tmp_path / "tb").mkdir()
     (tmp_path / "tb" / "tensorboard").write_text("")
-    status, err = run_main(capsys, "scratch", "--shared-folder-path", tmp_path, "--data-path", tiny_data, "--tensorboard",
-                           "--job-id", "tb")
+    status, err = run_main(capsys, "scratch", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+                           "--tensorboard", "--job-id", "tb")
     assert status != 0 and "tensorboard: it is a file, not a folder" in err and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tb"] and [p.name for p in (tmp_path / "tb").iterdir()] == \
         ["tensorboard"]
@@ -348,9 +349,9 @@ def test_accumulation_with_synchronised_batchnorm_on_a_last_step_split_unevenly(
     """35 images, 2 ranks x 7 x 2 micro-batches: the last step's 7 images split 4/3, and both ranks still take
     the same number of micro-batches (each a collective of the synchronised BatchNorm)."""
     data = make_subset(tmp_path / "d35", 5, 2, classes=7)
-    run = run_script("scratch", "--num-tasks", 2, "--job-id", "acc", "--shared-folder-path", tmp_path, "--data-path", data,
-                     "--architecture", "resnet20", "--input-size", 16, "--batch", 7, "--grad-accum-steps", 2, "--sync-bn",
-                     "--epochs", 1, "--workers", 0, "--no-progress")
+    run = run_script("scratch", "--num-tasks", 2, "--job-id", "acc", "--shared-folder-path", tmp_path,
+                     "--data-path", data, "--architecture", "resnet20", "--input-size", 16, "--batch", 7,
+                     "--grad-accum-steps", 2, "--sync-bn", "--epochs", 1, "--workers", 0, "--no-progress")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "2 steps per epoch" in run.stdout
 

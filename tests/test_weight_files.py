@@ -17,8 +17,8 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 from conftest import run_script
-from fixres_dist.models import architectures, weights
 from fixres_dist.errors import FixresError
+from fixres_dist.models import architectures, weights
 
 HAS_TIMM = importlib.util.find_spec("timm") is not None
 needs_timm = pytest.mark.skipif(not HAS_TIMM, reason="timm not installed (pip install -e .[timm])")
@@ -60,7 +60,8 @@ def _layouts(model, ema, optimizer) -> dict:
                   "epoch": 3, "scaler": {"scale": 65536.0}, "args": args}, "model", []),
         # Lightning: the LightningModule's state_dict, the network under its attribute name
         "lightning": ({"epoch": 3, "global_step": 120, "pytorch-lightning_version": "2.4.0",
-                       "state_dict": {**{f"model.{k}": v for k, v in state.items()}, "criterion.weight": torch.ones(10)},
+                       "state_dict": {**{f"model.{k}": v for k, v in state.items()},
+                                      "criterion.weight": torch.ones(10)},
                        "optimizer_states": [optimizer.state_dict()], "lr_schedulers": [],
                        "hyper_parameters": {"lr": 0.1, "args": args}}, "state_dict", []),
         # FixRes' own: the DDP module's state_dict
@@ -123,7 +124,9 @@ def test_weight_key_picks_the_ema_weights(trained, tmp_path):
 ])
 def test_when_nothing_fits_the_message_lists_what_the_file_holds(tmp_path, payload, key, message):
     state = _model().state_dict()
-    fill = (lambda v: state if v == "STATE" else v)
+    def fill(v):
+        return state if v == "STATE" else v
+
     payload = {k: fill(v) for k, v in payload.items()} if isinstance(payload, dict) else fill(payload)
     torch.save(payload, tmp_path / "w.pth")
     with pytest.raises(FixresError, match=message) as info:

@@ -13,14 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-from fixres_dist.entry.cli import build_parser
-from fixres_dist.config import TrainerConfig
-from fixres_dist.errors import FixresError
 from fixres_dist.cluster.monitor import POLL_S, first_failure, task_outcomes, watch
 from fixres_dist.cluster.request import SlurmRequest
 from fixres_dist.cluster.submission import job_folder, log_files, submit, submit_array
 from fixres_dist.cluster.sweep import gather_sweep, sweep_configs, sweep_table
 from fixres_dist.cluster.template import config_from_argv
+from fixres_dist.config import TrainerConfig
+from fixres_dist.entry.cli import build_parser
+from fixres_dist.errors import FixresError
 
 
 def request_parser(description: str, modes: list[str] | None) -> argparse.ArgumentParser:

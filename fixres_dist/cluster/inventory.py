@@ -14,8 +14,8 @@ from pathlib import Path
 
 import attrs
 
-from fixres_dist.errors import FixresError
 from fixres_dist.cluster.request import SlurmRequest
+from fixres_dist.errors import FixresError
 
 UNUSABLE_NODE_STATES = ("down", "drain", "fail", "inval", "maint", "future")
 LOCAL_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs")
@@ -144,7 +144,8 @@ def check_request(request: SlurmRequest, partitions: dict[str, Partition]) -> Sl
     if r.partition is None:
         defaults = [p.name for p in partitions.values() if p.default]
         if not defaults:
-            raise FixresError(f"the cluster has no default partition; give --partition (one of {', '.join(partitions)})")
+            raise FixresError("the cluster has no default partition; give --partition "
+                              f"(one of {', '.join(partitions)})")
         r = attrs.evolve(r, partition=defaults[0])
     if r.partition not in partitions:
         raise FixresError(f"partition {r.partition!r} does not exist (partitions: {', '.join(partitions)})")

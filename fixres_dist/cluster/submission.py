@@ -11,11 +11,11 @@ from pathlib import Path
 
 import attrs
 
-from fixres_dist.config import TrainerConfig
-from fixres_dist.errors import FixresError
 from fixres_dist.cluster.inventory import check_request, check_shared_folder, read_partitions
 from fixres_dist.cluster.request import SlurmRequest
 from fixres_dist.cluster.task import SlurmTask
+from fixres_dist.config import TrainerConfig
+from fixres_dist.errors import FixresError
 from fixres_dist.training.inputs import preflight
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import attrs
 
-from fixres_dist.config import TrainerConfig
-from fixres_dist.errors import FixresError
 from fixres_dist.cluster.monitor import first_failure, task_outcomes
 from fixres_dist.cluster.submission import job_folder
+from fixres_dist.config import TrainerConfig
+from fixres_dist.errors import FixresError
 
 
 def sweep_configs(template: TrainerConfig, resolutions: list[int]) -> list[TrainerConfig]:

@@ -39,16 +39,17 @@ from pathlib import Path
 
 import attrs
 
+from fixres_dist.cluster.inventory import run_command
+from fixres_dist.cluster.template import config_from_argv
 from fixres_dist.config import TrainerConfig
-from fixres_dist.errors import FixresError, first_line, say, user_message
+
 # TRAINER-SIDE: the Trainer, its preemption exception and the exit status 3 after a preemption
 # checkpoint (fixres_dist.distributed.preemption); if they move, only these imports change.
 from fixres_dist.distributed.preemption import PREEMPTED_EXIT_STATUS, Preempted
 from fixres_dist.distributed.rendezvous import PeersUnreachable
+from fixres_dist.errors import FixresError, first_line, say, user_message
 from fixres_dist.training.inputs import JobInputs, preflight
 from fixres_dist.training.trainer import Trainer
-from fixres_dist.cluster.inventory import run_command
-from fixres_dist.cluster.template import config_from_argv
 
 FOLLOWER_WAIT_S = 120    # how long a rank other than 0 waits for rank 0's requeue to stop it
 MODES = {"main_scratch.py": "scratch", "scratch": "scratch", "main_finetune.py": "finetune", "finetune": "finetune"}

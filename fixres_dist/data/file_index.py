@@ -59,8 +59,8 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from fixres_dist.data import pipeline
 from fixres_dist import io
+from fixres_dist.data import pipeline
 
 FORMAT_VERSION = 2  # 2: folders' change times (ctime), no longer their modification times
 SPLITS = ("train", "val")
@@ -189,7 +189,8 @@ class DataIndex:
         arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), "folders": _pack(self.folders),
                   "inodes": self.inodes.astype(np.uint64), "ctimes": self.ctimes.astype(np.int64)}
         for name, split in self.splits.items():
-            arrays.update({f"{name}_classes": _pack(split.classes), f"{name}_counts": np.asarray(split.counts, np.int64),
+            arrays.update({f"{name}_classes": _pack(split.classes),
+                           f"{name}_counts": np.asarray(split.counts, np.int64),
                            f"{name}_files": _pack(split.files), f"{name}_hidden": _pack(split.hidden)})
         return arrays
 

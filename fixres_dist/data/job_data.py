@@ -50,7 +50,8 @@ class JobData:
         """A loader of this rank's share: shuffled with training semantics (an optimizer step's share:
         ``--grad-accum-steps`` micro-batches; ``--ra-sampler``'s repeats), or in order (evaluation)."""
         cfg = self.config
-        return pipeline.make_loader(dataset, transform, batch_size=cfg.batch * (cfg.grad_accum_steps if training else 1),
+        return pipeline.make_loader(dataset, transform,
+                                    batch_size=cfg.batch * (cfg.grad_accum_steps if training else 1),
                                     reps=cfg.ra_reps if training else 1, world_size=cfg.num_tasks,
                                     rank=cfg.global_rank, shuffle=training, seed=cfg.seed, workers=cfg.workers,
                                     pin_memory=self.device.type == "cuda", skip_bad_images=cfg.skip_bad_images,

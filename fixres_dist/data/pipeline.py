@@ -52,11 +52,12 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
+from fixres_dist.config import AUTO_AUGMENT_POLICIES, CROP_RATIO
+from fixres_dist.config import INTERPOLATIONS as INTERPOLATION_NAMES
 from fixres_dist.data import images
-from fixres_dist.distributed import preemption
-from fixres_dist.config import AUTO_AUGMENT_POLICIES, CROP_RATIO, INTERPOLATIONS as INTERPOLATION_NAMES
-from fixres_dist.errors import FixresError, first_line
 from fixres_dist.data.samplers import ExactBatchSampler, SampleKey
+from fixres_dist.distributed import preemption
+from fixres_dist.errors import FixresError, first_line
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -372,9 +373,9 @@ class SeededDataset(Dataset):
 
     For an :class:`ImageFolder` as made by :func:`image_folder` (loader
     :func:`fixres_dist.data.images.open_rgb`, no transforms of its own) and a transform of this module
-    (a :class:`Uint8Pipeline`: :func:`train_transform`, :func:`test_transform`, :func:`finetune_transform`), JPEG files reach
-    ``transform`` as decoded uint8 tensors (:func:`fixres_dist.data.images.read_image`), other formats as
-    8-bit RGB PIL images; otherwise the dataset's own items (PIL images).
+    (a :class:`Uint8Pipeline`: :func:`train_transform`, :func:`test_transform`, :func:`finetune_transform`),
+    JPEG files reach ``transform`` as decoded uint8 tensors (:func:`fixres_dist.data.images.read_image`), other
+    formats as 8-bit RGB PIL images; otherwise the dataset's own items (PIL images).
     """
 
     def __init__(self, base: datasets.ImageFolder, transform: v2.Transform, seed: int, skip_bad_images: bool = False):

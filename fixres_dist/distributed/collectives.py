@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from fixres_dist.distributed import network
-from fixres_dist.errors import FixresError, first_line
 from fixres_dist.distributed.rendezvous import LostPeers, Rendezvous, make_store, meet_hosts
+from fixres_dist.errors import FixresError, first_line
 
 
 def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, timeout: float,

@@ -1,6 +1,7 @@
 """Where a process sits in a job: its ranks, its node's share of the CPU, its GPU.
 
-Rank resolution follows one precedence, highest first (README: "where a process learns its rank"):
+Rank resolution follows one precedence, highest first (docs/launching.md, "Where a process learns
+its rank"):
 
 1. explicit flags ``--global-rank/--local-rank`` with ``--num-tasks``;
 2. torchrun's ``RANK / LOCAL_RANK / WORLD_SIZE`` (and ``MASTER_ADDR / MASTER_PORT``);
@@ -178,8 +179,8 @@ def resolve_placement(num_tasks: int | None = None, global_rank: int | None = No
         on_node = _slurm_tasks_on_node(environ, world)
         local = _env_int({"SLURM_LOCALID": "0", **environ}, "SLURM_LOCALID")
         if local >= on_node:
-            raise FixresError(f"environment variable SLURM_LOCALID={local} must be < the tasks on this node ({on_node}, "
-                              "SLURM_NTASKS_PER_NODE or SLURM_NTASKS)")
+            raise FixresError(f"environment variable SLURM_LOCALID={local} must be < the tasks on this node "
+                              f"({on_node}, SLURM_NTASKS_PER_NODE or SLURM_NTASKS)")
         return Placement("slurm", world, _env_rank(environ, "SLURM_PROCID", "SLURM_NTASKS"), local, on_node,
                          job_id or slurm_job, dist_url)
 

@@ -28,8 +28,8 @@ import attrs
 import torch
 
 from fixres_dist.distributed import collectives
-from fixres_dist.training import finite
 from fixres_dist.entry import startup
+from fixres_dist.training import finite
 
 PREEMPTED_EXIT_STATUS = 3
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT  # 130, the shells' status for Ctrl-C

@@ -14,13 +14,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from fixres_dist import io
 from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import collectives, joblock, placement
 from fixres_dist.distributed.preemption import Preempted, StepAgreement, StopSignals
 from fixres_dist.distributed.rendezvous import LostPeers, NetworkInterrupted, RendezvousInterrupted
 from fixres_dist.errors import first_line, user_message
 from fixres_dist.training import recipes
-from fixres_dist import io
 
 
 class RankSession:

@@ -15,9 +15,22 @@ import textwrap
 
 import attrs
 
-from fixres_dist.training import recipes
-from fixres_dist.config import (AUTO_AUGMENT_POLICIES, CIFAR_RESNETS, CROP_RATIO, DEFAULT_INTERPOLATION, INTERPOLATIONS, LITE_MODELS, LR_SCHEDULERS, OPTIMIZERS, OPTIONAL_PACKAGES, SCOPES, TIMM_PREFIX, TrainerConfig)
+from fixres_dist.config import (
+    AUTO_AUGMENT_POLICIES,
+    CIFAR_RESNETS,
+    CROP_RATIO,
+    DEFAULT_INTERPOLATION,
+    INTERPOLATIONS,
+    LITE_MODELS,
+    LR_SCHEDULERS,
+    OPTIMIZERS,
+    OPTIONAL_PACKAGES,
+    SCOPES,
+    TIMM_PREFIX,
+    TrainerConfig,
+)
 from fixres_dist.errors import FixresError
+from fixres_dist.training import recipes
 
 # Defaults that differ between the two scripts; every other default lives in TrainerConfig.
 # --learning-rate is per 256 images (linear scaling rule).
@@ -160,7 +173,7 @@ OTHER_NAMES = {"--lr": "--learning-rate (per 256 images)", "--batch-size": "--ba
                "--bias-weight-decay": "--norm-weight-decay (norms and every bias)",
                "--lr-warmup-method": "--warmup-epochs (always linear from 0)",
                "--lr-warmup-decay": "--warmup-epochs (always linear from 0)", "--data_path": "--data-path"}
-# Options that only shape training: given explicitly with --eval-only, they are refused (README: Recipes).
+# Options that only shape training: given explicitly with --eval-only, they are refused (docs/recipes.md).
 TRAINING_ONLY = ("opt", "lr_scheduler", "lr_step_size", "lr_gamma", "clip_grad_norm", "grad_accum_steps", "mixup_alpha",
                  "cutmix_alpha", "auto_augment", "random_erase", "ra_reps", "model_ema_decay", "model_ema_steps",
                  "label_smoothing")
@@ -195,7 +208,7 @@ class _Parser(argparse.ArgumentParser):
             named = [f"{flag} is {OTHER_NAMES[flag]} here" for flag in
                      (word.split("=", 1)[0] for word in unknown.group(1).split()) if OTHER_NAMES.get(flag)]
             if named:
-                message += f" ({'; '.join(named)}: see README, Recipes)"
+                message += f" ({'; '.join(named)}: see docs/recipes.md)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -222,7 +235,8 @@ def _other_scripts_flags(group, flags, script: str) -> None:
 
 
 def _architecture_help(default: str) -> str:
-    """--architecture's help: the accepted name families (:mod:`fixres_dist.models.architectures`), without torchvision."""
+    """--architecture's help: the accepted name families (:mod:`fixres_dist.models.architectures`), without
+    torchvision."""
     lite_extra, timm_extra = OPTIONAL_PACKAGES["efficientnet_lite_pytorch"][1], OPTIONAL_PACKAGES["timm"][1]
     lite = list(LITE_MODELS)
     return (f"model name ({default}): any torchvision classification model, e.g. resnet50, convnext_tiny, "
@@ -251,7 +265,7 @@ def _with_device(name: str) -> str:
 def _add_placement(p: argparse.ArgumentParser, mode: str) -> None:
     """Where this process sits in its job: ranks, job id, rendezvous, the shared folder."""
     default = _default_help(mode)
-    d = p.add_argument_group("distributed (see README: where a process learns its rank)")
+    d = p.add_argument_group("distributed (see docs/launching.md: where a process learns its rank)")
     d.add_argument("--num-tasks", type=int, help="world size; alone and > 1: spawn that many local ranks "
                    "(default: torchrun's or SLURM's, else one process)")
     d.add_argument("--global-rank", type=int, help="this process's global rank (with --num-tasks)")
@@ -320,9 +334,10 @@ def _add_training_run(t, mode: str) -> None:
     lr_note = "Goyal et al." if not finetune else \
         f"FixRes' finetune used {FIXRES_FINETUNE_LR_PER_256:g} per 256 (8e-3 for 8 x 64 = 512 images) on converged " \
         f"ImageNet weights; the demo default is higher"
-    t.add_argument("--learning-rate", type=float, help=f"learning rate per 256 images, scaled linearly to the global batch "
-                   f"({default('learning_rate')}; {lr_note})")
-    t.add_argument("--momentum", type=float, help=f"momentum of --opt sgd, sgd-nesterov and rmsprop ({default('momentum')})")
+    t.add_argument("--learning-rate", type=float, help="learning rate per 256 images, scaled linearly to the global "
+                   f"batch ({default('learning_rate')}; {lr_note})")
+    t.add_argument("--momentum", type=float,
+                   help=f"momentum of --opt sgd, sgd-nesterov and rmsprop ({default('momentum')})")
     t.add_argument("--weight-decay", type=float, help=f"weight decay of weights ({default('weight_decay')})")
     t.add_argument("--norm-weight-decay", type=float,
                    help="weight decay of normalisation-layer parameters and of all biases instead of "
@@ -373,15 +388,18 @@ def _add_recipe_options(p: argparse.ArgumentParser, mode: str) -> None:
     """What a --recipe sets: optimizer, schedule, clipping, accumulation, augmentation, EMA."""
     finetune = mode == "finetune"
     default = _default_help(mode)
-    r = p.add_argument_group("recipe options (torchvision's references/classification names; README: Recipes)")
+    r = p.add_argument_group("recipe options (torchvision's references/classification names; docs/recipes.md)")
     mine = [name for name, recipe in recipes.RECIPES.items() if recipe.mode == mode]
-    r.add_argument("--recipe", type=functools.partial(_recipe, mode), metavar="{" + ",".join(mine) + "}", help="a named preset of the options below and above, printed in full at "
-                   "the start and stored in config.json; flags given explicitly override it (default: none)")
+    r.add_argument("--recipe", type=functools.partial(_recipe, mode), metavar="{" + ",".join(mine) + "}",
+                   help="a named preset of the options below and above, printed in full at the start and stored "
+                   "in config.json; flags given explicitly override it (default: none)")
     r.add_argument("--opt", type=_optimizer, choices=OPTIMIZERS, help=f"optimizer ({default('opt')}; sgd-nesterov: "
-                   "Nesterov momentum, also spelt sgd_nesterov; --momentum applies to sgd and rmsprop, adamw refuses it)")
-    r.add_argument("--lr-scheduler", type=_scheduler, choices=LR_SCHEDULERS, help="after the warmup: cosine = half a cosine to 0 "
-                   "(per step), step = x --lr-gamma every --lr-step-size epochs, exponential = x --lr-gamma every "
-                   f"epoch; torchvision's cosineannealinglr, steplr, exponentiallr are accepted ({default('lr_scheduler')})")
+                   "Nesterov momentum, also spelt sgd_nesterov; --momentum applies to sgd and rmsprop, adamw "
+                   "refuses it)")
+    r.add_argument("--lr-scheduler", type=_scheduler, choices=LR_SCHEDULERS,
+                   help="after the warmup: cosine = half a cosine to 0 (per step), step = x --lr-gamma every "
+                   "--lr-step-size epochs, exponential = x --lr-gamma every epoch; torchvision's "
+                   f"cosineannealinglr, steplr, exponentiallr are accepted ({default('lr_scheduler')})")
     r.add_argument("--lr-step-size", type=_positive_int, help=f"epochs between decays of the step schedule "
                    f"({default('lr_step_size')})")
     r.add_argument("--lr-gamma", type=float, help=f"decay factor of the step and exponential schedules "
@@ -411,7 +429,7 @@ def _add_recipe_options(p: argparse.ArgumentParser, mode: str) -> None:
                         "every epoch and saved in the checkpoint as model_ema (--weight-key model_ema evaluates or "
                         "loads those weights) (default: off)")
     r.add_argument("--model-ema-decay", type=float, help="the average's decay per update "
-                   f"({default('model_ema_decay')}; see README for torchvision's rescaled value)")
+                   f"({default('model_ema_decay')}; see docs/recipes.md for torchvision's rescaled value)")
     r.add_argument("--model-ema-steps", type=_positive_int, help=f"optimizer steps between EMA updates "
                    f"({default('model_ema_steps')})")
     r.add_argument("--ra-sampler", action=argparse.BooleanOptionalAction, default=None,
@@ -470,7 +488,8 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     finetune = mode == "finetune"
     what = "FixRes-finetune a classifier at the test resolution (Touvron et al., NeurIPS 2019)" if finetune \
         else "train a classifier from scratch"
-    p = _Parser(allow_abbrev=False, description=f"fixres_dist: {what} with DistributedDataParallel.", formatter_class=_Formatter)
+    p = _Parser(allow_abbrev=False, description=f"fixres_dist: {what} with DistributedDataParallel.",
+                formatter_class=_Formatter)
     p.check = functools.partial(_training_fields, mode=mode)
     _add_placement(p, mode)
     training = p.add_argument_group("finetuning" if finetune else "training")

@@ -25,12 +25,19 @@ import traceback
 import attrs
 import torch.multiprocessing as mp
 
-from fixres_dist.distributed import collectives, joblock, placement
 from fixres_dist import io
-from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.config import TrainerConfig
+from fixres_dist.distributed import collectives, joblock, placement
+from fixres_dist.distributed.preemption import (
+    INTERRUPTED_EXIT_STATUS,
+    PREEMPTED_EXIT_STATUS,
+    Preempted,
+    exit_status,
+    ignoring,
+    stop_signals,
+)
+from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.errors import FixresError, first_line, say, user_message
-from fixres_dist.distributed.preemption import (INTERRUPTED_EXIT_STATUS, PREEMPTED_EXIT_STATUS, Preempted, exit_status, ignoring, stop_signals)
 from fixres_dist.training.inputs import JobInputs, preflight
 from fixres_dist.training.trainer import RunResult, Trainer
 

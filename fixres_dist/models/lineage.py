@@ -25,8 +25,8 @@ from pathlib import Path
 
 import attrs
 
-from fixres_dist.models import weights
 from fixres_dist.errors import FixresError
+from fixres_dist.models import weights
 
 RECORD_KEY = "lineage"  # the checkpoint entry
 MAX_DEPTH = 4  # weight files followed back through configurations, for checkpoints without a record

@@ -21,10 +21,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from fixres_dist.fixres import finetuning
-from fixres_dist.models import architectures
 from fixres_dist.config import MAX_RESOLUTION
 from fixres_dist.errors import FixresError, first_line
+from fixres_dist.fixres import finetuning
+from fixres_dist.models import architectures
 
 # Steps of the sizes tried around a size that fails: multiples of these (7: window sizes, 14/16: patches).
 _GRIDS = (1, 2, 4, 7, 8, 14, 16, 28, 32)
@@ -90,8 +90,9 @@ class Probe:
             if device == "meta":
                 self._models[device] = build_on_meta(self.name, self.num_classes, self.build_size, self.low_res_stem)
             else:
-                self._models[device] = architectures.build_model(self.name, self.num_classes, image_size=self.build_size,
-                                                          low_res_stem=self.low_res_stem)
+                self._models[device] = architectures.build_model(self.name, self.num_classes,
+                                                                 image_size=self.build_size,
+                                                                 low_res_stem=self.low_res_stem)
         return self._models[device]
 
     def _forward(self, device: str, size: int, training: bool) -> None:
@@ -141,7 +142,8 @@ def supported_sizes_near(probe: Probe, size: int, training: bool = False) -> str
     below = next((c for c in reversed(tries) if c < size and probe.runs(c, training)), None)
     above = next((c for c in tries if c > size and probe.runs(c, training)), None)
     if below is None:  # too small, or a coarser grid than tried: grow until it runs, then bisect down
-        high = above or next((s for s in _doubling(max(size + 1, architectures.DEFAULT_SIZE)) if probe.runs(s, training)), None)
+        high = above or next((s for s in _doubling(max(size + 1, architectures.DEFAULT_SIZE))
+                              if probe.runs(s, training)), None)
         if high is None:
             return f"it runs at no size up to {MAX_RESOLUTION} px"
         low = size  # fails

@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from fixres_dist.distributed import collectives
 from fixres_dist.data.pipeline import IMAGENET_NORMALIZATION, to_device
-from fixres_dist.training.engine import autocast
+from fixres_dist.distributed import collectives
 from fixres_dist.errors import FixresError
 from fixres_dist.fixres.finetuning import eval_mode
 from fixres_dist.io import write_private
+from fixres_dist.training.engine import autocast
 
 FILES = {"logits": np.float32, "embeddings": np.float32, "labels": np.int64}
 INFO_FILE = "features.json"

@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from fixres_dist.fixres import finetuning
+from fixres_dist.fixres.sweep import STAGE_NAMES, best_resolution, by_stage, standard_error
 from fixres_dist.io import write_private
 from fixres_dist.models.lineage import Lineage
-from fixres_dist.fixres.sweep import STAGE_NAMES, best_resolution, by_stage, standard_error
 
 PLOT_FILE, TABLE_FILE = "resolution_sweep.png", "resolution_sweep.md"
 MARGIN = 0.06  # the plot's x range extends this share of its span beyond the outermost point or marker

@@ -1,21 +1,23 @@
 """Checkpoint files: complete, written atomically, the last K kept, read without executing code.
 
 Layout in the job folder: ``checkpoint-<global step>.pth`` files (the last ``keep`` of them) and
-``checkpoint.pth``, a hard link to the newest. Every file is written by :func:`fixres_dist.io.write_private` (temporary name,
-fsync, rename, folder fsync), so a reader sees a complete old or new checkpoint, never a
-partial one, whatever kills the writer (full disk, SIGKILL, lost node).
+``checkpoint.pth``, a hard link to the newest. Every file is written by
+:func:`fixres_dist.io.write_private` (temporary name, fsync, rename, folder fsync), so a reader sees
+a complete old or new checkpoint, never a partial one, whatever kills the writer (full disk,
+SIGKILL, lost node).
 
 Contents (a plain dict, readable with ``torch.load(weights_only=True)``): ``format_version``,
 ``model`` (the unwrapped module's state), ``optimizer``, ``schedule`` (base LR and progress in
 epochs), ``scaler`` (the fp16 GradScaler state or None), ``input_size`` (the training resolution,
-chosen by ``--input-size auto`` or given), ``epoch`` and ``images_in_epoch`` (where the
-sampler resumes), ``global_step``, ``ranks`` (per rank: RNG states of torch, CUDA, numpy, random and
-the rank's BatchNorm buffers, and its EMA's with ``--model-ema``), ``config`` (a plain dict), ``metrics`` (the events so far) and
-``lineage`` (the resolutions the weights were trained from scratch and FixRes-finetuned at:
-:mod:`fixres_dist.models.lineage`); with ``--model-ema`` also ``model_ema`` (the moving average's
-state_dict, rank 0's BatchNorm statistics; ``--weight-key model_ema`` loads it) and
-``model_ema_state`` (its update count, :mod:`fixres_dist.models.ema`). The learning-rate schedule and
-the samplers need no state of their own: both are functions of (seed, epoch, image in the epoch).
+chosen by ``--input-size auto`` or given), ``epoch`` and ``images_in_epoch`` (where the sampler
+resumes), ``global_step``, ``ranks`` (per rank: RNG states of torch, CUDA, numpy, random and the
+rank's BatchNorm buffers, and its EMA's with ``--model-ema``), ``config`` (a plain dict),
+``metrics`` (the events so far) and ``lineage`` (the resolutions the weights were trained from
+scratch and FixRes-finetuned at: :mod:`fixres_dist.models.lineage`); with ``--model-ema`` also
+``model_ema`` (the moving average's state_dict, rank 0's BatchNorm statistics;
+``--weight-key model_ema`` loads it) and ``model_ema_state`` (its update count,
+:mod:`fixres_dist.models.ema`). The learning-rate schedule and the samplers need no state of their
+own: both are functions of (seed, epoch, image in the epoch).
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ import numpy as np
 import torch
 
 from fixres_dist.errors import FixresError
-from fixres_dist.training.finite import describe_non_finite, non_finite_tensors
 from fixres_dist.io import fsync_folder, safe_load, write_private
+from fixres_dist.training.finite import describe_non_finite, non_finite_tensors
 
 CHECKPOINT_FILE = "checkpoint.pth"
 FORMAT_VERSION = 1
@@ -42,7 +44,8 @@ def _replace_with_link(source: Path, target: Path) -> None:
     try:
         os.link(source, tmp)
     except OSError:  # file systems without hard links: an owner-only copy instead
-        with open(source, "rb") as src, os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as dst:
+        with (open(source, "rb") as src,
+              os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as dst):
             shutil.copyfileobj(src, dst)
     os.replace(tmp, target)
 
@@ -87,7 +90,7 @@ def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int
 def resume_source(job_folder: str | Path, resume: str | None) -> tuple[Path | None, str | None]:
     """Which checkpoint a run continues from: ``(path or None, a note for the log or None)``.
 
-    The rule (README, "Never losing work"): the job folder's own ``checkpoint.pth`` wins once it
+    The rule (docs/checkpoints.md, "Never losing work"): the job folder's own ``checkpoint.pth`` wins once it
     exists, since it continues this job and is newer than anything the job started from; else
     ``--resume`` (where a new job starts from); else none. So rerunning a command that carries
     ``--resume OLD.pth`` after a preemption continues from the job's latest checkpoint, not from OLD.

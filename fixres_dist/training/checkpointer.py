@@ -49,7 +49,8 @@ class Checkpointer:
         error = None
         if cfg.global_rank == 0:
             contents = checkpoint.Contents(
-                model=network.model.state_dict(), **step.state_dict(state.epoch + state.images_in_epoch / images_per_epoch),
+                model=network.model.state_dict(),
+                **step.state_dict(state.epoch + state.images_in_epoch / images_per_epoch),
                 input_size=state.input_size, epoch_sums=epoch_sums, epoch=state.epoch,
                 images_in_epoch=state.images_in_epoch, global_step=state.global_step, ranks=ranks,
                 epoch_seconds=state.meter.seconds() if partial else 0.0, config=cfg.to_dict(),
@@ -79,8 +80,9 @@ class Checkpointer:
         network.model.load_state_dict({**network.model.state_dict(), **buffers})
         step.load(contents, checkpoint.rank_buffers(contents.ranks, rank, "ema_buffers") if step.ema else None)
         if not same_world:
-            self.run_log.warn(f"resuming a {len(contents.ranks)}-rank checkpoint on {plural(cfg.num_tasks, 'rank')}: lr "
-                              f"re-derived by the linear scaling rule ({step.base_lr:g}), BatchNorm statistics averaged, "
+            self.run_log.warn(f"resuming a {len(contents.ranks)}-rank checkpoint on {plural(cfg.num_tasks, 'rank')}: "
+                              f"lr re-derived by the linear scaling rule ({step.base_lr:g}), "
+                              "BatchNorm statistics averaged, "
                               f"epoch {state.epoch + 1} continues at image {state.images_in_epoch} of {train_images} "
                               "of the same permutation (no image repeated); RNG streams restart")
         if state.epoch >= cfg.epochs:

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fixres_dist.distributed import collectives
 from fixres_dist.data.pipeline import IMAGENET_NORMALIZATION, to_device
+from fixres_dist.distributed import collectives
 from fixres_dist.fixres.finetuning import eval_mode
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}

@@ -86,7 +86,8 @@ class Evaluator:
         self.run_log.log("\n" + text + f"\nplot: {cfg.job_folder / reports.PLOT_FILE}")
 
     def extract_features(self, size: int) -> None:
-        """Logits, embeddings and labels of ``--extract-split`` at ``size`` pixels (:mod:`fixres_dist.reporting.extraction`)."""
+        """Logits, embeddings and labels of ``--extract-split`` at ``size`` pixels
+        (:mod:`fixres_dist.reporting.extraction`)."""
         cfg = self.config
         dataset = self.data.val_set if cfg.extract_split == "val" else self.data.train_set
         loader = self.data.loader(dataset, self.test_transform(size), training=False)
@@ -96,7 +97,8 @@ class Evaluator:
         info = extraction.extract(model, head, loader, self.network.device, cfg.extract_features, size,
                                   {"split": cfg.extract_split, "architecture": cfg.architecture,
                                    "weights": source, "classes": self.data.classes}, cfg.global_rank == 0,
-                                  engine.AMP_DTYPES[cfg.amp], cfg.channels_last, self.network.preprocessing.normalization)
+                                  engine.AMP_DTYPES[cfg.amp], cfg.channels_last,
+                                  self.network.preprocessing.normalization)
         self.run_log.record("features", folder=str(cfg.extract_features),
                             **{k: v for k, v in info.items() if k != "classes"})
         self.run_log.log(f"features of {info['images']} {cfg.extract_split} images at {size} px: logits "

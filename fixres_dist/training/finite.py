@@ -13,7 +13,8 @@ non-finite is ever written (checkpoints, weights read, ``metrics.jsonl``).
   before a checkpoint, which therefore never holds the weights of a non-finite step.
 * :func:`non_finite_tensors` names the floating-point tensors of a state that hold NaN or infinity:
   the checkpoint writer refuses such a state (:func:`fixres_dist.training.checkpoint.save_checkpoint`), as
-  does the weight loader (:mod:`fixres_dist.models.weights`) and the resume (:func:`fixres_dist.training.checkpoint.load_checkpoint`).
+  does the weight loader (:mod:`fixres_dist.models.weights`) and the resume
+  (:func:`fixres_dist.training.checkpoint.load_checkpoint`).
 * :func:`json_safe` replaces non-finite floats by ``None`` (JSON ``null``), so that every line of
   ``metrics.jsonl`` is strict JSON (RFC 8259 has no NaN or Infinity).
 """

@@ -78,9 +78,9 @@ def _check_accumulation(config: TrainerConfig, index: file_index.DataIndex) -> N
         step = config.batch * config.num_tasks * config.grad_accum_steps
         if step > train_images:
             raise FixresError(f"--grad-accum-steps {config.grad_accum_steps}: one step would take {step:,} images "
-                              f"(--batch {config.batch} x {config.num_tasks} rank(s) x {config.grad_accum_steps}), more "
-                              f"than the {train_images:,} training images; the linear scaling rule would count images "
-                              "that are not there")
+                              f"(--batch {config.batch} x {config.num_tasks} rank(s) x {config.grad_accum_steps}), "
+                              f"more than the {train_images:,} training images; the linear scaling rule would count "
+                              "images that are not there")
 
 
 def _check_job_folder(config: TrainerConfig) -> None:

@@ -19,9 +19,9 @@ without a device; ``_container.py``: ``torch.multinomial`` over a CPU tensor), a
 :class:`BatchMixing` seeds the CPU generator for the call and restores it afterwards
 (:func:`fixres_dist.data.pipeline.seeded_cpu_generator`).
 
-Partners are the neighbours in a rank's batch (the batch rolled by one); :class:`~fixres_dist.data.samplers.ExactBatchSampler`
-shuffles, and with repeated augmentation the copies of an image go to different ranks (``reps`` <=
-world size), so partners are other images.
+Partners are the neighbours in a rank's batch (the batch rolled by one);
+:class:`~fixres_dist.data.samplers.ExactBatchSampler` shuffles, and with repeated augmentation the
+copies of an image go to different ranks (``reps`` <= world size), so partners are other images.
 
 The soft targets go to ``torch.nn.functional.cross_entropy(logits, targets, label_smoothing=eps)``
 (class-probability targets take label smoothing too). Evaluation never mixes: top-1 and top-5 are

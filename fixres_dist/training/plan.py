@@ -90,7 +90,8 @@ class Plan:
 
 
 def sweep_steps(sizes, epoch: int, stage: str) -> list[Evaluate]:
-    """Evaluations at each of ``sizes``, recorded with label ``stage`` (:data:`fixres_dist.fixres.sweep.STAGE_NAMES`)."""
+    """Evaluations at each of ``sizes``, recorded with label ``stage``
+    (:data:`fixres_dist.fixres.sweep.STAGE_NAMES`)."""
     sizes = list(sizes)
     return [Evaluate(size, epoch, stage, f"{index + 1}/{len(sizes)} of the sweep"
                      + ("" if stage == "sweep" else f" {sweep.STAGE_NAMES[stage]}"))

@@ -28,9 +28,10 @@ def base_learning_rate(config: TrainerConfig) -> float:
 class TrainStep:
     """One optimizer step on this rank's share of a global batch, for ``network`` (prepared for
     training). ``watch``: where each step's loss is checked for NaN or infinity (the stop
-    controller's, :class:`~fixres_dist.training.stopping.StopController`). ``steps_per_epoch``: optimizer steps in an epoch; ``train_images``: images in the
-    training set; ``log``/``warn``: rank 0's log, which gets the optimizer's line and warnings about
-    a schedule or EMA that cannot run their course in this run.
+    controller's, :class:`~fixres_dist.training.stopping.StopController`). ``steps_per_epoch``:
+    optimizer steps in an epoch; ``train_images``: images in the training set; ``log``/``warn``:
+    rank 0's log, which gets the optimizer's line and warnings about a schedule or EMA that cannot
+    run their course in this run.
 
     ``global_step`` is the caller's (:class:`~fixres_dist.training.state.TrainState`): the step about to
     run is ``global_step + 1``, which seeds its MixUp/CutMix draw.

@@ -71,9 +71,8 @@ class Trainer:
 
     Callable: ``Trainer(config)()`` runs this rank's part and returns a :class:`RunResult`. Raises
     :class:`~fixres_dist.errors.FixresError` for bad input or peers that never arrive,
-    :class:`~fixres_dist.distributed.preemption.Preempted` after a stop checkpoint. Tests and
-    benchmarks may instead call :meth:`build`, then :meth:`train_step` / :meth:`train_epoch` /
-    :meth:`fit`, then :meth:`close`.
+    :class:`~fixres_dist.distributed.preemption.Preempted` after a stop checkpoint. Tests and benchmarks may instead
+    call :meth:`build`, then :meth:`train_step` / :meth:`train_epoch` / :meth:`fit`, then :meth:`close`.
 
     ``inputs``: what :func:`fixres_dist.training.inputs.preflight` returned in this process (else the
     rank reads them after meeting its peers). ``locked``, ``announce``: see
@@ -133,7 +132,7 @@ class Trainer:
         self.stops = StopController(self.session.agreement, LossWatch(), self.checkpointer, self.state,
                                     self._save_checkpoint, log)
         self.protocol = plan.protocol(cfg)
-        self.plan = plan.Plan(self.protocol.steps(self.state, self.run_log, self.network.train_size, resume is not None))
+        self.plan = plan.Plan(self.protocol.steps(self.state, self.run_log, self.network.train_size, bool(resume)))
         self.remaining = plan.Remaining(cfg, self.state, self.plan, self.clock, per_epoch, len(self.data.val_set))
         self.evaluator = Evaluator(cfg, self.data, self.network, self.run_log, self.clock, self._after_eval_batch,
                                    self.remaining.postfix, progress.shown(self.config))
@@ -152,7 +151,7 @@ class Trainer:
                                                           ("resolution", "top1", "top5", "loss", "images")})
 
     def _run(self, step: plan.Step) -> None:
-        """One step of the plan (:mod:`fixres_dist.training.plan`; its actions: :data:`~fixres_dist.training.plan.ACTIONS`)."""
+        """One step of the plan (its actions: :data:`fixres_dist.training.plan.ACTIONS`)."""
         cfg, state = self.config, self.state
         if isinstance(step, TrainEpoch):
             self.train_epoch()
@@ -161,7 +160,8 @@ class Trainer:
             if self.step.ema is not None:
                 self.step.ema.average_statistics(self.network.model)
         elif isinstance(step, Evaluate):
-            self.evaluator.evaluate(step.epoch, step.size, step.label, step.what, self.step.ema.module if step.ema else None)
+            self.evaluator.evaluate(step.epoch, step.size, step.label, step.what,
+                                    self.step.ema.module if step.ema else None)
         elif isinstance(step, EndEpoch):
             state.epoch, state.images_in_epoch = state.epoch + 1, 0
             self._save_checkpoint()
@@ -173,7 +173,8 @@ class Trainer:
             if step.name == "choose input size":
                 self.plan.replace(self.protocol.steps(state, self.run_log, self.network.train_size, resumed=True))
         elif step.name == "final result":
-            self.final = self.run_log.events("eval", **({} if cfg.eval_only else {"resolution": state.eval_size(cfg)}))[-1]
+            where = {} if cfg.eval_only else {"resolution": state.eval_size(cfg)}
+            self.final = self.run_log.events("eval", **where)[-1]
         elif step.name == "sweep report":
             self.evaluator.report_sweep(self.network.lineage_at(state.input_size),
                                         state.images_seen(self.data.images_per_epoch))
@@ -200,7 +201,7 @@ class Trainer:
         resumed = cfg.global_rank == 0 and state.images_in_epoch  # rank 0 continues the epoch's totals
         state.meter = engine.EpochMeter(self.network.device, state.resumed_sums if resumed else (0.0, 0.0, 0.0),
                                         state.resumed_seconds if resumed else 0.0)
-        bar = progress.Bar(self.data.images_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", enabled=progress.shown(self.config),
+        bar = progress.Bar(self.data.images_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", enabled=progress.shown(cfg),
                            initial=state.images_in_epoch, postfix=self.remaining.postfix)
         try:
             result = engine.train_one_epoch(self.train_step, self.data.train_loader, state.meter, epoch=epoch,

@@ -119,11 +119,12 @@ class RunLog:
         self.board = None
         self.warn(f"{message}; training goes on (metrics.jsonl has every figure)")
 
-    def step_scalars(self, global_step: int, images_seen: int, loss: float, lr: float) -> None:
-        """The per-step training curves (every :attr:`board_every` optimizer steps): rank 0's images'
-        mean loss and the learning rate at ``images_seen`` images trained on."""
+    def step_scalars(self, global_step: int, images_seen: int, loss, images: int, lr: float) -> None:
+        """The per-step training curves (every :attr:`board_every` optimizer steps): rank 0's mean loss
+        (``loss``: the 0-dim tensor of its summed loss over its ``images``; read only when drawn, a
+        device sync on CUDA) and the learning rate at ``images_seen`` images trained on."""
         if self.board is not None and global_step % self.board_every == 0:
-            self.board.step_scalars(images_seen, loss, lr)
+            self.board.step_scalars(images_seen, loss.item() / images, lr)
 
     def figure(self, tag: str, figure, images_seen: int) -> None:
         if self.board is not None:

@@ -218,9 +218,8 @@ class Trainer:
     def train_step(self, images: torch.Tensor, labels: torch.Tensor, global_batch: int | None = None) -> torch.Tensor:
         """One optimizer step (:class:`~fixres_dist.training.step.TrainStep`) on this rank's uint8 images."""
         loss = self.step(images, labels, global_batch, self.state.global_step)
-        if self.run_log.board is not None:  # rank 0's images' loss
-            self.run_log.step_scalars(self.state.global_step, self.state.images_seen(self.data.images_per_epoch),
-                                      loss.item() / labels.numel(), self.step.lr)
+        self.run_log.step_scalars(self.state.global_step, self.state.images_seen(self.data.images_per_epoch),
+                                  loss, labels.numel(), self.step.lr)
         return loss
 
     def _after_step(self, images_done: int) -> None:
@@ -246,5 +245,5 @@ class Trainer:
         """Stop the loader workers, leave the process group and release the job folder."""
         if self.data is not None:
             self.data.close()
-        self.session.close()
         self.run_log.close()
+        self.session.close()  # last: the job lock

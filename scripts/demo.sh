@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job, FixRes' cheap recipe on real images with 2 local ranks (about 3 minutes on 2 idle CPU cores):
+# The main job, FixRes' cheap recipe on real images with 2 local ranks (measured times: README.md):
 # 1. train resnet20 from scratch at a low resolution, 24 px, on the embedded fashion_mnist_canvas
 #    (real Fashion-MNIST garments at random scales and positions on a 48 px canvas);
 # 2. FixRes-finetune its classifier and last BatchNorm at the higher test resolution, 32 px, with the

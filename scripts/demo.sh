@@ -27,8 +27,9 @@ done
 RUN=(--num-tasks 2 --architecture resnet20 --data-path fixres_dist/embedded_data/fashion_mnist_canvas
      --shared-folder-path "$SHARED")
 WEIGHTS="$SHARED/demo-scratch-$STAMP/checkpoint.pth"
-"$PYTHON" main_scratch.py "${RUN[@]}" --input-size 24 --epochs 12 --job-id "demo-scratch-$STAMP" "$@"
+"$PYTHON" main_scratch.py "${RUN[@]}" --input-size 24 --epochs 6 --job-id "demo-scratch-$STAMP" "$@"
 "$PYTHON" main_finetune.py "${RUN[@]}" --weight-path "$WEIGHTS" --input-size 32 --test-sizes 24,28,32,36,40 \
-    --job-id "demo-fixres-$STAMP" "$@"
-"$PYTHON" main_finetune.py "${RUN[@]}" --weight-path "$WEIGHTS" --input-size 24 --job-id "demo-control-$STAMP" "$@"
+    --epochs 1 --job-id "demo-fixres-$STAMP" "$@"
+"$PYTHON" main_finetune.py "${RUN[@]}" --weight-path "$WEIGHTS" --input-size 24 --epochs 1 \
+    --job-id "demo-control-$STAMP" "$@"
 "$PYTHON" scripts/demo_report.py "$SHARED/demo-fixres-$STAMP" "$SHARED/demo-control-$STAMP" --seconds $((SECONDS - START))

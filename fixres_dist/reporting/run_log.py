@@ -143,13 +143,13 @@ class RunLog:
             self.board = None
 
 
-def resumed_board_at(checkpoint_path: Path | None, state, job_folder: Path, resume_at: int) -> int:
-    """Where the event files of ``job_folder`` hold the curves up to, by the checkpoint resumed
-    (``state``: its :class:`~fixres_dist.training.checkpoint.Contents`; None if none): its own record,
-    or for a checkpoint written before it recorded one, all of them if that run wrote curves. A
-    checkpoint of another job's folder says nothing about this folder's files (0)."""
-    if checkpoint_path is None or Path(checkpoint_path).resolve().parent != job_folder.resolve():
+def resumed_board_at(resume, job_folder: Path, resume_at: int) -> int:
+    """Where the event files of ``job_folder`` hold the curves up to (images trained on), by the
+    checkpoint resumed (``resume``: a :class:`~fixres_dist.training.inputs.Resume`, or None): its own
+    record, or for a checkpoint written before it recorded one, all of them (``resume_at``) if that
+    run wrote curves. No checkpoint, or one of another job's folder, says nothing of these files (0)."""
+    if resume is None or Path(resume.path).resolve().parent != job_folder.resolve():
         return 0
-    if state.tensorboard_at is not None:
-        return state.tensorboard_at
-    return resume_at if state.config.get("tensorboard") else 0
+    if resume.contents.tensorboard_at is not None:
+        return resume.contents.tensorboard_at
+    return resume_at if resume.contents.config.get("tensorboard") else 0

@@ -24,20 +24,28 @@ from fixres_dist.training.step import TrainStep
 
 
 class Checkpointer:
-    """The job's checkpoints. ``last_step``: the global step of the last checkpoint written or
-    resumed (None: none yet); ``unsaved``: trained since it."""
+    """The checkpoints of ``network``'s job (``images_per_epoch``: training images per epoch, for the
+    schedule's progress and the TensorBoard position). ``last_step``: the global step of the last
+    checkpoint written or resumed (None: none yet); ``unsaved``: trained since it."""
 
-    def __init__(self, config: TrainerConfig, run_log: RunLog, faults: FaultInjector, control_group=None):
+    def __init__(self, config: TrainerConfig, run_log: RunLog, faults: FaultInjector, network: Network,
+                 images_per_epoch: int, control_group=None):
         self.config, self.run_log, self.faults, self.control_group = config, run_log, faults, control_group
+        self.network, self.images_per_epoch = network, images_per_epoch
+        self.step: TrainStep | None = None
         self.last_step: int | None = None
         self.unsaved = False
 
-    def save(self, state: TrainState, network: Network, step: TrainStep, images_per_epoch: int, lineage) -> None:
+    def train_with(self, step: TrainStep) -> None:
+        """Training starts: checkpoints hold ``step``'s optimizer, schedule, scaler and EMA too."""
+        self.step = step
+
+    def save(self, state: TrainState) -> None:
         """All ranks: gather per-rank RNG and BatchNorm buffers; rank 0 writes; all learn the outcome.
         Raises :class:`~fixres_dist.errors.FixresError` on every rank when the write failed (the
         previous checkpoint is kept), :class:`~fixres_dist.training.finite.NonFiniteLoss` if the
         epoch's sums are not finite."""
-        cfg = self.config
+        cfg, network, step, images_per_epoch = self.config, self.network, self.step, self.images_per_epoch
         mine = {"rng": checkpoint.rng_state(), "buffers": checkpoint.buffers_of(network.model),
                 **({"ema_buffers": checkpoint.buffers_of(step.ema.module)} if step.ema is not None else {})}
         ranks = collectives.gather_object(mine, self.control_group)
@@ -54,7 +62,7 @@ class Checkpointer:
                 input_size=state.input_size, epoch_sums=epoch_sums, epoch=state.epoch,
                 images_in_epoch=state.images_in_epoch, global_step=state.global_step, ranks=ranks,
                 epoch_seconds=state.meter.seconds() if partial else 0.0, config=cfg.to_dict(),
-                metrics=self.run_log.history, lineage=lineage.record(),
+                metrics=self.run_log.history, lineage=network.lineage_at(state.input_size).record(),
                 tensorboard_at=self.run_log.checkpointed(state.images_seen(images_per_epoch)))
             try:
                 checkpoint.save_checkpoint(cfg.job_folder, contents.as_dict(), state.global_step, cfg.keep_checkpoints,
@@ -66,10 +74,10 @@ class Checkpointer:
             raise FixresError(error if cfg.global_rank == 0 else f"rank 0 could not write the checkpoint: {error}")
         self.unsaved, self.last_step = False, state.global_step
 
-    def restore(self, resume, state: TrainState, network: Network, step: TrainStep, train_images: int) -> None:
+    def restore(self, resume, state: TrainState, train_images: int) -> None:
         """Continue from ``resume`` (:class:`~fixres_dist.training.inputs.Resume`): parameters, the
         optimizer step's state, RNG and BatchNorm buffers (``state`` already holds the position)."""
-        cfg, contents = self.config, resume.contents
+        cfg, contents, network, step = self.config, resume.contents, self.network, self.step
         network.model.load_state_dict(contents.model)
         self.last_step = state.global_step
         same_world = len(contents.ranks) == cfg.num_tasks

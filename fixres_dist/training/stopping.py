@@ -20,12 +20,12 @@ from fixres_dist.training.state import TrainState
 
 class StopController:
     """Stops for ``state``'s run: ``agreement`` (the session's), ``watch`` (the optimizer step's loss
-    watch), ``checkpointer``, and ``save`` (writes a checkpoint of the current state, all ranks)."""
+    watch) and ``checkpointer`` (which writes the stop checkpoint, all ranks); ``log``: rank 0's."""
 
     def __init__(self, agreement: StepAgreement, watch: LossWatch, checkpointer: Checkpointer, state: TrainState,
-                 save: Callable[[], None], log: Callable[[str], None]):
+                 log: Callable[[str], None]):
         self.agreement, self.watch, self.checkpointer, self.state = agreement, watch, checkpointer, state
-        self.save, self.log = save, log
+        self.log = log
 
     def agree(self, now: bool = True) -> signal.Signals | None:
         """All ranks: the stop signal any rank got, or None; if any rank's loss was not finite, all
@@ -52,7 +52,7 @@ class StopController:
         due = bool(checkpoint_every) and self.state.global_step % checkpoint_every == 0
         stop = self.agree(now=due)
         if due:
-            self.save()
+            self.checkpointer.save(self.state)
         if stop is not None:
             self.stop(stop)
 
@@ -69,7 +69,7 @@ class StopController:
         where = f"epoch {state.epoch + 1}, image {state.images_in_epoch}, step {state.global_step}"
         if self.checkpointer.unsaved:
             stop = self.agree() or stop  # the step just done, on every rank: it may have diverged
-            self.save()
+            self.checkpointer.save(self.state)
             done = f"checkpoint written in {folder}"
         elif self.checkpointer.last_step is not None:
             done = f"its checkpoint of step {self.checkpointer.last_step} in {folder} is up to date"

@@ -124,13 +124,13 @@ class Trainer:
             log(resume.note)
         self.state = TrainState.start(cfg, resume.contents if resume else None)
         per_epoch, seen = self.data.images_per_epoch, self.state.images_seen(self.data.images_per_epoch)
-        self.run_log.start(resume.contents.metrics if resume else [], resumed_board_at(
-            resume and resume.path, resume and resume.contents, cfg.job_folder, seen), seen, per_epoch)
+        self.run_log.start(resume.contents.metrics if resume else [], resumed_board_at(resume, cfg.job_folder, seen),
+                           seen, per_epoch)
         self.network = Network(cfg, len(self.data.classes), Network.build_size(cfg, self.state.input_size),
                                inputs.weights, self.session.device, log, self.run_log.warn)
-        self.checkpointer = Checkpointer(cfg, self.run_log, self.faults, self.session.control_group)
-        self.stops = StopController(self.session.agreement, LossWatch(), self.checkpointer, self.state,
-                                    self._save_checkpoint, log)
+        self.checkpointer = Checkpointer(cfg, self.run_log, self.faults, self.network, per_epoch,
+                                         self.session.control_group)
+        self.stops = StopController(self.session.agreement, LossWatch(), self.checkpointer, self.state, log)
         self.protocol = plan.protocol(cfg)
         self.plan = plan.Plan(self.protocol.steps(self.state, self.run_log, self.network.train_size, bool(resume)))
         self.remaining = plan.Remaining(cfg, self.state, self.plan, self.clock, per_epoch, len(self.data.val_set))
@@ -164,7 +164,7 @@ class Trainer:
                                     self.step.ema.module if step.ema else None)
         elif isinstance(step, EndEpoch):
             state.epoch, state.images_in_epoch = state.epoch + 1, 0
-            self._save_checkpoint()
+            self.checkpointer.save(state)
             self.stops.stop_if_asked()
         elif step.name == "start training":
             self._start_training()
@@ -190,8 +190,9 @@ class Trainer:
         self.step = TrainStep(cfg, self.network, len(self.data.classes), self.stops.watch, len(self.data.train_loader),
                               len(self.data.train_set), self.run_log.log, self.run_log.warn)
         self.network.wrap()
+        self.checkpointer.train_with(self.step)
         if self._resume is not None:
-            self.checkpointer.restore(self._resume, self.state, self.network, self.step, len(self.data.train_set))
+            self.checkpointer.restore(self._resume, self.state, len(self.data.train_set))
 
     def train_epoch(self) -> engine.EpochResult:
         """Train epoch ``state.epoch`` from image ``state.images_in_epoch``; records its ``train`` event."""
@@ -231,10 +232,6 @@ class Trainer:
     def _after_eval_batch(self) -> None:
         self.faults.during_evaluation(self.state.global_step)
         self.stops.stop_if_asked()
-
-    def _save_checkpoint(self) -> None:
-        self.checkpointer.save(self.state, self.network, self.step, self.data.images_per_epoch,
-                               self.network.lineage_at(self.state.input_size))
 
     @property
     def model(self) -> torch.nn.Module:

@@ -48,6 +48,8 @@ SCOPES = ("head+last-norm", "head", "norms+head", "all")
 # --opt, --lr-scheduler, --auto-augment (fixres_dist.training.optim, fixres_dist.data.pipeline).
 OPTIMIZERS = ("sgd", "sgd-nesterov", "adamw", "rmsprop")
 LR_SCHEDULERS = ("cosine", "step", "exponential")
+# --sharding (fixres_dist.distributed.sharding): DDP replicas, FSDP2 full shard, hybrid shard (HSDP).
+SHARDINGS = ("ddp", "full", "hybrid")
 AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet")  # torchvision v2 policies (data.train_transform)
 # Bounds that catch typos before they reach torch as overflows or degenerate draws: weight decay above
 # 1 shrinks weights faster than any recipe (torchvision's 1e-4 to AdamW's 0.05); MixUp/CutMix alphas
@@ -356,6 +358,17 @@ class TrainerConfig:
     channels_last: bool = attrs.field(default=False, metadata=RESUMABLE)
     compile: str | None = attrs.field(default=None, metadata=RESUMABLE)
     sync_bn: bool = False
+    # How the ranks hold the model (fixres_dist.distributed.sharding): DDP replicas, FSDP2 full shard or
+    # hybrid shard (shard groups of shard_group_size ranks, None: a node's), and its options; activation
+    # checkpointing per block with any of them. A job may resume under another choice.
+    sharding: str = attrs.field(default="ddp", validator=_one_of(*SHARDINGS), metadata=RESUMABLE)
+    shard_group_size: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
+    reshard_after_forward: bool = attrs.field(default=True, metadata=RESUMABLE)
+    cpu_offload: bool = attrs.field(default=False, metadata=RESUMABLE)
+    activation_checkpointing: bool = attrs.field(default=False, metadata=RESUMABLE)
+    # GiB a rank may use at its peak (the preflight's estimate: fixres_dist.models.memory); None: the
+    # GPU's memory on CUDA, no limit on the CPU.
+    memory_budget: float | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
     # Rank 0's progress bars (progress.py); None: when stderr is a terminal.
     progress: bool | None = attrs.field(default=None, metadata=RESUMABLE)
 
@@ -393,12 +406,31 @@ class TrainerConfig:
                               "holds, give --eval-only --weight-key model_ema")
         if self.mode == "finetune" and not self.eval_only:
             self._check_finetune_regularisation()
+        self._check_sharding()
         if self.input_size == "auto":
             if self.mode != "finetune" or self.eval_only:
                 raise FixresError("--input-size auto only applies to main_finetune.py (finetune at the best "
                                   "swept test resolution)")
             if not self.test_sizes:
                 raise FixresError("--input-size auto needs --test-sizes, the resolutions to choose from")
+
+    def _check_sharding(self) -> None:
+        """Options that only mean something sharded, and what sharding cannot do."""
+        sharded = self.sharding != "ddp"
+        if self.shard_group_size is not None:
+            if self.sharding != "hybrid":
+                raise FixresError("--shard-group-size applies to --sharding hybrid (shard within groups of N ranks)")
+        if not sharded and (self.cpu_offload or not self.reshard_after_forward):
+            flag = "--cpu-offload" if self.cpu_offload else "--no-reshard-after-forward"
+            raise FixresError(f"{flag} applies to a sharded model: add --sharding full or hybrid")
+        if sharded and self.dist_bn == "broadcast":
+            raise FixresError("--dist-bn broadcast is DDP's buffer broadcast; with --sharding "
+                              f"{self.sharding} use --dist-bn reduce (BatchNorm statistics averaged at epoch ends)")
+        if sharded and self.architecture.startswith("vit_") and not self.eval_only:
+            raise FixresError(f"--sharding {self.sharding} cannot run torchvision's {self.architecture} at other "
+                              "resolutions (it copies the model to resize the position embedding): use a timm ViT "
+                              f"(e.g. {TIMM_PREFIX}vit_base_patch16_224), which resamples it in place, or --sharding "
+                              "ddp")
 
     def _check_finetune_regularisation(self) -> None:
         """The FixRes finetune adapts the classifier and the last normalisation to the statistics of

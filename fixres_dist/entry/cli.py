@@ -26,6 +26,7 @@ from fixres_dist.config import (
     OPTIMIZERS,
     OPTIONAL_PACKAGES,
     SCOPES,
+    SHARDINGS,
     TIMM_PREFIX,
     TrainerConfig,
 )
@@ -460,6 +461,29 @@ def _add_speed(p: argparse.ArgumentParser, mode: str) -> None:
                         ("; the trainable ones always are)" if finetune else ")"))
 
 
+def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:
+    """How the ranks hold the model (docs/sharding.md) and activation checkpointing."""
+    default = _default_help(mode)
+    g = p.add_argument_group("sharding and memory (docs/sharding.md)")
+    g.add_argument("--sharding", choices=SHARDINGS, help="ddp: a full replica per rank (DistributedDataParallel); "
+                   "full: parameters, gradients and optimizer state sharded over all ranks (FSDP2, per block); "
+                   f"hybrid: sharded within --shard-group-size ranks, replicated across groups ({default('sharding')})")
+    g.add_argument("--shard-group-size", type=_positive_int, metavar="N",
+                   help="--sharding hybrid: ranks per shard group (default: the ranks on one node)")
+    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="sharded: free each block's gathered parameters after its forward and gather them again "
+                        "for the backward (less memory; --no-reshard-after-forward: one all-gather less per block) "
+                        "(default: on)")
+    g.add_argument("--cpu-offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="sharded: keep parameters, gradients and the optimizer step on the CPU (default: off)")
+    g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep only each block's input for the backward and recompute its inside (less activation "
+                        "memory, about one more forward per step) (default: off)")
+    g.add_argument("--memory-budget", type=float, metavar="GIB",
+                   help="refuse to start when the estimated peak memory per rank exceeds GIB (default: the GPU's "
+                        "memory on CUDA; no limit on CPU)")
+
+
 def _add_checkpoints(p: argparse.ArgumentParser, mode: str) -> None:
     """Checkpoints, resuming and preemption."""
     default = _default_help(mode)
@@ -498,6 +522,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     _add_evaluation(p, mode)
     _add_recipe_options(p, mode)
     _add_speed(p, mode)
+    _add_sharding(p, mode)
     _add_checkpoints(p, mode)
     return p
 

@@ -17,13 +17,26 @@ averages them over the ranks, as the Trainer does for the model at each epoch's 
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from fixres_dist.distributed import collectives
+from fixres_dist.distributed import collectives, sharding
+
+
+def _each_kind(average):
+    """``average`` (a ``multi_avg_fn``) applied to sharded parameters (DTensors) and plain tensors
+    (buffers; parameters unsharded) apart: one foreach kernel cannot take both."""
+    def each_kind(averaged: list, current: list, updates) -> None:
+        for sharded in (True, False):
+            pairs = [(a, c) for a, c in zip(averaged, current) if isinstance(a, DTensor) == sharded]
+            if pairs:
+                average([a for a, _ in pairs], [c for _, c in pairs], updates)
+    return each_kind
 
 
 class ModelEMA:
-    """The EMA of ``model`` (the unwrapped module: not its DDP wrapper), on ``model``'s device.
+    """The EMA of ``model`` (the unwrapped module: not its DDP wrapper), on ``model``'s device. Make it
+    before sharding ``model`` (a sharded module cannot be copied), then shard :attr:`module` alike.
 
     ``decay`` in [0, 1): the average's weight at each update; ``every``: optimizer steps between
     updates (>= 1). ``module`` is the averaged network (an ``nn.Module`` taking the model's inputs).
@@ -32,7 +45,7 @@ class ModelEMA:
     def __init__(self, model: nn.Module, decay: float, every: int):
         if not 0 <= decay < 1 or every < 1:
             raise ValueError(f"EMA decay must be in [0, 1) and every >= 1, got {decay}, {every}")
-        self.averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+        self.averaged = AveragedModel(model, multi_avg_fn=_each_kind(get_ema_multi_avg_fn(decay)), use_buffers=True)
         self.averaged.requires_grad_(False)
         self.decay, self.every = decay, every
 
@@ -62,8 +75,9 @@ class ModelEMA:
         collectives.average_batchnorm_statistics(self.module)
 
     def state_dict(self) -> dict:
-        """The averaged network's state_dict (the model's keys), as rank 0 saves it under ``model_ema``."""
-        return self.module.state_dict()
+        """The averaged network's state_dict (the model's keys), as rank 0 saves it under ``model_ema``
+        (sharded: gathered on rank 0, a collective; ``{}`` on the other ranks)."""
+        return sharding.full_state_dict(self.module)
 
     def extra_state(self) -> dict:
         """What the checkpoint keeps besides the weights: the number of updates since the last restart."""
@@ -73,5 +87,5 @@ class ModelEMA:
         """Restore from a checkpoint: ``weights`` (:meth:`state_dict`), ``extra`` (:meth:`extra_state`)
         and, if given, this rank's BatchNorm ``buffers`` (:func:`fixres_dist.training.checkpoint.rank_buffers`)
         over the statistics in ``weights``."""
-        self.module.load_state_dict({**weights, **(buffers or {})})
+        sharding.load_state_dict(self.module, {**weights, **(buffers or {})})
         self.averaged.n_averaged.fill_(int(extra["updates"]))

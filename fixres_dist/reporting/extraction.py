@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fixres_dist.data.pipeline import IMAGENET_NORMALIZATION, to_device
-from fixres_dist.distributed import collectives
+from fixres_dist.distributed import collectives, sharding
 from fixres_dist.errors import FixresError
 from fixres_dist.fixres.finetuning import eval_mode
 from fixres_dist.io import write_private
@@ -59,12 +59,13 @@ def _row_writer(path: Path) -> tuple[int, int]:
 @torch.no_grad()
 def extract(model: nn.Module, head: str, loader, device: torch.device, folder: str | Path,
             size: int, info: dict, rank0: bool, amp: torch.dtype | None = None, channels_last: bool = False,
-            normalization=IMAGENET_NORMALIZATION) -> dict:
+            normalization=IMAGENET_NORMALIZATION, forwards: int = 0) -> dict:
     """Write logits, embeddings and labels of ``loader``'s split into ``folder``; all ranks call it.
 
     ``model`` is the unwrapped classifier, ``head`` the name of its final ``nn.Linear`` (its input is
     the embedding), ``size`` the test resolution in pixels, ``info`` extra fields for features.json,
-    ``amp`` an autocast dtype or None (the files are float32 either way).
+    ``amp`` an autocast dtype or None (the files are float32 either way). ``forwards``: a sharded
+    model's forwards per rank (:func:`fixres_dist.distributed.sharding.forwards_to_match`).
     Returns features.json's content. Raises :class:`FixresError` on an unreadable image.
     """
     folder = Path(folder)
@@ -91,7 +92,9 @@ def extract(model: nn.Module, head: str, loader, device: torch.device, folder: s
         writers = {name: _row_writer(temporary[name]) for name in FILES}
         for fd, _ in writers.values():
             cleanup.callback(os.close, fd)
+        ran = 0
         for (images, labels, skipped), keys in zip(loader, loader.batch_sampler):
+            ran += 1
             if skipped:
                 raise FixresError(f"{skipped} unreadable images in the split; features need every image")
             with autocast(device, amp):
@@ -102,6 +105,7 @@ def extract(model: nn.Module, head: str, loader, device: torch.device, folder: s
                 row_bytes = rows[name][0].nbytes
                 for key, row in zip(keys, rows[name]):
                     os.pwrite(fd, np.ascontiguousarray(row).tobytes(), offset + key.index * row_bytes)
+        sharding.blank_forwards(model, forwards - ran, size, device, channels_last)
         for fd, _ in writers.values():
             os.fsync(fd)
     collectives.barrier()

@@ -55,10 +55,11 @@ class Checkpointer:
         if not all(map(math.isfinite, epoch_sums)):  # a last guard: the callers agreed on this step first
             raise self.diverged(state, state.global_step)
         error = None
-        if cfg.global_rank == 0:
+        progress = state.epoch + state.images_in_epoch / images_per_epoch
+        model, step_state = network.state_dict(), step.state_dict(progress)
+        if cfg.global_rank == 0:  # sharded: the full tensors are on rank 0 only
             contents = checkpoint.Contents(
-                model=network.model.state_dict(),
-                **step.state_dict(state.epoch + state.images_in_epoch / images_per_epoch),
+                model=model, **step_state,
                 input_size=state.input_size, epoch_sums=epoch_sums, epoch=state.epoch,
                 images_in_epoch=state.images_in_epoch, global_step=state.global_step, ranks=ranks,
                 epoch_seconds=state.meter.seconds() if partial else 0.0, config=cfg.to_dict(),
@@ -78,14 +79,12 @@ class Checkpointer:
         """Continue from ``resume`` (:class:`~fixres_dist.training.inputs.Resume`): parameters, the
         optimizer step's state, RNG and BatchNorm buffers (``state`` already holds the position)."""
         cfg, contents, network, step = self.config, resume.contents, self.network, self.step
-        network.model.load_state_dict(contents.model)
         self.last_step = state.global_step
         same_world = len(contents.ranks) == cfg.num_tasks
         rank = cfg.global_rank if same_world else None
         if same_world:
             checkpoint.set_rng_state(contents.ranks[cfg.global_rank]["rng"])
-        buffers = checkpoint.rank_buffers(contents.ranks, rank)
-        network.model.load_state_dict({**network.model.state_dict(), **buffers})
+        network.load_state_dict({**contents.model, **checkpoint.rank_buffers(contents.ranks, rank)})
         step.load(contents, checkpoint.rank_buffers(contents.ranks, rank, "ema_buffers") if step.ema else None)
         if not same_world:
             self.run_log.warn(f"resuming a {len(contents.ranks)}-rank checkpoint on {plural(cfg.num_tasks, 'rank')}: "

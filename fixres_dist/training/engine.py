@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fixres_dist.data.pipeline import IMAGENET_NORMALIZATION, to_device
-from fixres_dist.distributed import collectives
+from fixres_dist.distributed import collectives, sharding
 from fixres_dist.fixres.finetuning import eval_mode
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
@@ -187,18 +187,22 @@ class EvalResult:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | None = None,
              channels_last: bool = False, normalization=IMAGENET_NORMALIZATION,
-             after_batch: Callable[[], None] | None = None, progress_bar=None) -> EvalResult:
+             after_batch: Callable[[], None] | None = None, progress_bar=None, forwards: int = 0,
+             size: int = 0) -> EvalResult:
     """Evaluate ``model`` (unwrapped, put in eval mode) on this rank's share and reduce over ranks.
 
     ``amp``: autocast dtype (``torch.bfloat16``/``torch.float16``) or None; the sums are float64.
     ``after_batch()`` runs after each batch that every rank has (a collective is allowed there: the
     stop agreement, which may raise to abandon the evaluation). ``progress_bar``: a
     :class:`fixres_dist.reporting.progress.Bar` over the validation images of all ranks.
+    ``forwards``: a sharded model's forwards per rank
+    (:func:`~fixres_dist.distributed.sharding.forwards_to_match`), made up with blank ``size``-pixel
+    images where this rank has fewer batches.
     """
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # top1 hits, top5 hits, loss sum, count
     sampler = loader.batch_sampler if after_batch is not None or progress_bar is not None else None
     common = sampler.common_batches if after_batch is not None else 0
-    done = 0
+    done = ran = 0
     with eval_mode(model):
         for index, (images, labels, _skipped) in enumerate(loader):
             images = to_device(images, device, channels_last, normalization)
@@ -216,6 +220,8 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | 
                 done = now
             if index < common:
                 after_batch()
+            ran = index + 1
+        sharding.blank_forwards(model, forwards - ran, size, device, channels_last)
     top1, top5, loss, count = collectives.all_reduce_sum(sums).tolist()
     count = max(count, 1)
     return EvalResult(100 * top1 / count, 100 * top5 / count, loss / count, int(count))

@@ -17,6 +17,7 @@ import torch
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import pipeline
 from fixres_dist.data.job_data import JobData
+from fixres_dist.distributed import sharding
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures
 from fixres_dist.reporting import extraction, progress, reports
@@ -54,12 +55,13 @@ class Evaluator:
         started = time.perf_counter()
         bar = progress.Bar(len(self.data.val_set), f"eval{tag} {size} px" + (f" ({what})" if what else ""),
                            enabled=self.show_progress, postfix=lambda b: self.postfix(b, size))
+        model = architectures.for_resolution(ema if ema is not None else self.network.model, size)
+        loader = self.data.val_loader(size, self.test_transform(size))
         try:
-            result = engine.evaluate(architectures.for_resolution(ema if ema is not None else self.network.model, size),
-                                     self.data.val_loader(size, self.test_transform(size)), self.network.device,
-                                     engine.AMP_DTYPES[cfg.amp], cfg.channels_last,
+            result = engine.evaluate(model, loader, self.network.device, engine.AMP_DTYPES[cfg.amp], cfg.channels_last,
                                      self.network.preprocessing.normalization, after_batch=self.after_batch,
-                                     progress_bar=bar if bar.enabled else None)
+                                     progress_bar=bar if bar.enabled else None,
+                                     forwards=sharding.forwards_to_match(model, loader.batch_sampler), size=size)
         finally:
             bar.close()
         self.clock.add_evaluation(result.images, size, time.perf_counter() - started)
@@ -98,7 +100,8 @@ class Evaluator:
                                   {"split": cfg.extract_split, "architecture": cfg.architecture,
                                    "weights": source, "classes": self.data.classes}, cfg.global_rank == 0,
                                   engine.AMP_DTYPES[cfg.amp], cfg.channels_last,
-                                  self.network.preprocessing.normalization)
+                                  self.network.preprocessing.normalization,
+                                  forwards=sharding.forwards_to_match(model, loader.batch_sampler))
         self.run_log.record("features", folder=str(cfg.extract_features),
                             **{k: v for k, v in info.items() if k != "classes"})
         self.run_log.log(f"features of {info['images']} {cfg.extract_split} images at {size} px: logits "

@@ -18,7 +18,7 @@ import attrs
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import file_index, pipeline
 from fixres_dist.distributed import placement
-from fixres_dist.errors import FixresError
+from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, lineage, resolutions, weights
 from fixres_dist.reporting import extraction, tensorboard_events
@@ -101,6 +101,9 @@ def preflight(config: TrainerConfig) -> JobInputs:
         placement.cuda_device(config.local_rank)
     if config.compile:
         _check_compile_backend(config.compile)
+    if config.shard_group_size and config.num_tasks % config.shard_group_size:
+        raise FixresError(f"--sharding hybrid: {plural(config.num_tasks, 'rank')} do not split into shard groups of "
+                          f"--shard-group-size {config.shard_group_size}")
     sizes = {config.input_size, config.test_size, config.train_size, *(config.test_sizes or ())} - {None, "auto"}
     for size in sorted(sizes):
         architectures.check_resolution(config.architecture, size)

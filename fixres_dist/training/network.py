@@ -1,8 +1,9 @@
 """The network a run trains or evaluates: built, its weights loaded, prepared for training.
 
-:class:`Network` holds the unwrapped classifier (``model``: evaluation and checkpoints use it), the
-DDP-wrapped one (``ddp``), the forward that training calls (``--compile``: compiled at its first
-call, uncompiled if compilation fails), the preprocessing its weights expect
+:class:`Network` holds the classifier (``model``: evaluation and checkpoints use it; sharded in place
+with ``--sharding full/hybrid``), the one training runs (``wrapped``: DDP's wrapper, or the sharded
+model itself: :mod:`fixres_dist.distributed.sharding`), the forward that training calls
+(``--compile``: compiled at its first call, uncompiled if compilation fails), the preprocessing its weights expect
 (:mod:`fixres_dist.models.preprocessing`) and the lineage of those weights
 (:mod:`fixres_dist.models.lineage`: the resolution they were trained at from scratch).
 """
@@ -11,12 +12,15 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fixres_dist.config import TrainerConfig
+from fixres_dist.distributed import sharding
 from fixres_dist.errors import first_line
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, batchnorm, lineage, preprocessing, resolutions, weights
+from fixres_dist.training.engine import AMP_DTYPES
 
 
 class Network:
@@ -50,7 +54,8 @@ class Network:
         if config.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model.to(device)
-        self.ddp = self.forward = self.model
+        self.wrapped = self.forward = self.model
+        self.sharded = False  # parameters sharded over the ranks (FSDP2): every forward is a collective
         self._compile_checked = True
 
     @staticmethod
@@ -97,19 +102,60 @@ class Network:
             if synchronised:
                 self.log(f"BatchNorm statistics over all {cfg.num_tasks} ranks' images: {', '.join(synchronised)}")
 
-    def wrap(self) -> None:
-        """The DDP wrap (world size > 1) and, with ``--compile``, the forward to compile at its first call."""
-        cfg = self.config
-        self.ddp = self.model if cfg.num_tasks == 1 else DistributedDataParallel(
-            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            forward_sync_buffers=cfg.dist_bn == "broadcast")
-        self.forward = torch.compile(self.ddp, backend=cfg.compile) if cfg.compile else self.ddp
+    def wrap(self, average: nn.Module | None = None) -> None:
+        """Wrap for training with ``--sharding``: DDP (world size > 1), or the model sharded in place
+        (full, hybrid), with ``--activation-checkpointing`` per block either way; ``average``: the EMA's
+        copy of the model (made before: a sharded module cannot be copied), sharded alike. With
+        ``--compile``, the forward to compile at its first call. The optimizer is built after this:
+        sharding replaces the parameters."""
+        cfg, model = self.config, self.model
+        if cfg.activation_checkpointing:
+            blocks = sharding.checkpoint_activations(model)
+            if blocks:
+                self.log(f"activation checkpointing: {blocks} blocks recompute their forward in the backward")
+            else:
+                self.warn(f"--activation-checkpointing: no known blocks in {cfg.architecture}; nothing is recomputed")
+        if cfg.num_tasks == 1:
+            if cfg.sharding != "ddp":
+                self.log(f"--sharding {cfg.sharding} on 1 rank: nothing to shard; the model trains whole")
+        elif cfg.sharding != "ddp":
+            self._shard([model] + ([average] if average is not None else []))
+        else:
+            self.wrapped = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda"
+                                                   else None, forward_sync_buffers=cfg.dist_bn == "broadcast")
+        self.forward = torch.compile(self.wrapped, backend=cfg.compile) if cfg.compile else self.wrapped
         self._compile_checked = not cfg.compile
+
+    def _shard(self, modules: list[nn.Module]) -> None:
+        cfg = self.config
+        mesh = sharding.device_mesh(cfg, self.device)
+        blocks = sharding.shard(modules, mesh, cfg, AMP_DTYPES[cfg.amp])
+        self.sharded = True
+        shape = " x ".join(f"{size} {name}" for size, name in zip(mesh.shape, mesh.mesh_dim_names))
+        per_rank = sum(p.to_local().numel() for p in self.model.parameters())
+        self.log(f"--sharding {cfg.sharding}: {blocks or 'no'} blocks and the root sharded over a mesh of {shape} "
+                 f"ranks; {per_rank:,} of {sum(p.numel() for p in self.model.parameters()):,} parameters on this rank"
+                 + ("" if cfg.reshard_after_forward else ", kept gathered from forward to backward")
+                 + (", offloaded to the CPU" if cfg.cpu_offload else ""))
+        if not blocks:
+            self.warn(f"--sharding {cfg.sharding}: no known blocks in {cfg.architecture}; the whole model is one "
+                      "unit, gathered at once on every rank (no memory saved while it runs)")
 
     @property
     def no_sync(self):
-        """DDP's ``no_sync`` (gradient accumulation without all-reducing each micro-batch), or None."""
-        return self.ddp.no_sync if self.ddp is not self.model else None
+        """Gradient accumulation without reducing each micro-batch: DDP's ``no_sync``, a sharded
+        model's :func:`~fixres_dist.distributed.sharding.gradient_sync_off`; None on one rank."""
+        if self.sharded:
+            return lambda: sharding.gradient_sync_off(self.model)
+        return self.wrapped.no_sync if self.wrapped is not self.model else None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full state_dict (sharded: gathered on rank 0, a collective; ``{}`` elsewhere)."""
+        return sharding.full_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state_dict (every rank holds it), sharded or not."""
+        sharding.load_state_dict(self.model, state)
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         """The training forward. Compilation happens at the first call; if it fails, the run warns
@@ -122,7 +168,7 @@ class Network:
         except Exception as exc:  # any compiler failure; a genuine error recurs below, uncompiled
             self.warn(f"--compile {self.config.compile} failed ({type(exc).__name__}: {first_line(exc)}); "
                       "continuing uncompiled")
-            self.forward, self._compile_checked = self.ddp, True
-            return self.ddp(images)
+            self.forward, self._compile_checked = self.wrapped, True
+            return self.wrapped(images)
         self._compile_checked = True
         return logits

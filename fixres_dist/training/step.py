@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from fixres_dist.config import TrainerConfig
+from fixres_dist.distributed import sharding
 from fixres_dist.errors import plural
 from fixres_dist.models.ema import ModelEMA
 from fixres_dist.training import engine, finite, mixing, optim
@@ -25,6 +26,11 @@ def base_learning_rate(config: TrainerConfig) -> float:
     return optim.scaled_learning_rate(config.learning_rate, config.batch, config.num_tasks, config.grad_accum_steps)
 
 
+def average_of(config: TrainerConfig, model: torch.nn.Module) -> ModelEMA | None:
+    """``--model-ema``'s average of ``model`` (a copy: make it before sharding), else None."""
+    return ModelEMA(model, config.model_ema_decay, config.model_ema_steps) if config.model_ema else None
+
+
 class TrainStep:
     """One optimizer step on this rank's share of a global batch, for ``network`` (prepared for
     training). ``watch``: where each step's loss is checked for NaN or infinity (the stop
@@ -33,12 +39,17 @@ class TrainStep:
     rank 0's log, which gets the optimizer's line and warnings about a schedule or EMA that cannot
     run their course in this run.
 
+    Build it after :meth:`Network.wrap <fixres_dist.training.network.Network.wrap>` (sharding replaces
+    the parameters the optimizer holds); ``ema``: the weights' average (:func:`average_of`), made
+    before the wrap, or None.
+
     ``global_step`` is the caller's (:class:`~fixres_dist.training.state.TrainState`): the step about to
     run is ``global_step + 1``, which seeds its MixUp/CutMix draw.
     """
 
-    def __init__(self, config: TrainerConfig, network: Network, num_classes: int, watch: finite.LossWatch,
-                 steps_per_epoch: int, train_images: int, log: Callable[[str], None], warn: Callable[[str], None]):
+    def __init__(self, config: TrainerConfig, network: Network, ema: ModelEMA | None, num_classes: int,
+                 watch: finite.LossWatch, steps_per_epoch: int, train_images: int, log: Callable[[str], None],
+                 warn: Callable[[str], None]):
         self.config, self.network = config, network
         self.base_lr = base_learning_rate(config)
         self.amp = AMP_DTYPES[config.amp]
@@ -48,7 +59,7 @@ class TrainStep:
         self._check_schedule(warn)
         self.scaler = torch.amp.GradScaler("cuda", enabled=config.amp == "fp16")
         self.mixing = mixing.BatchMixing(config.mixup_alpha, config.cutmix_alpha, num_classes, config.seed)
-        self.ema = ModelEMA(network.model, config.model_ema_decay, config.model_ema_steps) if config.model_ema else None
+        self.ema = ema
         self.watch = watch  # the first step whose loss was not finite, on this rank
         self.progress = 0.0  # epochs of training done when the current step started (the LR schedule's)
         if self.ema is not None:
@@ -102,15 +113,17 @@ class TrainStep:
             self.ema.after_step(self.network.model, global_step, warming_up=self.progress < self.config.warmup_epochs)
 
     def state_dict(self, progress: float) -> dict:
-        """Its checkpoint entries (:class:`~fixres_dist.training.checkpoint.Contents`) at ``progress`` epochs."""
-        return {"optimizer": self.optimizer.state_dict(), "schedule": {"base_lr": self.base_lr, "progress": progress},
+        """Its checkpoint entries (:class:`~fixres_dist.training.checkpoint.Contents`) at ``progress`` epochs,
+        the optimizer's and the average's as unsharded ones are (sharded: a collective; complete on rank 0)."""
+        return {"optimizer": sharding.optimizer_state_dict(self.network.model, self.optimizer),
+                "schedule": {"base_lr": self.base_lr, "progress": progress},
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 **({"model_ema": self.ema.state_dict(), "model_ema_state": self.ema.extra_state()}
                    if self.ema is not None else {})}
 
     def load(self, contents, ema_buffers: dict | None) -> None:
         """Continue from a checkpoint's :class:`~fixres_dist.training.checkpoint.Contents`."""
-        self.optimizer.load_state_dict(contents.optimizer)
+        sharding.load_optimizer_state_dict(self.network.model, self.optimizer, contents.optimizer)
         if self.scaler.is_enabled() and contents.scaler:
             self.scaler.load_state_dict(contents.scaler)
         if self.ema is not None:

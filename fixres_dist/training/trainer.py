@@ -45,7 +45,7 @@ from fixres_dist.training.inputs import JobInputs
 from fixres_dist.training.network import Network
 from fixres_dist.training.plan import Action, EndEpoch, Evaluate, TrainEpoch
 from fixres_dist.training.state import TrainState
-from fixres_dist.training.step import TrainStep
+from fixres_dist.training.step import TrainStep, average_of
 from fixres_dist.training.stopping import StopController
 
 
@@ -182,14 +182,16 @@ class Trainer:
             self.evaluator.extract_features(state.eval_size(cfg))
 
     def _start_training(self) -> None:
-        """Freeze what does not train (finetune), the train loader, the optimizer step, the DDP wrap;
-        then continue the checkpoint, if any."""
+        """Freeze what does not train (finetune), the train loader, the weights' average, the wrap (DDP
+        or sharding), the optimizer step; then continue the checkpoint, if any."""
         cfg, size = self.config, self.state.input_size
         self.network.prepare_for_training(size)
         self.data.train(size, self.network.preprocessing)
-        self.step = TrainStep(cfg, self.network, len(self.data.classes), self.stops.watch, len(self.data.train_loader),
-                              len(self.data.train_set), self.run_log.log, self.run_log.warn)
-        self.network.wrap()
+        ema = average_of(cfg, self.network.model)  # a copy: before sharding, which cannot be copied
+        self.network.wrap(ema.module if ema else None)
+        self.step = TrainStep(cfg, self.network, ema, len(self.data.classes), self.stops.watch,
+                              len(self.data.train_loader), len(self.data.train_set), self.run_log.log,
+                              self.run_log.warn)
         self.checkpointer.train_with(self.step)
         if self._resume is not None:
             self.checkpointer.restore(self._resume, self.state, len(self.data.train_set))
@@ -198,7 +200,7 @@ class Trainer:
         """Train epoch ``state.epoch`` from image ``state.images_in_epoch``; records its ``train`` event."""
         cfg, state = self.config, self.state
         epoch, first_image, started = state.epoch, state.images_in_epoch, time.perf_counter()
-        finetuning.set_train_mode(self.network.ddp)
+        finetuning.set_train_mode(self.network.wrapped)
         resumed = cfg.global_rank == 0 and state.images_in_epoch  # rank 0 continues the epoch's totals
         state.meter = engine.EpochMeter(self.network.device, state.resumed_sums if resumed else (0.0, 0.0, 0.0),
                                         state.resumed_seconds if resumed else 0.0)

@@ -1,0 +1,216 @@
+"""How the ranks hold the model: DDP (a full replica each), full shard (FSDP2) or hybrid shard
+(HSDP), and activation checkpointing; the full-state checkpoints of a sharded model.
+
+* ``ddp``: ``DistributedDataParallel`` (:class:`~fixres_dist.training.network.Network` wraps).
+* ``full``: ``torch.distributed.fsdp.fully_shard`` per residual block
+  (:func:`fixres_dist.models.blocks.blocks`), then the root, on a 1-D mesh of all ranks: each rank
+  keeps 1/world of the parameters, gradients and optimizer state and gathers a block's parameters
+  only around its forward and backward (Zhao et al., "PyTorch FSDP", VLDB 2023; FSDP2 is the
+  per-parameter DTensor version). A model of no known family is sharded at the root only (one unit:
+  the whole model is gathered at once), with a warning.
+* ``hybrid``: the same on a 2-D mesh (``replicate`` x ``shard``): shard within a group of
+  ``--shard-group-size`` ranks (default: the ranks on one node), replicate across the groups (HSDP:
+  parameters are gathered over the fast intra-node links only; gradients are averaged over all).
+* ``reshard_after_forward=False`` keeps each block's gathered parameters from the forward to the
+  backward (one all-gather less per block per step, more memory); ``cpu_offload`` keeps the
+  sharded parameters, gradients and optimizer step on the CPU (``CPUOffloadPolicy``); ``--amp``
+  becomes FSDP2's ``MixedPrecisionPolicy`` (parameters gathered in bf16/fp16, gradients reduced in
+  float32) under the same autocast as DDP.
+
+Gradients are averaged over all ranks as DDP averages them, so the same loss scaling gives the same
+steps: at the same seed a sharded run equals the DDP run up to float rounding.
+
+Activation checkpointing (:func:`checkpoint_activations`) runs each block's forward under
+``torch.utils.checkpoint.checkpoint`` (non-reentrant): only the block's input is kept for the
+backward, its inside is recomputed (Chen et al., "Training Deep Nets with Sublinear Memory Cost",
+arXiv 1604.06174). It leaves parameter names unchanged, so checkpoints are the same with or without.
+
+Checkpoints stay one file, the same for every strategy: :func:`full_state_dict` and
+:func:`optimizer_state_dict` gather the full tensors on rank 0 (``torch.distributed.checkpoint.state_dict``)
+in the layout an unsharded model and optimizer have; :func:`load_state_dict` and
+:func:`load_optimizer_state_dict` put such a file back into a sharded (or plain) model, at any world
+size. So a DDP checkpoint resumes sharded and back, and finetuning, ``--eval-only`` and other tools
+read a sharded run's checkpoint as any other.
+"""
+from __future__ import annotations
+
+import contextlib
+import socket
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from fixres_dist.config import TrainerConfig
+from fixres_dist.errors import FixresError
+from fixres_dist.models.blocks import blocks
+
+_GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU
+_FULL_IN = StateDictOptions(full_state_dict=True)  # every rank holds the full tensors; each keeps its shard
+
+
+def checkpoint_activations(model: nn.Module) -> int:
+    """Run each of ``model``'s blocks under activation checkpointing; returns how many (0: no known
+    blocks, nothing changed). Do it before sharding."""
+    found = blocks(model)
+    for _, block in found:
+        block.forward = _checkpointed(block.forward)
+    return len(found)
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+def device_mesh(config: TrainerConfig, device: torch.device) -> DeviceMesh:
+    """The ranks' mesh for ``config.sharding``: 1-D (``full``) or ``replicate`` x ``shard``
+    (``hybrid``, shard groups of ``--shard-group-size`` ranks, else of the ranks on one node). A
+    collective: every rank calls it. Raises :class:`FixresError` when the world size is not a
+    multiple of the group size, or a node's ranks are not consecutive."""
+    world = config.num_tasks
+    if config.sharding == "full":
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    group = config.shard_group_size or _ranks_per_node(world)
+    if world % group:
+        raise FixresError(f"--sharding hybrid: {world} ranks do not split into shard groups of {group} "
+                          "(--shard-group-size, default the ranks per node)")
+    return init_device_mesh(device.type, (world // group, group), mesh_dim_names=("replicate", "shard"))
+
+
+def _ranks_per_node(world: int) -> int:
+    """The ranks on each node, from every rank's host name; the ranks of a node must be consecutive."""
+    hosts: list[str] = [""] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    per_node = hosts.count(hosts[0])
+    groups = [hosts[i:i + per_node] for i in range(0, world, per_node)]
+    if any(len(set(g)) != 1 or len(g) != per_node for g in groups) or len({g[0] for g in groups}) != len(groups):
+        raise FixresError("--sharding hybrid needs the same number of consecutive ranks on every node "
+                          f"(hosts by rank: {', '.join(hosts)}); give --shard-group-size")
+    return per_node
+
+
+def shard(modules: list[nn.Module], mesh: DeviceMesh, config: TrainerConfig, amp: torch.dtype | None) -> int:
+    """FSDP2 on each of ``modules`` alike (the model, and the EMA's copy made before: a sharded module
+    cannot be copied): ``fully_shard`` per block, then the root. ``amp``: the ``--amp`` dtype or None.
+    Returns the number of blocks per module (0: root only)."""
+    options = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward,
+                   offload_policy=CPUOffloadPolicy() if config.cpu_offload else None)
+    if amp is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32)
+    if options["offload_policy"] is None:
+        del options["offload_policy"]
+    count = 0
+    for module in modules:
+        _start_from_rank0(module)
+        found = blocks(module)
+        for _, block in found:
+            fully_shard(block, **options)
+        fully_shard(module, **options)
+        count = len(found)
+    return count
+
+
+@torch.no_grad()
+def _start_from_rank0(module: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, as DDP broadcasts them when it wraps (each rank
+    then keeps its shard of the same model, whatever each initialised)."""
+    for tensor in module.state_dict().values():
+        dist.broadcast(tensor, src=0)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 module (its parameters are DTensor shards)."""
+    return isinstance(module, FSDPModule)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state_dict with full tensors: of a sharded module gathered on rank 0's CPU (a
+    collective: every rank calls it; the others get ``{}``), of a plain one its own."""
+    if not is_sharded(module):
+        return module.state_dict()
+    return get_model_state_dict(module, options=_GATHERED)
+
+
+def load_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full ``state`` (every rank holds it) into ``module``; a sharded module keeps its shard."""
+    if not is_sharded(module):
+        module.load_state_dict(state)
+        return
+    set_model_state_dict(module, state, options=_FULL_IN)
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` as an unsharded optimizer has it (parameters numbered in the order
+    of the parameter groups), of a sharded ``model`` gathered on rank 0 (a collective; ``{}`` on the
+    other ranks)."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    named = get_optimizer_state_dict(model, optimizer, options=_GATHERED)
+    if not named:
+        return {}
+    number: dict[str, int] = {}
+    groups = []
+    for group in named["param_groups"]:
+        groups.append({**group, "params": [number.setdefault(name, len(number)) for name in group["params"]]})
+    return {"state": {number[name]: value for name, value in named["state"].items()}, "param_groups": groups}
+
+
+def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load an unsharded optimizer's ``state`` (as :func:`optimizer_state_dict` writes it) into
+    ``optimizer`` of ``model``, sharded or not."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    names = {param: name for name, param in model.named_parameters()}
+    order = [names[param] for group in optimizer.param_groups for param in group["params"]]
+    if len(order) != sum(len(group["params"]) for group in state["param_groups"]):
+        raise FixresError(f"the checkpoint's optimizer has {sum(len(g['params']) for g in state['param_groups'])} "
+                          f"parameters, this run's {len(order)}")
+    named = {"state": {order[number]: value for number, value in state["state"].items()},
+             "param_groups": [{**group, "params": [order[number] for number in group["params"]]}
+                              for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, named, options=_FULL_IN)
+
+
+@contextlib.contextmanager
+def gradient_sync_off(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients without reducing them (a sharded model's ``no_sync``: the last
+    micro-batch, outside this context, reduces the sum)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+
+
+def forwards_to_match(model: nn.Module, sampler) -> int:
+    """How many forwards every rank runs to evaluate a sharded ``model`` with an evaluation
+    ``sampler`` (:class:`~fixres_dist.data.samplers.ExactBatchSampler`): its number of global batches
+    (each forward gathers parameters with every rank, so a rank with fewer batches runs blank ones,
+    :func:`blank_forwards`); 0 for a plain model (no rank waits for another)."""
+    return len(sampler.global_batch_sizes()) if is_sharded(model) else 0
+
+
+@torch.no_grad()
+def blank_forwards(model: nn.Module, count: int, size: int, device: torch.device, channels_last: bool) -> None:
+    """``count`` forwards of ``model`` on one blank ``size`` x ``size`` image, outputs discarded."""
+    blank = torch.zeros(1, 3, size, size, device=device)
+    if channels_last:
+        blank = blank.contiguous(memory_format=torch.channels_last)
+    for _ in range(count):
+        model(blank)

@@ -1,0 +1,135 @@
+"""Sharded training (FSDP2 full and hybrid shard) on real gloo ranks: equal to DDP at the same seed,
+stopped and resumed under another strategy and world size, FixRes-finetuned, and its bad input."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from conftest import run_main, run_script
+from fixres_dist.models.architectures import build_model
+from fixres_dist.models.blocks import blocks
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
+
+# A LayerNorm ViT (timm's 6-block test model, 0.3 M parameters): no BatchNorm, so the gradient of a
+# global batch is the same however the ranks split it, and runs on other world sizes compare too.
+VIT = ["--architecture", "timm/test_vit", "--input-size", "32", "--batch", "8", "--epochs", "1",
+       "--warmup-epochs", "0", "--workers", "0", "--no-progress", "--model-ema", "--model-ema-steps", "1",
+       "--model-ema-decay", "0.5"]
+
+
+def run(folder, data, job, *extra, world=2, fault=None):
+    result = run_script("scratch", "--num-tasks", world, "--job-id", job, "--shared-folder-path", folder,
+                        "--data-path", data, *VIT, *extra, env={"FIXRES_FAULT": fault} if fault else None)
+    return result
+
+
+def events(job_folder, kind):
+    return [e for e in map(json.loads, (job_folder / "metrics.jsonl").read_text().splitlines()) if e["event"] == kind]
+
+
+def assert_same_run(a, b, rel=1e-4):
+    """Two jobs' train and eval events (loss, top-1, EMA) and final weights equal to float rounding."""
+    for kind, fields in (("train", ("loss", "lr")), ("eval", ("top1", "loss", "images")),
+                         ("ema_eval", ("top1", "loss"))):
+        ours, theirs = events(a, kind), events(b, kind)
+        assert len(ours) == len(theirs) > 0, kind
+        for x, y in zip(ours, theirs):
+            for field in fields:
+                assert math.isclose(x[field], y[field], rel_tol=rel, abs_tol=1e-6), (kind, field, x, y)
+    weights_a, weights_b = (load_checkpoint(f / CHECKPOINT_FILE) for f in (a, b))
+    for entry in ("model", "model_ema"):
+        assert weights_a[entry].keys() == weights_b[entry].keys()
+        for key, value in weights_a[entry].items():
+            torch.testing.assert_close(value, weights_b[entry][key], rtol=1e-4, atol=1e-5, msg=f"{entry}.{key}")
+
+
+@pytest.fixture(scope="module")
+def vit_jobs(tiny_data, tmp_path_factory):
+    """The same 2-rank ViT job (:data:`VIT`) under DDP (job ``ddp``) and fully sharded (``full``)."""
+    folder = tmp_path_factory.mktemp("vit")
+    for job, sharding in (("ddp", "ddp"), ("full", "full")):
+        result = run(folder, tiny_data, job, "--sharding", sharding)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return folder
+
+
+def test_full_shard_trains_as_ddp(vit_jobs):
+    """Same seed, same data: the sharded run's losses, top-1, EMA and weights are DDP's."""
+    assert_same_run(vit_jobs / "full", vit_jobs / "ddp")
+    config = json.loads((vit_jobs / "full" / "config.json").read_text())
+    assert config["sharding"] == "full"
+
+
+def test_hybrid_shard_on_4_ranks_with_activation_checkpointing_trains_as_ddp_on_2(vit_jobs, tiny_data, tmp_path):
+    """A 2 x 2 mesh (shard within pairs, replicate across them), 4 images a rank and every block
+    recomputed in the backward: the 16-image global batch of the 2-rank DDP run, the same run."""
+    result = run(tmp_path, tiny_data, "hybrid", "--sharding", "hybrid", "--shard-group-size", 2,
+                 "--activation-checkpointing", "--batch", 4, world=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--sharding hybrid: 6 blocks and the root sharded over a mesh of 2 replicate x 2 shard ranks" in result.stdout
+    assert "activation checkpointing: 6 blocks" in result.stdout
+    assert_same_run(tmp_path / "hybrid", vit_jobs / "ddp")
+
+
+def test_a_sharded_job_stopped_mid_epoch_resumes_under_ddp_and_on_another_world_size(vit_jobs, tiny_data, tmp_path):
+    """Stopped after step 3 of 5 fully sharded on 2 ranks; resumed under DDP on 2 ranks it ends as the
+    uninterrupted run; resumed hybrid on 4 ranks it continues the epoch at the same image."""
+    stopped = run(tmp_path, tiny_data, "s", "--sharding", "full", fault="signal:rank=1:step=2")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    shutil.copytree(tmp_path / "s", tmp_path / "four" / "s")
+    resumed = run(tmp_path, tiny_data, "s", "--sharding", "ddp")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "image 48 of the epoch" in resumed.stdout, resumed.stdout[-2000:]
+    assert_same_run(tmp_path / "s", vit_jobs / "ddp")
+
+    on_four = run(tmp_path / "four", tiny_data, "s", "--sharding", "hybrid", "--shard-group-size", 2, world=4)
+    assert on_four.returncode == 0, on_four.stderr[-3000:]
+    assert "epoch 1 continues at image 48 of 80" in on_four.stdout
+    assert "left out" not in on_four.stdout and events(tmp_path / "four" / "s", "eval")[-1]["images"] == 30
+
+
+def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_only(vit_jobs, few_data, tmp_path):
+    """main_finetune.py reads the sharded run's checkpoint.pth and finetunes it sharded at 48 px: the
+    frozen weights come out exactly as they went in (the position embedding resampled to 48 px)."""
+    scratch = vit_jobs / "full" / CHECKPOINT_FILE
+    result = run_script("finetune", "--num-tasks", 2, "--job-id", "ft", "--shared-folder-path", tmp_path,
+                        "--data-path", few_data, "--weight-path", scratch, "--sharding", "full",
+                        "--architecture", "timm/test_vit", "--input-size", 48, "--batch", 4, "--epochs", 1,
+                        "--workers", 0, "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--sharding full: 6 blocks" in result.stdout
+    before, after = load_checkpoint(scratch)["model"], load_checkpoint(tmp_path / "ft" / CHECKPOINT_FILE)["model"]
+    resized = {k for k in after if after[k].shape != before[k].shape}
+    assert resized == {"pos_embed"}  # resampled to the 3 x 3 patch grid of 48 px when loaded
+    trained = {k for k in after if k not in resized and not torch.equal(after[k], before[k])}
+    assert trained and all(k.startswith(("head.", "fc_norm.", "norm.")) for k in trained), trained
+    assert events(tmp_path / "ft", "eval")[-1]["resolution"] == 48
+
+
+def test_blocks_of_each_family():
+    """The units sharded and checkpointed: residual blocks, outermost only."""
+    for name, count, kind in (("resnet20", 9, "BasicBlock"), ("resnet50", 16, "Bottleneck"),
+                              ("convnext_tiny", 18, "CNBlock"), ("timm/test_vit", 6, "Block"),
+                              ("efficientnet_b0", 16, "MBConv"), ("alexnet", 0, None)):
+        found = blocks(build_model(name, 10))
+        assert len(found) == count and all(type(m).__name__ == kind for _, m in found), name
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cpu-offload"], "--cpu-offload applies to a sharded model: add --sharding full or hybrid"),
+    (["--no-reshard-after-forward"], "--no-reshard-after-forward applies to a sharded model"),
+    (["--sharding", "full", "--shard-group-size", 2], "--shard-group-size applies to --sharding hybrid"),
+    (["--sharding", "hybrid", "--shard-group-size", 3, "--num-tasks", 4],
+     "--sharding hybrid: 4 ranks do not split into shard groups of --shard-group-size 3"),
+    (["--sharding", "full", "--dist-bn", "broadcast"], "with --sharding full use --dist-bn reduce"),
+    (["--sharding", "full", "--architecture", "vit_b_16"], "use a timm ViT (e.g. timm/vit_base_patch16_224)"),
+    (["--sharding", "zero3"], "invalid choice: 'zero3'"),
+])
+def test_bad_sharding_options_are_one_line_errors(flags, message, tmp_path, capsys):
+    status, err = run_main(capsys, "scratch", "--shared-folder-path", tmp_path, *flags)
+    assert status != 0 and message in err, err
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import run_main, run_script
+from conftest import make_subset, run_main, run_script
 from fixres_dist.models.architectures import build_model
 from fixres_dist.models.blocks import blocks
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
@@ -93,12 +93,13 @@ def test_a_sharded_job_stopped_mid_epoch_resumes_under_ddp_and_on_another_world_
 
 
 def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_only(vit_jobs, few_data, tmp_path):
-    """main_finetune.py reads the sharded run's checkpoint.pth and finetunes it sharded at 48 px: the
-    frozen weights come out exactly as they went in (the position embedding resampled to 48 px)."""
+    """main_finetune.py reads the sharded run's checkpoint.pth and finetunes it sharded at 48 px on 4
+    ranks: the frozen weights come out exactly as they went in (the position embedding resampled to
+    48 px)."""
     scratch = vit_jobs / "full" / CHECKPOINT_FILE
-    result = run_script("finetune", "--num-tasks", 2, "--job-id", "ft", "--shared-folder-path", tmp_path,
+    result = run_script("finetune", "--num-tasks", 4, "--job-id", "ft", "--shared-folder-path", tmp_path,
                         "--data-path", few_data, "--weight-path", scratch, "--sharding", "full",
-                        "--architecture", "timm/test_vit", "--input-size", 48, "--batch", 4, "--epochs", 1,
+                        "--architecture", "timm/test_vit", "--input-size", 48, "--batch", 2, "--epochs", 1,
                         "--workers", 0, "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--sharding full: 6 blocks" in result.stdout
@@ -107,7 +108,16 @@ def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_o
     assert resized == {"pos_embed"}  # resampled to the 3 x 3 patch grid of 48 px when loaded
     trained = {k for k in after if k not in resized and not torch.equal(after[k], before[k])}
     assert trained and all(k.startswith(("head.", "fc_norm.", "norm.")) for k in trained), trained
-    assert events(tmp_path / "ft", "eval")[-1]["resolution"] == 48
+    assert [(e["resolution"], e["images"]) for e in events(tmp_path / "ft", "eval")][-1] == (48, 10)
+
+
+def test_ranks_without_validation_images_still_take_part_in_each_gather(tmp_path):
+    """2 validation images on 3 ranks: rank 2 has no batch, and runs a blank forward so that every
+    rank gathers each block as often (else ranks 0 and 1 would wait for it until the timeout)."""
+    data = make_subset(tmp_path / "data", 6, 1, classes=2)
+    result = run(tmp_path, data, "small", "--sharding", "full", "--batch", 2, "--dist-timeout", 60, world=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert events(tmp_path / "small", "eval")[-1]["images"] == 2
 
 
 def test_blocks_of_each_family():

@@ -9,9 +9,11 @@ import shutil
 import pytest
 import torch
 
+import shown_commands as shown
 from conftest import make_subset, run_main, run_script
 from fixres_dist.models.architectures import build_model
 from fixres_dist.models.blocks import blocks
+from fixres_dist.training import export
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 # A LayerNorm ViT (timm's 6-block test model, 0.3 M parameters): no BatchNorm, so the gradient of a
@@ -64,13 +66,15 @@ def test_full_shard_trains_as_ddp(vit_jobs):
     assert config["sharding"] == "full"
 
 
+@pytest.mark.slow
 def test_hybrid_shard_on_4_ranks_with_activation_checkpointing_trains_as_ddp_on_2(vit_jobs, tiny_data, tmp_path):
     """A 2 x 2 mesh (shard within pairs, replicate across them), 4 images a rank and every block
     recomputed in the backward: the 16-image global batch of the 2-rank DDP run, the same run."""
     result = run(tmp_path, tiny_data, "hybrid", "--sharding", "hybrid", "--shard-group-size", 2,
                  "--activation-checkpointing", "--batch", 4, world=4)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "--sharding hybrid: 6 blocks and the root sharded over a mesh of 2 replicate x 2 shard ranks" in result.stdout
+    assert "--sharding hybrid: 6 blocks and the root sharded over a mesh of 2 replicate x 2 shard ranks" \
+        in result.stdout
     assert "activation checkpointing: 6 blocks" in result.stdout
     assert_same_run(tmp_path / "hybrid", vit_jobs / "ddp")
 
@@ -92,32 +96,26 @@ def test_a_sharded_job_stopped_mid_epoch_resumes_under_ddp_and_on_another_world_
     assert "left out" not in on_four.stdout and events(tmp_path / "four" / "s", "eval")[-1]["images"] == 30
 
 
-def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_only(vit_jobs, few_data, tmp_path):
+def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_only(vit_jobs, tmp_path):
     """main_finetune.py reads the sharded run's checkpoint.pth and finetunes it sharded at 48 px on 4
-    ranks: the frozen weights come out exactly as they went in (the position embedding resampled to
-    48 px)."""
+    ranks for a 3-class task: the frozen weights come out exactly as they went in (the position
+    embedding resampled to 48 px, a new head). 3 validation images on 4 ranks: rank 3 has no batch,
+    and runs a blank forward so that every rank gathers each block as often (else the others would
+    wait for it until the timeout)."""
+    data = make_subset(tmp_path / "data", 6, 1, classes=3)
     scratch = vit_jobs / "full" / CHECKPOINT_FILE
     result = run_script("finetune", "--num-tasks", 4, "--job-id", "ft", "--shared-folder-path", tmp_path,
-                        "--data-path", few_data, "--weight-path", scratch, "--sharding", "full",
+                        "--data-path", data, "--weight-path", scratch, "--sharding", "full",
                         "--architecture", "timm/test_vit", "--input-size", 48, "--batch", 2, "--epochs", 1,
-                        "--workers", 0, "--no-progress")
+                        "--workers", 0, "--no-progress", "--dist-timeout", 60)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--sharding full: 6 blocks" in result.stdout
     before, after = load_checkpoint(scratch)["model"], load_checkpoint(tmp_path / "ft" / CHECKPOINT_FILE)["model"]
     resized = {k for k in after if after[k].shape != before[k].shape}
-    assert resized == {"pos_embed"}  # resampled to the 3 x 3 patch grid of 48 px when loaded
+    assert resized == {"pos_embed", "head.weight", "head.bias"}  # a 3 x 3 patch grid at 48 px; 3 classes
     trained = {k for k in after if k not in resized and not torch.equal(after[k], before[k])}
-    assert trained and all(k.startswith(("head.", "fc_norm.", "norm.")) for k in trained), trained
-    assert [(e["resolution"], e["images"]) for e in events(tmp_path / "ft", "eval")][-1] == (48, 10)
-
-
-def test_ranks_without_validation_images_still_take_part_in_each_gather(tmp_path):
-    """2 validation images on 3 ranks: rank 2 has no batch, and runs a blank forward so that every
-    rank gathers each block as often (else ranks 0 and 1 would wait for it until the timeout)."""
-    data = make_subset(tmp_path / "data", 6, 1, classes=2)
-    result = run(tmp_path, data, "small", "--sharding", "full", "--batch", 2, "--dist-timeout", 60, world=3)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert events(tmp_path / "small", "eval")[-1]["images"] == 2
+    assert trained and all(k.startswith(("fc_norm.", "norm.")) for k in trained), trained
+    assert [(e["resolution"], e["images"]) for e in events(tmp_path / "ft", "eval")][-1] == (48, 3)
 
 
 def test_blocks_of_each_family():
@@ -143,3 +141,39 @@ def test_bad_sharding_options_are_one_line_errors(flags, message, tmp_path, caps
     status, err = run_main(capsys, "scratch", "--shared-folder-path", tmp_path, *flags)
     assert status != 0 and message in err, err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.slow
+def test_the_sharded_commands_shown(tmp_path, capsys):
+    """docs/sharding.md's commands: train on the embedded data (4,000 training images: about a
+    minute), then export the weights."""
+    train, export_weights = (shown.argv(c, **{"/tmp/runs": tmp_path})
+                             for c in shown.block("python main_scratch.py --num-tasks 2 --sharding full"))
+    result = run_script("scratch", *train[2:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--sharding full: 6 blocks and the root sharded over a mesh of 2 shard ranks; 150,565 of 300,746" \
+        in result.stdout
+    assert events(tmp_path / "vit-sharded", "eval")[-1]["images"] == 1000
+    assert export.main(export_weights[3:]) == 0
+    model = build_model("timm/test_vit", 10, image_size=32)
+    model.load_state_dict(torch.load(tmp_path / "vit-sharded.pth", weights_only=True))
+
+
+def test_export_writes_the_weights_alone_and_never_overwrites(vit_jobs, tmp_path, capsys):
+    """A sharded run's checkpoint exported: a plain state_dict that a fresh model loads strictly, equal
+    to the checkpoint's; the EMA's too; an existing file is kept, a truncated checkpoint refused."""
+    source = vit_jobs / "full" / CHECKPOINT_FILE
+    saved = load_checkpoint(source)
+    for key in ("model", "model_ema"):
+        assert export.main([str(source), str(tmp_path / f"{key}.pth"), "--weight-key", key]) == 0
+        weights = torch.load(tmp_path / f"{key}.pth", weights_only=True)
+        build_model("timm/test_vit", 10, image_size=32).load_state_dict(weights)
+        assert all(torch.equal(weights[k], saved[key][k]) for k in saved[key])
+    before = (tmp_path / "model.pth").read_bytes()
+    assert export.main([str(source), str(tmp_path / "model.pth")]) == 1
+    assert (tmp_path / "model.pth").read_bytes() == before
+    (tmp_path / "cut.pth").write_bytes(source.read_bytes()[:1000])
+    assert export.main([str(tmp_path / "cut.pth"), str(tmp_path / "x.pth")]) == 1
+    err = capsys.readouterr().err
+    assert "model.pth exists; export writes a new file" in err and "not a complete PyTorch file" in err
+    assert not (tmp_path / "x.pth").exists()

@@ -11,6 +11,7 @@ import torch
 
 import shown_commands as shown
 from conftest import make_subset, run_main, run_script
+from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.models.architectures import build_model
 from fixres_dist.models.blocks import blocks
 from fixres_dist.training import export
@@ -42,11 +43,16 @@ def assert_same_run(a, b, rel=1e-4):
         for x, y in zip(ours, theirs):
             for field in fields:
                 assert math.isclose(x[field], y[field], rel_tol=rel, abs_tol=1e-6), (kind, field, x, y)
-    weights_a, weights_b = (load_checkpoint(f / CHECKPOINT_FILE) for f in (a, b))
+    weights_a, weights_b = (full(f / CHECKPOINT_FILE) for f in (a, b))
     for entry in ("model", "model_ema"):
         assert weights_a[entry].keys() == weights_b[entry].keys()
         for key, value in weights_a[entry].items():
             torch.testing.assert_close(value, weights_b[entry][key], rtol=1e-4, atol=1e-5, msg=f"{entry}.{key}")
+
+
+def full(path):
+    """A checkpoint with its tensors, also those of a sharded one (in the shards folder beside it)."""
+    return checkpoint_shards.with_full_tensors(path, load_checkpoint(path))
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +116,35 @@ def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_o
                         "--workers", 0, "--no-progress", "--dist-timeout", 60)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--sharding full: 6 blocks" in result.stdout
-    before, after = load_checkpoint(scratch)["model"], load_checkpoint(tmp_path / "ft" / CHECKPOINT_FILE)["model"]
+    before, after = full(scratch)["model"], full(tmp_path / "ft" / CHECKPOINT_FILE)["model"]
     resized = {k for k in after if after[k].shape != before[k].shape}
     assert resized == {"pos_embed", "head.weight", "head.bias"}  # a 3 x 3 patch grid at 48 px; 3 classes
     trained = {k for k in after if k not in resized and not torch.equal(after[k], before[k])}
     assert trained and all(k.startswith(("fc_norm.", "norm.")) for k in trained), trained
     assert [(e["resolution"], e["images"]) for e in events(tmp_path / "ft", "eval")][-1] == (48, 3)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("metadata", "has no .metadata (incomplete or damaged"),
+    ("missing", "is missing the shard __1_0.distcp"),
+    ("truncated", "__0_0.distcp is truncated ("),
+])
+def test_a_damaged_sharded_checkpoint_is_refused_before_start(vit_jobs, tmp_path, capsys, damage, message):
+    """A missing .metadata or shard file, or a truncated shard: one line naming it; nothing written."""
+    copy = tmp_path / "copy"
+    shutil.copytree(vit_jobs / "full", copy)
+    shards = copy / load_checkpoint(copy / CHECKPOINT_FILE)["shards"]
+    if damage == "metadata":
+        (shards / ".metadata").unlink()
+    elif damage == "missing":
+        (shards / "__1_0.distcp").unlink()
+    else:
+        (shards / "__0_0.distcp").write_bytes((shards / "__0_0.distcp").read_bytes()[:5000])
+    before = sorted(p.name for p in copy.rglob("*"))
+    status, err = run_main(capsys, "scratch", "--shared-folder-path", tmp_path / "runs", "--job-id", "new",
+                           "--resume", copy / CHECKPOINT_FILE, *VIT[:4])
+    assert status == 1 and message in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in copy.rglob("*")) == before and not (tmp_path / "runs" / "new").exists()
 
 
 def test_blocks_of_each_family():
@@ -163,7 +192,7 @@ def test_export_writes_the_weights_alone_and_never_overwrites(vit_jobs, tmp_path
     """A sharded run's checkpoint exported: a plain state_dict that a fresh model loads strictly, equal
     to the checkpoint's; the EMA's too; an existing file is kept, a truncated checkpoint refused."""
     source = vit_jobs / "full" / CHECKPOINT_FILE
-    saved = load_checkpoint(source)
+    saved = full(source)
     for key in ("model", "model_ema"):
         assert export.main([str(source), str(tmp_path / f"{key}.pth"), "--weight-key", key]) == 0
         weights = torch.load(tmp_path / f"{key}.pth", weights_only=True)

@@ -25,12 +25,10 @@ Activation checkpointing (:func:`checkpoint_activations`) runs each block's forw
 backward, its inside is recomputed (Chen et al., "Training Deep Nets with Sublinear Memory Cost",
 arXiv 1604.06174). It leaves parameter names unchanged, so checkpoints are the same with or without.
 
-Checkpoints stay one file, the same for every strategy: :func:`full_state_dict` and
-:func:`optimizer_state_dict` gather the full tensors on rank 0 (``torch.distributed.checkpoint.state_dict``)
-in the layout an unsharded model and optimizer have; :func:`load_state_dict` and
-:func:`load_optimizer_state_dict` put such a file back into a sharded (or plain) model, at any world
-size. So a DDP checkpoint resumes sharded and back, and finetuning, ``--eval-only`` and other tools
-read a sharded run's checkpoint as any other.
+Checkpoints: a sharded run writes each rank's shards (:mod:`fixres_dist.distributed.checkpoint_shards`);
+a one-file checkpoint (DDP's) goes into a sharded model with :func:`load_state_dict` and
+:func:`load_optimizer_state_dict`, which take the full tensors in the layout of an unsharded model and
+optimizer. So a DDP checkpoint resumes sharded and a sharded one under DDP, at any world size.
 """
 from __future__ import annotations
 
@@ -43,9 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
+            set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -56,7 +52,6 @@ from fixres_dist.config import TrainerConfig
 from fixres_dist.errors import FixresError
 from fixres_dist.models.blocks import blocks
 
-_GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0's CPU
 _FULL_IN = StateDictOptions(full_state_dict=True)  # every rank holds the full tensors; each keeps its shard
 
 
@@ -136,36 +131,12 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s state_dict with full tensors: of a sharded module gathered on rank 0's CPU (a
-    collective: every rank calls it; the others get ``{}``), of a plain one its own."""
-    if not is_sharded(module):
-        return module.state_dict()
-    return get_model_state_dict(module, options=_GATHERED)
-
-
 def load_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a full ``state`` (every rank holds it) into ``module``; a sharded module keeps its shard."""
     if not is_sharded(module):
         module.load_state_dict(state)
         return
     set_model_state_dict(module, state, options=_FULL_IN)
-
-
-def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer.state_dict()`` as an unsharded optimizer has it (parameters numbered in the order
-    of the parameter groups), of a sharded ``model`` gathered on rank 0 (a collective; ``{}`` on the
-    other ranks)."""
-    if not is_sharded(model):
-        return optimizer.state_dict()
-    named = get_optimizer_state_dict(model, optimizer, options=_GATHERED)
-    if not named:
-        return {}
-    number: dict[str, int] = {}
-    groups = []
-    for group in named["param_groups"]:
-        groups.append({**group, "params": [number.setdefault(name, len(number)) for name in group["params"]]})
-    return {"state": {number[name]: value for name, value in named["state"].items()}, "param_groups": groups}
 
 
 def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -183,6 +154,15 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
              "param_groups": [{**group, "params": [order[number] for number in group["params"]]}
                               for group in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, named, options=_FULL_IN)
+
+
+@torch.no_grad()
+def load_buffers(module: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Copy ``buffers`` (name -> tensor: BatchNorm statistics) into ``module``'s, sharded or not
+    (buffers are never sharded)."""
+    own = dict(module.named_buffers())
+    for name, value in buffers.items():
+        own[name].copy_(value)
 
 
 @contextlib.contextmanager

@@ -75,9 +75,8 @@ class ModelEMA:
         collectives.average_batchnorm_statistics(self.module)
 
     def state_dict(self) -> dict:
-        """The averaged network's state_dict (the model's keys), as rank 0 saves it under ``model_ema``
-        (sharded: gathered on rank 0, a collective; ``{}`` on the other ranks)."""
-        return sharding.full_state_dict(self.module)
+        """The averaged network's state_dict (the model's keys), as rank 0 saves it under ``model_ema``."""
+        return self.module.state_dict()
 
     def extra_state(self) -> dict:
         """What the checkpoint keeps besides the weights: the number of updates since the last restart."""
@@ -87,5 +86,14 @@ class ModelEMA:
         """Restore from a checkpoint: ``weights`` (:meth:`state_dict`), ``extra`` (:meth:`extra_state`)
         and, if given, this rank's BatchNorm ``buffers`` (:func:`fixres_dist.training.checkpoint.rank_buffers`)
         over the statistics in ``weights``."""
-        sharding.load_state_dict(self.module, {**weights, **(buffers or {})})
+        self.load_weights(weights)
+        self.load_state(extra, buffers)
+
+    def load_weights(self, weights: dict) -> None:
+        """The averaged weights of a one-file checkpoint (full tensors), into a sharded or plain average."""
+        sharding.load_state_dict(self.module, weights)
+
+    def load_state(self, extra: dict, buffers: dict | None = None) -> None:
+        """The update count (:meth:`extra_state`) and this rank's BatchNorm ``buffers``, after the weights."""
+        sharding.load_buffers(self.module, buffers or {})
         self.averaged.n_averaged.fill_(int(extra["updates"]))

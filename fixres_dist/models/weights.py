@@ -50,6 +50,7 @@ import torch
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
+from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.errors import FixresError, first_line
 from fixres_dist.fixres.finetuning import find_head_and_last_norm
 from fixres_dist.io import safe_load
@@ -126,7 +127,10 @@ def _load_payload(path: Path) -> tuple[object, tuple[str, ...]]:
         stand_in = type(attribute or name, (Placeholder,), {"__module__": module, "placeholder_for": name})
         stand_ins.append((stand_in, name))
     with torch.serialization.safe_globals(stand_ins):
-        return safe_load(path, "weight file"), tuple(names)
+        payload = safe_load(path, "weight file")
+    if isinstance(payload, dict) and payload.get("shards"):  # a sharded run's checkpoint: its tensors beside it
+        payload = checkpoint_shards.with_full_tensors(path, payload)
+    return payload, tuple(names)
 
 
 def _is_state_dict(value) -> bool:

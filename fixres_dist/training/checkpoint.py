@@ -30,6 +30,7 @@ import attrs
 import numpy as np
 import torch
 
+from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.errors import FixresError
 from fixres_dist.io import fsync_folder, safe_load, write_private
 from fixres_dist.training.finite import describe_non_finite, non_finite_tensors
@@ -84,6 +85,8 @@ def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int
     for old in sorted(folder.glob("checkpoint-[0-9]*.pth"))[:-keep]:
         if old.resolve() != protected:
             old.unlink(missing_ok=True)
+    checkpoint_shards.remove_unused(folder, {p.stem + checkpoint_shards.SUFFIX
+                                             for p in folder.glob("checkpoint-[0-9]*.pth")})
     return path
 
 
@@ -130,11 +133,12 @@ class Contents:
     tensorboard_at: int | None = None
     model_ema: dict | None = None
     model_ema_state: dict | None = None
+    shards: str | None = None  # a sharded checkpoint's folder of model, optimizer and EMA (checkpoint_shards)
 
     def as_dict(self) -> dict:
         """The dict that :func:`save_checkpoint` writes (without the EMA entries when there is no EMA)."""
         state = attrs.asdict(self, recurse=False)
-        return {k: v for k, v in state.items() if v is not None or k not in ("model_ema", "model_ema_state")}
+        return {k: v for k, v in state.items() if v is not None or k not in ("model_ema", "model_ema_state", "shards")}
 
     @classmethod
     def from_dict(cls, state: dict) -> "Contents":
@@ -161,6 +165,10 @@ def load_checkpoint(path: str | Path) -> dict:
     if missing:
         raise FixresError(f"{path} is not a complete fixres_dist checkpoint (missing {', '.join(missing)}); "
                           "to start from its weights use --weight-path")
+    shards = checkpoint_shards.location(path, state)
+    if shards is not None:  # its tensors are read when the ranks load them (checkpoint_shards.load_into)
+        checkpoint_shards.verify(shards)
+        return state
     bad, total = non_finite_tensors(state["model"])
     if bad:  # written by a version that did not stop at a diverged loss
         raise FixresError(f"checkpoint {path} cannot be resumed: {describe_non_finite(bad, total)}; "

@@ -13,7 +13,7 @@ import math
 import torch
 
 from fixres_dist.config import TrainerConfig
-from fixres_dist.distributed import collectives
+from fixres_dist.distributed import checkpoint_shards, collectives, sharding
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.reporting.run_log import RunLog
 from fixres_dist.training import checkpoint, finite
@@ -54,12 +54,18 @@ class Checkpointer:
         epoch_sums = collectives.all_reduce_sum(sums).tolist()  # all ranks: a collective
         if not all(map(math.isfinite, epoch_sums)):  # a last guard: the callers agreed on this step first
             raise self.diverged(state, state.global_step)
-        error = None
-        progress = state.epoch + state.images_in_epoch / images_per_epoch
-        model, step_state = network.state_dict(), step.state_dict(progress)
-        if cfg.global_rank == 0:  # sharded: the full tensors are on rank 0 only
+        error, shards = None, None
+        if network.sharded:  # every rank writes its shards first (a collective)
+            try:
+                shards = checkpoint_shards.write(cfg.job_folder, state.global_step, network.model, step.optimizer,
+                                                 step.ema.module if step.ema is not None else None, cfg.global_rank)
+            except FixresError as exc:
+                error = str(exc)
+        if cfg.global_rank == 0 and error is None:
+            tensors = {"model": None, "optimizer": None} if shards else {"model": network.model.state_dict(),
+                                                                           **step.tensors()}
             contents = checkpoint.Contents(
-                model=model, **step_state,
+                **tensors, **step.state_dict(state.epoch + state.images_in_epoch / images_per_epoch), shards=shards,
                 input_size=state.input_size, epoch_sums=epoch_sums, epoch=state.epoch,
                 images_in_epoch=state.images_in_epoch, global_step=state.global_step, ranks=ranks,
                 epoch_seconds=state.meter.seconds() if partial else 0.0, config=cfg.to_dict(),
@@ -84,7 +90,14 @@ class Checkpointer:
         rank = cfg.global_rank if same_world else None
         if same_world:
             checkpoint.set_rng_state(contents.ranks[cfg.global_rank]["rng"])
-        network.load_state_dict({**contents.model, **checkpoint.rank_buffers(contents.ranks, rank)})
+        buffers = checkpoint.rank_buffers(contents.ranks, rank)
+        if contents.shards:
+            checkpoint_shards.load_into(resume.path.parent / contents.shards, network.model, step.optimizer,
+                                        step.ema.module if step.ema is not None else None)
+            sharding.load_buffers(network.model, buffers)
+        else:
+            network.load_state_dict({**contents.model, **buffers})
+            step.load_tensors(contents)
         step.load(contents, checkpoint.rank_buffers(contents.ranks, rank, "ema_buffers") if step.ema else None)
         if not same_world:
             self.run_log.warn(f"resuming a {len(contents.ranks)}-rank checkpoint on {plural(cfg.num_tasks, 'rank')}: "

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.errors import FixresError
 from fixres_dist.io import write_private
 from fixres_dist.training import checkpoint
@@ -29,7 +30,7 @@ def export(source: str | Path, out: str | Path, key: str = "model") -> int:
     out = Path(out)
     if out.exists():
         raise FixresError(f"{out} exists; export writes a new file (remove it or give another path)")
-    state = checkpoint.load_checkpoint(source)
+    state = checkpoint_shards.with_full_tensors(Path(source), checkpoint.load_checkpoint(source))
     if state.get(key) is None:
         raise FixresError(f"{source} has no {key} weights (a run without --model-ema keeps none)" if key == "model_ema"
                           else f"{source} has no {key} entry")

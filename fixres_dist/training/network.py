@@ -149,10 +149,6 @@ class Network:
             return lambda: sharding.gradient_sync_off(self.model)
         return self.wrapped.no_sync if self.wrapped is not self.model else None
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's full state_dict (sharded: gathered on rank 0, a collective; ``{}`` elsewhere)."""
-        return sharding.full_state_dict(self.model)
-
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full state_dict (every rank holds it), sharded or not."""
         sharding.load_state_dict(self.model, state)

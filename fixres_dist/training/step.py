@@ -112,22 +112,33 @@ class TrainStep:
         if self.ema is not None:
             self.ema.after_step(self.network.model, global_step, warming_up=self.progress < self.config.warmup_epochs)
 
+    def tensors(self) -> dict:
+        """Its large checkpoint entries, of an unsharded model (a sharded one's are written as shards:
+        :mod:`fixres_dist.distributed.checkpoint_shards`): the optimizer's state and the EMA's weights."""
+        return {"optimizer": self.optimizer.state_dict(),
+                **({"model_ema": self.ema.state_dict()} if self.ema is not None else {})}
+
     def state_dict(self, progress: float) -> dict:
-        """Its checkpoint entries (:class:`~fixres_dist.training.checkpoint.Contents`) at ``progress`` epochs,
-        the optimizer's and the average's as unsharded ones are (sharded: a collective; complete on rank 0)."""
-        return {"optimizer": sharding.optimizer_state_dict(self.network.model, self.optimizer),
-                "schedule": {"base_lr": self.base_lr, "progress": progress},
+        """Its other checkpoint entries (:class:`~fixres_dist.training.checkpoint.Contents`) at ``progress``
+        epochs: the schedule, the fp16 scaler, the EMA's update count."""
+        return {"schedule": {"base_lr": self.base_lr, "progress": progress},
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-                **({"model_ema": self.ema.state_dict(), "model_ema_state": self.ema.extra_state()}
-                   if self.ema is not None else {})}
+                **({"model_ema_state": self.ema.extra_state()} if self.ema is not None else {})}
+
+    def load_tensors(self, contents) -> None:
+        """The optimizer's state and the EMA's weights of a one-file checkpoint's
+        :class:`~fixres_dist.training.checkpoint.Contents`, into a sharded or unsharded model's."""
+        sharding.load_optimizer_state_dict(self.network.model, self.optimizer, contents.optimizer)
+        if self.ema is not None:
+            self.ema.load_weights(contents.model_ema)
 
     def load(self, contents, ema_buffers: dict | None) -> None:
-        """Continue from a checkpoint's :class:`~fixres_dist.training.checkpoint.Contents`."""
-        sharding.load_optimizer_state_dict(self.network.model, self.optimizer, contents.optimizer)
+        """Continue the scaler and the EMA's update count and BatchNorm ``ema_buffers`` of a checkpoint's
+        :class:`~fixres_dist.training.checkpoint.Contents` (after :meth:`load_tensors` or the shards)."""
         if self.scaler.is_enabled() and contents.scaler:
             self.scaler.load_state_dict(contents.scaler)
         if self.ema is not None:
-            self.ema.load(contents.model_ema, contents.model_ema_state, ema_buffers)
+            self.ema.load_state(contents.model_ema_state, ema_buffers)
 
     def _check_schedule(self, warn: Callable[[str], None]) -> None:
         """Warn when the learning-rate schedule cannot run its course in this run (a recipe's or the

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from fixres_dist import io
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data.job_data import JobData
-from fixres_dist.distributed import collectives
+from fixres_dist.distributed import checkpoint_shards, collectives
 from fixres_dist.distributed.preemption import Preempted
 from fixres_dist.distributed.session import RankSession
 from fixres_dist.errors import FixresWarning
@@ -116,6 +116,7 @@ class Trainer:
         inputs = self.inputs or JobInputs.read(cfg)
         if cfg.global_rank == 0:
             io.remove_stale_temporaries(cfg.job_folder)  # of a killed run
+            checkpoint_shards.remove_partial(cfg.job_folder)
             inputs.index.save()
         log(self.index_note if self.index_note and not inputs.index.built else inputs.index.describe())
         self.data = JobData(cfg, inputs, self.session.device, log, train_loader)

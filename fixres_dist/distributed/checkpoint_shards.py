@@ -1,0 +1,159 @@
+"""Sharded checkpoints: each rank writes its own shard of the weights, the optimizer state and the
+EMA with ``torch.distributed.checkpoint`` (DCP), and any world size or strategy reads them back.
+
+A sharded run (``--sharding full/hybrid``) checkpoints as a pair in the job folder:
+
+* ``checkpoint-<step>.shards/``: the DCP folder: one ``__<rank>_0.distcp`` file per rank (its shards
+  of ``model``, ``optimizer``, ``model_ema``) and ``.metadata`` (which file holds which piece);
+* ``checkpoint-<step>.pth``: everything else, as any checkpoint (position, schedule, history, the
+  per-rank RNG states and BatchNorm buffers, :class:`~fixres_dist.training.checkpoint.Contents`), its
+  ``model``/``optimizer``/``model_ema`` entries None and ``shards`` naming the folder.
+
+Written atomically: all ranks write into ``.checkpoint-<step>.shards.partial``, rank 0 renames it
+when DCP has written ``.metadata`` (after every rank's file), then writes the ``.pth`` the usual way;
+a kill at any point leaves the previous checkpoint whole and the job's next start removes the
+partial folder. Read back by :func:`load_into` (a resume, on any world size and under any strategy:
+DCP reshards on load) or, in one process, by :func:`read_full` (finetuning, ``--eval-only`` and
+export take the full tensors). :func:`verify` checks that ``.metadata`` and every shard file it
+names exist at their full length before anything starts.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from fixres_dist.errors import FixresError, first_line
+from fixres_dist.io import fsync_folder, private_folder
+
+SUFFIX = ".shards"
+PARTIAL = ".partial"
+ENTRIES = ("model", "optimizer", "model_ema")  # the Contents entries a sharded checkpoint keeps here
+
+
+def folder_name(global_step: int) -> str:
+    """The shards folder of the checkpoint of ``global_step``, beside ``checkpoint-<step>.pth``."""
+    return f"checkpoint-{global_step:08d}{SUFFIX}"
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, average: nn.Module | None) -> dict:
+    """The state DCP writes and reads: this rank's shards (a plain model: its full tensors)."""
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer),
+            **({"model_ema": get_model_state_dict(average)} if average is not None else {})}
+
+
+def write(job_folder: Path, global_step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+          average: nn.Module | None, rank: int) -> str:
+    """All ranks: write this rank's shards of ``model``, ``optimizer`` and the EMA's ``average`` for
+    ``global_step``; rank 0 then moves the complete folder into place (owner-only). Returns the
+    folder's name. Raises :class:`FixresError` on rank 0 when it cannot (disk full, read-only)."""
+    name = folder_name(global_step)
+    partial = job_folder / f".{name}{PARTIAL}"
+    dcp.save(_state(model, optimizer, average), checkpoint_id=partial)  # a collective; .metadata last
+    if rank == 0:
+        final = job_folder / name
+        try:
+            shutil.rmtree(final, ignore_errors=True)  # the same step written again
+            private_folder(partial)
+            os.replace(partial, final)
+            fsync_folder(job_folder)
+        except OSError as exc:
+            raise FixresError(f"cannot write the checkpoint's shards in {job_folder}: {exc.strerror or exc}; "
+                              "the previous checkpoint is kept") from None
+    return name
+
+
+def remove_unused(job_folder: Path, keep: set[str]) -> None:
+    """Rank 0, after a checkpoint: delete the shards folders that no kept checkpoint names."""
+    for folder in job_folder.glob(f"checkpoint-*{SUFFIX}"):
+        if folder.name not in keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_partial(job_folder: Path) -> None:
+    """Rank 0, as a job starts: delete the partial shards folders a killed run left."""
+    for partial in job_folder.glob(f".checkpoint-*{SUFFIX}{PARTIAL}"):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def location(checkpoint_path: Path, state: dict) -> Path | None:
+    """The shards folder a checkpoint ``state`` read from ``checkpoint_path`` names, or None (a
+    checkpoint of one file)."""
+    name = state.get("shards")
+    return Path(checkpoint_path).parent / name if name else None
+
+
+def verify(folder: Path) -> None:
+    """Raise :class:`FixresError` naming what is wrong when ``folder`` lacks ``.metadata`` or a shard
+    file it names, or a file is shorter than the pieces it should hold (truncated)."""
+    if not (folder / ".metadata").is_file():
+        raise FixresError(f"sharded checkpoint {folder} has no .metadata (incomplete or damaged: a kill while "
+                          "it was copied?); resume an earlier checkpoint-*.pth with --resume")
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+    except Exception as exc:  # unpickling a damaged file raises many types
+        raise FixresError(f"cannot read {folder / '.metadata'} ({type(exc).__name__}: {first_line(exc)})") from None
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for relative, length in sorted(needed.items()):
+        shard = folder / relative
+        if not shard.is_file():
+            raise FixresError(f"sharded checkpoint {folder} is missing the shard {relative}; "
+                              "resume an earlier checkpoint-*.pth with --resume")
+        if shard.stat().st_size < length:
+            raise FixresError(f"shard {shard} is truncated ({shard.stat().st_size:,} of {length:,} bytes); "
+                              "resume an earlier checkpoint-*.pth with --resume")
+
+
+def load_into(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, average: nn.Module | None) -> None:
+    """All ranks: load the shards in ``folder`` into ``model`` (sharded or plain), ``optimizer`` and the
+    EMA's ``average``, whatever world size and strategy wrote them."""
+    state = _state(model, optimizer, average)
+    try:
+        dcp.load(state, checkpoint_id=folder)
+    except Exception as exc:  # DCP raises CheckpointException with every rank's traceback
+        raise FixresError(f"cannot load the sharded checkpoint {folder}: {first_line(exc)}") from None
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if average is not None:
+        set_model_state_dict(average, state["model_ema"])
+
+
+def read_full(folder: Path, entries: tuple[str, ...] = ("model", "model_ema")) -> dict[str, dict]:
+    """In one process: the full tensors of ``entries`` (those the checkpoint has) as state_dicts on the
+    CPU, e.g. ``{"model": {name: tensor}, "model_ema": {...}}``."""
+    reader = FileSystemReader(folder)
+    metadata = reader.read_metadata()
+    state: dict[str, dict] = {}
+    for key, info in metadata.state_dict_metadata.items():
+        entry, _, name = key.partition(".")
+        if entry in entries and isinstance(info, TensorStorageMetadata):
+            state.setdefault(entry, {})[name] = torch.empty(info.size, dtype=info.properties.dtype)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def with_full_tensors(checkpoint_path: Path, state: dict) -> dict:
+    """A checkpoint ``state`` with its sharded entries' full tensors filled in (``model``, ``model_ema``),
+    as one-file checkpoints hold them; ``state`` itself when it is not sharded."""
+    folder = location(checkpoint_path, state)
+    if folder is None:
+        return state
+    verify(folder)
+    return {**state, **read_full(folder)}

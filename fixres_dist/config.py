@@ -423,6 +423,9 @@ class TrainerConfig:
         if not sharded and (self.cpu_offload or not self.reshard_after_forward):
             flag = "--cpu-offload" if self.cpu_offload else "--no-reshard-after-forward"
             raise FixresError(f"{flag} applies to a sharded model: add --sharding full or hybrid")
+        if self.cpu_offload and self.device != "cuda":
+            raise FixresError("--cpu-offload moves a sharded model's parameters from the GPU to the CPU: it needs "
+                              "--device cuda (on the CPU they are there already)")
         if sharded and self.dist_bn == "broadcast":
             raise FixresError("--dist-bn broadcast is DDP's buffer broadcast; with --sharding "
                               f"{self.sharding} use --dist-bn reduce (BatchNorm statistics averaged at epoch ends)")

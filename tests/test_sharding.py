@@ -158,6 +158,7 @@ def test_blocks_of_each_family():
 
 @pytest.mark.parametrize("flags, message", [
     (["--cpu-offload"], "--cpu-offload applies to a sharded model: add --sharding full or hybrid"),
+    (["--sharding", "full", "--cpu-offload"], "--cpu-offload moves a sharded model's parameters from the GPU"),
     (["--no-reshard-after-forward"], "--no-reshard-after-forward applies to a sharded model"),
     (["--sharding", "full", "--shard-group-size", 2], "--shard-group-size applies to --sharding hybrid"),
     (["--sharding", "hybrid", "--shard-group-size", 3, "--num-tasks", 4],

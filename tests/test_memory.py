@@ -1,0 +1,138 @@
+"""Will it fit (fixres_dist.models.memory): the estimated peak memory per rank of a training step,
+its table command, and the preflight's refusal of a run over its memory budget."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from conftest import FAST, run_main
+from fixres_dist.config import TrainerConfig
+from fixres_dist.models import memory
+from fixres_dist.training import inputs
+
+SMALL = {"architecture": "resnet20", "input_size": 32, "batch": 8}  # a CIFAR ResNet: estimates in about a second
+CLASSES = 10  # the embedded Fashion-MNIST's
+
+
+def config(**fields) -> TrainerConfig:
+    return TrainerConfig(**{**SMALL, **fields})
+
+
+@pytest.fixture(scope="module")
+def base() -> memory.MemoryEstimate:
+    return memory.estimate(config(), CLASSES)
+
+
+@pytest.fixture(scope="module")
+def checkpointed() -> memory.MemoryEstimate:
+    return memory.estimate(config(activation_checkpointing=True), CLASSES)
+
+
+def test_the_estimate_grows_with_batch_and_resolution(base):
+    assert base.known and base.peak == base.parameters + base.gradients + base.optimizer + base.activations
+    larger_batch = memory.estimate(config(batch=32), CLASSES)
+    larger_images = memory.estimate(config(input_size=64), CLASSES)
+    assert larger_batch.activations > 3 * base.activations and larger_batch.peak > base.peak
+    assert larger_images.activations > 3 * base.activations and larger_images.peak > base.peak
+    assert larger_batch.parameters == base.parameters  # the model is the same
+    line = base.describe()
+    assert "GiB per rank at its peak" in line and "resnet20 at 32 px, batch 8 per rank" in line and "\n" not in line
+
+
+def test_full_sharding_on_4_ranks_holds_less_than_ddp():
+    """The sharded estimate runs as rank 0 of 4 on a fake process group, made and destroyed here: it
+    leaves none behind, and another can be made after it."""
+    excepthook = sys.excepthook
+    ddp = memory.estimate(config(num_tasks=4, opt="adamw"), CLASSES)
+    full = memory.estimate(config(num_tasks=4, opt="adamw", sharding="full"), CLASSES)
+    assert ddp.known and full.known, (ddp.reason, full.reason)
+    assert "full shard over 4 ranks" in full.setting and "DDP on 4 ranks" in ddp.setting
+    assert full.parameters + full.optimizer < 0.5 * (ddp.parameters + ddp.optimizer)
+    assert full.peak < ddp.peak
+    assert not dist.is_initialized() and sys.excepthook is excepthook
+    with memory.fake_process_group(2):
+        assert dist.get_world_size() == 2
+    assert not dist.is_initialized()
+
+
+def test_activation_checkpointing_keeps_fewer_activations(base, checkpointed):
+    assert checkpointed.activations < 0.6 * base.activations
+    assert checkpointed.peak < base.peak
+
+
+def test_a_model_the_fake_route_cannot_run_gives_no_estimate_and_the_reason(monkeypatch):
+    def fails(*args):
+        raise RuntimeError("no fake kernel for this\nsecond line")
+    monkeypatch.setattr(memory, "_tracked_steps", fails)
+    found = memory.estimate(config(), CLASSES)
+    assert not found.known and found.reason == "RuntimeError: no fake kernel for this"
+    assert found.describe().startswith("no memory estimate for resnet20") and not found.fits(2 ** 40)
+
+
+def test_the_command_prints_its_table(capsys):
+    memory.main(["--architecture", "resnet20", "--input-size", "32", "--batch", "8", "--num-tasks", "4",
+                 "--shard-group-size", "2", "--num-classes", "10", "--opt", "adamw"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("resnet20 at 32 px, batch 8 per rank, 4 ranks, adamw, amp off, 10 classes")
+    assert out[1].split() == ["choice", "peak", "params", "grads", "optim", "activ"]
+    rows = {line[:14].strip(): [float(v) for v in line[14:].split()] for line in out[2:]}
+    assert list(rows) == ["ddp", "ddp + AC", "full", "full + AC", "hybrid (2)"]
+    assert all(len(values) == 5 for values in rows.values()), out
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("args, status, message", [
+    (["--architecture", "resnet81", "--input-size", "32"], 1, "did you mean resnet18"),
+    (["--architecture", "alexnet", "--input-size", "32"], 1, "the smallest size it runs at is 63 px"),
+    (["--architecture", "resnet20", "--input-size", "32", "--batch", "0"], 2, "--batch: must be >= 1"),
+    (["--architecture", "resnet20"], 2, "--architecture and --input-size are required"),
+])
+def test_the_command_refuses_bad_input_in_one_line(args, status, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        memory.main(args)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == status and len(err.splitlines()) == 1 and message in err, err
+
+
+def run_args(tmp_path, *args) -> list[str]:
+    return ["--shared-folder-path", tmp_path / "shared", *FAST, "--architecture", "resnet20", *args]
+
+
+def test_preflight_names_the_cheapest_change_that_fits(base, checkpointed, tmp_path, capsys):
+    budget = (base.peak + checkpointed.peak) / 2 / memory.GIB  # only activation checkpointing fits
+    code, err = run_main(capsys, "scratch", *run_args(tmp_path, "--memory-budget", f"{budget:.9f}"))
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "resnet20 needs an estimated" in err and "more than the budget of" in err
+    assert "the cheapest change that fits: --activation-checkpointing (" in err
+    assert not (tmp_path / "shared").exists()  # refused before anything was written
+
+
+def test_preflight_refuses_a_budget_the_model_can_never_meet(tmp_path, capsys):
+    """Two ranks, sharded: the estimate and the search (activation checkpointing, then smaller batches)
+    run in a child process with a fake process group; the launcher keeps none."""
+    code, err = run_main(capsys, "scratch", *run_args(tmp_path, "--memory-budget", "0.0001", "--num-tasks", "2",
+                                                      "--sharding", "full"))
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "the model can never meet the budget of" in err
+    assert "even at batch 2 with full shard over 2 ranks and activation checkpointing" in err
+    assert not (tmp_path / "shared").exists() and not dist.is_initialized()
+
+
+def test_preflight_within_the_budget_says_the_estimate(tmp_path, capsys):
+    checked = inputs.preflight(config(memory_budget=64, shared_folder_path=str(tmp_path)))
+    assert checked.memory_estimate is not None and checked.memory_estimate.known
+    err = capsys.readouterr().err
+    assert "fixres_dist: memory: an estimated" in err
+    assert "within the budget of 64 GiB per rank (--memory-budget)" in err
+
+
+def test_a_cpu_run_without_a_budget_estimates_nothing(monkeypatch, tmp_path):
+    def never(*args, **kwargs):
+        raise AssertionError("estimated")
+    monkeypatch.setattr(memory, "estimate", never)
+    monkeypatch.setattr(memory, "check_run", never)
+    checked = inputs.preflight(config(shared_folder_path=str(tmp_path)))
+    assert checked.memory_estimate is None
+    assert memory.check_budget(config(memory_budget=1, eval_only=True, weight_path=__file__), CLASSES) is None

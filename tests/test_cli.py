@@ -123,8 +123,8 @@ def test_every_default_in_the_help_is_the_one_used(mode, monkeypatch):
             assert value == (cuda if config.device == "cuda" else cpu)
         elif action.dest == "progress":  # decided by the run: on when stderr is a terminal
             assert value is None and "default: on when stderr is a terminal" in text
-        elif isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: off unless given
-            assert value is False and "(default: off)" in text, (action.dest, text)
+        elif isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: off (on) unless given
+            assert f"(default: {'on' if value else 'off'})" in text and isinstance(value, bool), (action.dest, text)
         elif action.nargs == 0:  # an on/off flag: giving it is the other value
             assert value is (not action.const), action.dest
         elif value is not None:

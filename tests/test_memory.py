@@ -71,6 +71,7 @@ def test_a_model_the_fake_route_cannot_run_gives_no_estimate_and_the_reason(monk
     assert found.describe().startswith("no memory estimate for resnet20") and not found.fits(2 ** 40)
 
 
+@pytest.mark.slow
 def test_the_command_prints_its_table(capsys):
     memory.main(["--architecture", "resnet20", "--input-size", "32", "--batch", "8", "--num-tasks", "4",
                  "--shard-group-size", "2", "--num-classes", "10", "--opt", "adamw"])

@@ -128,6 +128,7 @@ def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_o
     ("metadata", "has no .metadata (incomplete or damaged"),
     ("missing", "is missing the shard __1_0.distcp"),
     ("truncated", "__0_0.distcp is truncated ("),
+    ("folder", "of this sharded checkpoint is missing: its .pth holds no weights without it"),
 ])
 def test_a_damaged_sharded_checkpoint_is_refused_before_start(vit_jobs, tmp_path, capsys, damage, message):
     """A missing .metadata or shard file, or a truncated shard: one line naming it; nothing written."""
@@ -136,6 +137,8 @@ def test_a_damaged_sharded_checkpoint_is_refused_before_start(vit_jobs, tmp_path
     shards = copy / load_checkpoint(copy / CHECKPOINT_FILE)["shards"]
     if damage == "metadata":
         (shards / ".metadata").unlink()
+    elif damage == "folder":
+        shutil.rmtree(shards)
     elif damage == "missing":
         (shards / "__1_0.distcp").unlink()
     else:

@@ -42,6 +42,7 @@ from fixres_dist.io import fsync_folder, private_folder
 SUFFIX = ".shards"
 PARTIAL = ".partial"
 ENTRIES = ("model", "optimizer", "model_ema")  # the Contents entries a sharded checkpoint keeps here
+EARLIER = "use an earlier checkpoint-*.pth of the job (each has its own shards)"
 
 
 def folder_name(global_step: int) -> str:
@@ -99,9 +100,12 @@ def location(checkpoint_path: Path, state: dict) -> Path | None:
 def verify(folder: Path) -> None:
     """Raise :class:`FixresError` naming what is wrong when ``folder`` lacks ``.metadata`` or a shard
     file it names, or a file is shorter than the pieces it should hold (truncated)."""
+    if not folder.is_dir():
+        raise FixresError(f"the shards folder {folder} of this sharded checkpoint is missing: its .pth holds no "
+                          "weights without it (copy or move the two together)")
     if not (folder / ".metadata").is_file():
         raise FixresError(f"sharded checkpoint {folder} has no .metadata (incomplete or damaged: a kill while "
-                          "it was copied?); resume an earlier checkpoint-*.pth with --resume")
+                          f"it was copied?); {EARLIER}")
     try:
         metadata = FileSystemReader(folder).read_metadata()
     except Exception as exc:  # unpickling a damaged file raises many types
@@ -112,11 +116,9 @@ def verify(folder: Path) -> None:
     for relative, length in sorted(needed.items()):
         shard = folder / relative
         if not shard.is_file():
-            raise FixresError(f"sharded checkpoint {folder} is missing the shard {relative}; "
-                              "resume an earlier checkpoint-*.pth with --resume")
+            raise FixresError(f"sharded checkpoint {folder} is missing the shard {relative}; {EARLIER}")
         if shard.stat().st_size < length:
-            raise FixresError(f"shard {shard} is truncated ({shard.stat().st_size:,} of {length:,} bytes); "
-                              "resume an earlier checkpoint-*.pth with --resume")
+            raise FixresError(f"shard {shard} is truncated ({shard.stat().st_size:,} of {length:,} bytes); {EARLIER}")
 
 
 def load_into(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, average: nn.Module | None) -> None:

@@ -475,13 +475,15 @@ def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:
                         "for the backward (less memory; --no-reshard-after-forward: one all-gather less per block) "
                         "(default: on)")
     g.add_argument("--cpu-offload", action=argparse.BooleanOptionalAction, default=None,
-                   help="sharded: keep parameters, gradients and the optimizer step on the CPU (default: off)")
+                   help="sharded, --device cuda: keep parameters, gradients and the optimizer step in CPU memory "
+                        "(default: off)")
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="keep only each block's input for the backward and recompute its inside (less activation "
                         "memory, about one more forward per step) (default: off)")
     g.add_argument("--memory-budget", type=float, metavar="GIB",
-                   help="refuse to start when the estimated peak memory per rank exceeds GIB (default: the GPU's "
-                        "memory on CUDA; no limit on CPU)")
+                   help="refuse to start a training run whose estimated peak memory per rank exceeds GIB, naming "
+                        "the cheapest change that fits (default: the GPU's memory on CUDA; no limit on CPU); the "
+                        "table for several choices: python -m fixres_dist.models.memory")
 
 
 def _add_checkpoints(p: argparse.ArgumentParser, mode: str) -> None:

@@ -21,7 +21,8 @@ checkpointing and sharding by :func:`~fixres_dist.distributed.sharding.checkpoin
 ``--grad-accum-steps``, clipping). On CUDA the optimizer runs its foreach implementation, as torch
 picks it there (its temporaries are a copy of the gradients).
 
-Added by arithmetic, as the trackers cannot see it: the EMA's copy of the weights
+Added by arithmetic, as the trackers cannot see them: DDP's gradient buckets on more than one rank
+(a second copy of the trainable parameters' gradients), the EMA's copy of the weights
 (``--model-ema``); with ``--cpu-offload`` the sharded parameters, gradients and optimizer state at
 the peak are taken off (they stay on the host). Not counted: what is no tensor (the CUDA context,
 allocator fragmentation: ``nvidia-smi`` shows more than ``torch.cuda.max_memory_allocated``), and
@@ -89,7 +90,7 @@ class MemoryEstimate:
 
     ``parameters``: parameters and buffers (sharded: this rank's shards, the blocks gathered at that
     moment and the all-gather buffers; with ``--model-ema`` the average's copy); ``gradients``
-    (sharded: with the reduce-scatter buffers; DDP's are views of its all-reduce buckets); ``optimizer``: the
+    (sharded: with the reduce-scatter buffers; DDP: with its gradient buckets); ``optimizer``: the
     optimizer's state and step temporaries; ``activations``: what the forward keeps for the backward,
     and the temporaries of both (the input batch, gradients of activations, recomputed blocks).
     """
@@ -383,9 +384,11 @@ def _local_bytes(tensor) -> int:
 
 
 def _held_apart(config: TrainerConfig, model) -> dict[str, int]:
-    """Bytes the trackers do not see, held through the whole step: the EMA's copy of the weights (DDP
-    keeps no second copy of the gradients: they are views of its all-reduce buckets)."""
+    """Bytes the trackers do not see, held through the whole step: DDP's gradient buckets (more than
+    one rank: a copy of every trainable parameter's gradient) and the EMA's copy of the weights."""
     held = {"parameters": 0, "gradients": 0}
+    if config.sharding == "ddp" and config.num_tasks > 1:
+        held["gradients"] = sum(_local_bytes(p) for p in model.parameters() if p.requires_grad)
     if config.model_ema:
         held["parameters"] = sum(_local_bytes(t) for t in (*model.parameters(), *model.buffers()))
     return held
@@ -565,8 +568,9 @@ def check_budget(config: TrainerConfig, num_classes: int) -> MemoryEstimate | No
                           f"({gib(fit.estimate.peak)} per rank; {METHOD})")
     if fit.estimate is None or not fit.estimate.known:
         raise FixresError(f"{needs}, more than {source}; no other setting could be estimated")
-    raise FixresError(f"the model can never meet {source}: {needs}, and still {gib(fit.estimate.peak)} even at "
-                      f"{fit.at} ({METHOD}); give it more memory, more ranks to shard over or a smaller --input-size")
+    raise FixresError(f"no change of batch, sharding or checkpointing meets {source}: {needs}, and still "
+                      f"{gib(fit.estimate.peak)} even at {fit.at} ({METHOD}); give it more memory, more ranks to "
+                      "shard over or a smaller --input-size")
 
 
 PROG = f"python -m {MODULE}"
@@ -605,8 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-group-size", type=count, metavar="N",
                    help="also a row for hybrid sharding in groups of N ranks")
     p.add_argument("--low-res-stem", action="store_true", help="torchvision ResNets' 3x3 stride-1 stem")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="the device trained on: on cuda the optimizer is torch's foreach one (default: cuda)")
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   help="the device trained on: on cuda the optimizer is torch's foreach one (default: cuda when "
+                        "available, else cpu)")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the preflight's child process
     return p
 
@@ -669,6 +674,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.architecture or args.input_size is None:
         parser.error("--architecture and --input-size are required")
+    if args.device is None:
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         rows = table_rows(args)
     except FixresError as exc:

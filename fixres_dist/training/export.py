@@ -23,10 +23,11 @@ from fixres_dist.training import checkpoint
 ENTRIES = ("model", "model_ema")
 
 
-def export(source: str | Path, out: str | Path, key: str = "model") -> int:
+def export(source: str | Path, out: str | Path, key: str = "model") -> tuple[int, int | None]:
     """Write ``source``'s ``key`` weights (``model``, or ``model_ema``: the weights' moving average) to
-    ``out``; returns the number of tensors. Raises :class:`FixresError` for an unreadable or
-    incomplete checkpoint, a checkpoint without ``key``, or an ``out`` that exists (never overwritten)."""
+    ``out``; returns the number of tensors and the resolution (pixels) they were trained at, the size
+    to build a ViT for (its position embedding has that grid), or None when unknown. Raises
+    :class:`FixresError` for an unreadable or incomplete checkpoint, a checkpoint without ``key``, or an ``out`` that exists (never overwritten)."""
     out = Path(out)
     if out.exists():
         raise FixresError(f"{out} exists; export writes a new file (remove it or give another path)")
@@ -37,7 +38,7 @@ def export(source: str | Path, out: str | Path, key: str = "model") -> int:
     buffers = "ema_buffers" if key == "model_ema" else "buffers"
     weights = {**state[key], **checkpoint.rank_buffers(state["ranks"], None, buffers)}
     write_private(out, lambda f: torch.save(weights, f))
-    return len(weights)
+    return len(weights), state.get("input_size")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,11 +50,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the weights to export: the trained ones, or their moving average (default model)")
     args = parser.parse_args(argv)
     try:
-        count = export(args.checkpoint, args.out, args.weight_key)
+        count, size = export(args.checkpoint, args.out, args.weight_key)
     except FixresError as exc:
         print(f"fixres_dist: {exc}", file=sys.stderr)
         return 1
-    print(f"{args.out}: {count} tensors of {args.checkpoint}'s {args.weight_key} (torch.load(..., weights_only=True))")
+    trained = f", trained at {size} px (build a ViT for that size)" if size else ""
+    print(f"{args.out}: {count} tensors of {args.checkpoint}'s {args.weight_key}{trained}; load with "
+          "torch.load(..., weights_only=True)")
     return 0
 
 

@@ -121,9 +121,8 @@ class Network:
         elif cfg.sharding != "ddp":
             self._shard([model] + ([average] if average is not None else []))
         else:
-            self.wrapped = DistributedDataParallel(  # gradients as views of the all-reduce buckets: no second copy
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                forward_sync_buffers=cfg.dist_bn == "broadcast", gradient_as_bucket_view=True)
+            self.wrapped = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda"
+                                                   else None, forward_sync_buffers=cfg.dist_bn == "broadcast")
         self.forward = torch.compile(self.wrapped, backend=cfg.compile) if cfg.compile else self.wrapped
         self._compile_checked = not cfg.compile
 

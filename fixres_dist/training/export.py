@@ -27,7 +27,8 @@ def export(source: str | Path, out: str | Path, key: str = "model") -> tuple[int
     """Write ``source``'s ``key`` weights (``model``, or ``model_ema``: the weights' moving average) to
     ``out``; returns the number of tensors and the resolution (pixels) they were trained at, the size
     to build a ViT for (its position embedding has that grid), or None when unknown. Raises
-    :class:`FixresError` for an unreadable or incomplete checkpoint, a checkpoint without ``key``, or an ``out`` that exists (never overwritten)."""
+    :class:`FixresError` for an unreadable or incomplete checkpoint, a checkpoint without ``key``, or an
+    ``out`` that exists (never overwritten)."""
     out = Path(out)
     if out.exists():
         raise FixresError(f"{out} exists; export writes a new file (remove it or give another path)")

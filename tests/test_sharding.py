@@ -129,9 +129,11 @@ def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_o
     ("missing", "is missing the shard __1_0.distcp"),
     ("truncated", "__0_0.distcp is truncated ("),
     ("folder", "of this sharded checkpoint is missing: its .pth holds no weights without it"),
+    ("changed", "__0_0.distcp changed since it was written (its SHA-256 differs"),
 ])
 def test_a_damaged_sharded_checkpoint_is_refused_before_start(vit_jobs, tmp_path, capsys, damage, message):
-    """A missing .metadata or shard file, or a truncated shard: one line naming it; nothing written."""
+    """A missing .metadata, shards folder or shard file, a truncated shard or one whose bytes changed:
+    one line naming it; nothing written."""
     copy = tmp_path / "copy"
     shutil.copytree(vit_jobs / "full", copy)
     shards = copy / load_checkpoint(copy / CHECKPOINT_FILE)["shards"]
@@ -139,6 +141,8 @@ def test_a_damaged_sharded_checkpoint_is_refused_before_start(vit_jobs, tmp_path
         (shards / ".metadata").unlink()
     elif damage == "folder":
         shutil.rmtree(shards)
+    elif damage == "changed":  # the same length: DCP itself would read it
+        (shards / "__0_0.distcp").write_bytes(bytes(64) + (shards / "__0_0.distcp").read_bytes()[64:])
     elif damage == "missing":
         (shards / "__1_0.distcp").unlink()
     else:
@@ -207,6 +211,14 @@ def test_export_writes_the_weights_alone_and_never_overwrites(vit_jobs, tmp_path
     assert (tmp_path / "model.pth").read_bytes() == before
     (tmp_path / "cut.pth").write_bytes(source.read_bytes()[:1000])
     assert export.main([str(tmp_path / "cut.pth"), str(tmp_path / "x.pth")]) == 1
-    err = capsys.readouterr().err
-    assert "model.pth exists; export writes a new file" in err and "not a complete PyTorch file" in err
+    assert export.main([str(source), str(tmp_path / "no" / "such" / "x.pth")]) == 1
+    shutil.copytree(vit_jobs / "full", tmp_path / "damaged")
+    shard = tmp_path / "damaged" / saved["shards"] / "__1_0.distcp"
+    shard.write_bytes(bytes(4096) + shard.read_bytes()[4096:])  # same length, its first bytes zeroed (weights)
+    assert export.main([str(tmp_path / "damaged" / CHECKPOINT_FILE), str(tmp_path / "x.pth")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 4, err  # one line each
+    assert "model.pth exists; export writes a new file" in err[0] and "not a complete PyTorch file" in err[1]
+    assert "cannot write" in err[2] and "No such file or directory" in err[2]
+    assert "__1_0.distcp changed since it was written (its SHA-256 differs" in err[3]
     assert not (tmp_path / "x.pth").exists()

@@ -19,6 +19,7 @@ names exist at their full length before anything starts.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import warnings
@@ -28,6 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from fixres_dist.distributed import collectives
 from fixres_dist.errors import FixresError, first_line
 from fixres_dist.io import fsync_folder, private_folder
 
@@ -57,13 +60,27 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, average: nn.Modul
 
 
 def write(job_folder: Path, global_step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-          average: nn.Module | None, rank: int) -> str:
+          average: nn.Module | None, rank: int) -> tuple[str, dict[str, str] | None]:
     """All ranks: write this rank's shards of ``model``, ``optimizer`` and the EMA's ``average`` for
     ``global_step``; rank 0 then moves the complete folder into place (owner-only). Returns the
-    folder's name. Raises :class:`FixresError` on rank 0 when it cannot (disk full, read-only)."""
+    folder's name and, on rank 0, the SHA-256 of each of its files (DCP keeps no checksums: a damaged
+    shard of the right length would load; rank 0 reads every shard once to hash it). Raises
+    :class:`FixresError` when it cannot (disk full, read-only), on every rank when a rank's write failed."""
     name = folder_name(global_step)
+    if collectives.broadcast_object(rank == 0 and _complete(job_folder / name)):
+        # this step's shards are on disk already (a resume re-saving it): the same tensors
+        return name, digests(job_folder / name) if rank == 0 else None
     partial = job_folder / f".{name}{PARTIAL}"
-    dcp.save(_state(model, optimizer, average), checkpoint_id=partial)  # a collective; .metadata last
+    state = _state(model, optimizer, average)
+    bad = _non_finite(state)
+    if _on_any_rank(bool(bad), model):
+        raise FixresError(f"checkpoint of step {global_step} not written: a rank's weights or optimizer state hold "
+                          f"NaN or infinity{f' ({bad[0]})' if bad else ''}; the previous checkpoint is kept")
+    try:
+        dcp.save(state, checkpoint_id=partial)  # a collective; .metadata last
+    except CheckpointException as exc:  # on every rank: DCP gathers the failures
+        raise FixresError(f"cannot write the checkpoint's shards in {job_folder}: {_cause(exc)}; the previous "
+                          "checkpoint is kept") from None
     if rank == 0:
         final = job_folder / name
         try:
@@ -71,10 +88,57 @@ def write(job_folder: Path, global_step: int, model: nn.Module, optimizer: torch
             private_folder(partial)
             os.replace(partial, final)
             fsync_folder(job_folder)
+            return name, digests(final)
         except OSError as exc:
             raise FixresError(f"cannot write the checkpoint's shards in {job_folder}: {exc.strerror or exc}; "
                               "the previous checkpoint is kept") from None
-    return name
+    return name, None
+
+
+def digests(folder: Path) -> dict[str, str]:
+    """SHA-256 (hex) of each file in the shards ``folder``, by name."""
+    found = {}
+    for path in sorted(folder.iterdir()):
+        with open(path, "rb") as f:
+            found[path.name] = hashlib.file_digest(f, "sha256").hexdigest()
+    return found
+
+
+def _complete(folder: Path) -> bool:
+    try:
+        verify(folder)
+    except FixresError:
+        return False
+    return True
+
+
+def _non_finite(state) -> list[str]:
+    """Names of this rank's floating-point tensors (local shards) in ``state`` holding NaN or infinity."""
+    bad: list[str] = []
+
+    def walk(value, path: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}/{key}" if path else str(key))
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            if not bool(torch.isfinite(local).all()):
+                bad.append(path)
+    walk(state, "")
+    return bad
+
+
+def _on_any_rank(flag: bool, model: nn.Module) -> bool:
+    """Whether ``flag`` holds on any rank (a collective, on the model's device: NCCL's are CUDA tensors)."""
+    device = next(model.parameters()).device
+    return bool(collectives.all_reduce_max(torch.tensor([float(flag)], device=device)).item())
+
+
+def _cause(exc: BaseException) -> str:
+    """The first rank's failure inside DCP's :class:`CheckpointException` (which holds every rank's)."""
+    failures = getattr(exc, "failures", None) or {}
+    first = next(iter(failures.values()), exc)
+    return f"{type(first).__name__}: {first_line(first)}"
 
 
 def remove_unused(job_folder: Path, keep: set[str]) -> None:
@@ -97,9 +161,10 @@ def location(checkpoint_path: Path, state: dict) -> Path | None:
     return Path(checkpoint_path).parent / name if name else None
 
 
-def verify(folder: Path) -> None:
+def verify(folder: Path, expected: dict[str, str] | None = None) -> None:
     """Raise :class:`FixresError` naming what is wrong when ``folder`` lacks ``.metadata`` or a shard
-    file it names, or a file is shorter than the pieces it should hold (truncated)."""
+    file it names, a file is shorter than the pieces it should hold (truncated), or (``expected``: the
+    SHA-256 by file name its ``.pth`` recorded) a file's content changed."""
     if not folder.is_dir():
         raise FixresError(f"the shards folder {folder} of this sharded checkpoint is missing: its .pth holds no "
                           "weights without it (copy or move the two together)")
@@ -119,6 +184,12 @@ def verify(folder: Path) -> None:
             raise FixresError(f"sharded checkpoint {folder} is missing the shard {relative}; {EARLIER}")
         if shard.stat().st_size < length:
             raise FixresError(f"shard {shard} is truncated ({shard.stat().st_size:,} of {length:,} bytes); {EARLIER}")
+    if expected:
+        found = digests(folder)
+        changed = sorted(name for name, digest in expected.items() if found.get(name) != digest)
+        if changed:
+            raise FixresError(f"sharded checkpoint {folder}: {', '.join(changed)} changed since it was written "
+                              f"(its SHA-256 differs from the one its .pth recorded: damaged?); {EARLIER}")
 
 
 def load_into(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, average: nn.Module | None) -> None:
@@ -126,9 +197,15 @@ def load_into(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
     EMA's ``average``, whatever world size and strategy wrote them."""
     state = _state(model, optimizer, average)
     try:
-        dcp.load(state, checkpoint_id=folder)
-    except Exception as exc:  # DCP raises CheckpointException with every rank's traceback
-        raise FixresError(f"cannot load the sharded checkpoint {folder}: {first_line(exc)}") from None
+        with warnings.catch_warnings():  # one rank without a process group: "a single process", as meant
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=folder)
+    except CheckpointException as exc:  # every rank's failures: a damaged shard
+        raise FixresError(f"cannot load the sharded checkpoint {folder} (damaged shard?): {_cause(exc)}") from None
+    bad = _non_finite({"model": state["model"], "model_ema": state.get("model_ema", {})})
+    if _on_any_rank(bool(bad), model):
+        raise FixresError(f"sharded checkpoint {folder} cannot be resumed: its weights hold NaN or infinity"
+                          f"{f' ({bad[0]})' if bad else ''}; use an earlier checkpoint-*.pth of the job")
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if average is not None:
@@ -145,9 +222,16 @@ def read_full(folder: Path, entries: tuple[str, ...] = ("model", "model_ema")) -
         entry, _, name = key.partition(".")
         if entry in entries and isinstance(info, TensorStorageMetadata):
             state.setdefault(entry, {})[name] = torch.empty(info.size, dtype=info.properties.dtype)
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except (CheckpointException, Exception) as exc:  # CheckpointException is a BaseException
+        raise FixresError(f"cannot read the sharded checkpoint {folder} (damaged shard?): {_cause(exc)}") from None
+    bad = _non_finite(state)
+    if bad:
+        raise FixresError(f"sharded checkpoint {folder}: its weights hold NaN or infinity ({bad[0]}); these weights "
+                          "diverged and cannot be used")
     return state
 
 
@@ -157,5 +241,5 @@ def with_full_tensors(checkpoint_path: Path, state: dict) -> dict:
     folder = location(checkpoint_path, state)
     if folder is None:
         return state
-    verify(folder)
+    verify(folder, state.get("shard_digests"))
     return {**state, **read_full(folder)}

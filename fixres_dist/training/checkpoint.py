@@ -134,17 +134,19 @@ class Contents:
     model_ema: dict | None = None
     model_ema_state: dict | None = None
     shards: str | None = None  # a sharded checkpoint's folder of model, optimizer and EMA (checkpoint_shards)
+    shard_digests: dict | None = None  # its files' SHA-256 by name
 
     def as_dict(self) -> dict:
         """The dict that :func:`save_checkpoint` writes (without the EMA entries when there is no EMA)."""
         state = attrs.asdict(self, recurse=False)
-        return {k: v for k, v in state.items() if v is not None or k not in ("model_ema", "model_ema_state", "shards")}
+        return {k: v for k, v in state.items() if v is not None or k not in OPTIONAL_ENTRIES}
 
     @classmethod
     def from_dict(cls, state: dict) -> "Contents":
         return cls(**{f.name: state[f.name] for f in attrs.fields(cls) if f.name in state})
 
 
+OPTIONAL_ENTRIES = ("model_ema", "model_ema_state", "shards", "shard_digests")  # left out when None
 REQUIRED_KEYS = tuple(f.name for f in attrs.fields(Contents) if f.default is attrs.NOTHING)
 
 
@@ -167,7 +169,7 @@ def load_checkpoint(path: str | Path) -> dict:
                           "to start from its weights use --weight-path")
     shards = checkpoint_shards.location(path, state)
     if shards is not None:  # its tensors are read when the ranks load them (checkpoint_shards.load_into)
-        checkpoint_shards.verify(shards)
+        checkpoint_shards.verify(shards, state.get("shard_digests"))
         return state
     bad, total = non_finite_tensors(state["model"])
     if bad:  # written by a version that did not stop at a diverged loss

@@ -54,11 +54,12 @@ class Checkpointer:
         epoch_sums = collectives.all_reduce_sum(sums).tolist()  # all ranks: a collective
         if not all(map(math.isfinite, epoch_sums)):  # a last guard: the callers agreed on this step first
             raise self.diverged(state, state.global_step)
-        error, shards = None, None
+        error, shards, digests = None, None, None
         if network.sharded:  # every rank writes its shards first (a collective)
             try:
-                shards = checkpoint_shards.write(cfg.job_folder, state.global_step, network.model, step.optimizer,
-                                                 step.ema.module if step.ema is not None else None, cfg.global_rank)
+                shards, digests = checkpoint_shards.write(
+                    cfg.job_folder, state.global_step, network.model, step.optimizer,
+                    step.ema.module if step.ema is not None else None, cfg.global_rank)
             except FixresError as exc:
                 error = str(exc)
         if cfg.global_rank == 0 and error is None:
@@ -66,6 +67,7 @@ class Checkpointer:
                                                                            **step.tensors()}
             contents = checkpoint.Contents(
                 **tensors, **step.state_dict(state.epoch + state.images_in_epoch / images_per_epoch), shards=shards,
+                shard_digests=digests,
                 input_size=state.input_size, epoch_sums=epoch_sums, epoch=state.epoch,
                 images_in_epoch=state.images_in_epoch, global_step=state.global_step, ranks=ranks,
                 epoch_seconds=state.meter.seconds() if partial else 0.0, config=cfg.to_dict(),

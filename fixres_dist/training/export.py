@@ -38,7 +38,10 @@ def export(source: str | Path, out: str | Path, key: str = "model") -> tuple[int
                           else f"{source} has no {key} entry")
     buffers = "ema_buffers" if key == "model_ema" else "buffers"
     weights = {**state[key], **checkpoint.rank_buffers(state["ranks"], None, buffers)}
-    write_private(out, lambda f: torch.save(weights, f))
+    try:
+        write_private(out, lambda f: torch.save(weights, f))
+    except OSError as exc:
+        raise FixresError(f"cannot write {out}: {exc.strerror or exc}") from None
     return len(weights), state.get("input_size")
 
 

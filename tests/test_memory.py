@@ -110,6 +110,7 @@ def test_preflight_names_the_cheapest_change_that_fits(base, checkpointed, tmp_p
     assert not (tmp_path / "shared").exists()  # refused before anything was written
 
 
+@pytest.mark.slow  # it estimates every alternative, sharded ones in a child: 15-20 s
 def test_preflight_refuses_a_budget_the_model_can_never_meet(tmp_path, capsys):
     """Two ranks, sharded: the estimate and the search (activation checkpointing, then smaller batches)
     run in a child process with a fake process group; the launcher keeps none."""

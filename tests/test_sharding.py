@@ -85,21 +85,34 @@ def test_hybrid_shard_on_4_ranks_with_activation_checkpointing_trains_as_ddp_on_
     assert_same_run(tmp_path / "hybrid", vit_jobs / "ddp")
 
 
-def test_a_sharded_job_stopped_mid_epoch_resumes_under_ddp_and_on_another_world_size(vit_jobs, tiny_data, tmp_path):
-    """Stopped after step 3 of 5 fully sharded on 2 ranks; resumed under DDP on 2 ranks it ends as the
-    uninterrupted run; resumed hybrid on 4 ranks it continues the epoch at the same image."""
-    stopped = run(tmp_path, tiny_data, "s", "--sharding", "full", fault="signal:rank=1:step=2")
+@pytest.fixture(scope="module")
+def stopped_sharded(tiny_data, tmp_path_factory):
+    """The sharded ViT job stopped after step 3 of 5 on 2 ranks (its folder; copy it to resume it)."""
+    folder = tmp_path_factory.mktemp("stopped")
+    stopped = run(folder, tiny_data, "s", "--sharding", "full", fault="signal:rank=1:step=2")
     assert stopped.returncode == 3, stopped.stderr[-3000:]
-    shutil.copytree(tmp_path / "s", tmp_path / "four" / "s")
+    return folder / "s"
+
+
+def test_a_sharded_job_stopped_mid_epoch_resumes_under_ddp_as_if_uninterrupted(vit_jobs, stopped_sharded, tiny_data,
+                                                                               tmp_path):
+    """Stopped after step 3 of 5 fully sharded on 2 ranks, resumed under DDP on 2 ranks: it ends as the
+    uninterrupted run, weights included."""
+    shutil.copytree(stopped_sharded, tmp_path / "s")
     resumed = run(tmp_path, tiny_data, "s", "--sharding", "ddp")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "image 48 of the epoch" in resumed.stdout, resumed.stdout[-2000:]
     assert_same_run(tmp_path / "s", vit_jobs / "ddp")
 
-    on_four = run(tmp_path / "four", tiny_data, "s", "--sharding", "hybrid", "--shard-group-size", 2, world=4)
+
+@pytest.mark.slow
+def test_a_sharded_job_stopped_mid_epoch_resumes_hybrid_on_4_ranks(stopped_sharded, tiny_data, tmp_path):
+    """The same stop resumed hybrid on 4 ranks continues the epoch at the same image, none left out."""
+    shutil.copytree(stopped_sharded, tmp_path / "s")
+    on_four = run(tmp_path, tiny_data, "s", "--sharding", "hybrid", "--shard-group-size", 2, world=4)
     assert on_four.returncode == 0, on_four.stderr[-3000:]
     assert "epoch 1 continues at image 48 of 80" in on_four.stdout
-    assert "left out" not in on_four.stdout and events(tmp_path / "four" / "s", "eval")[-1]["images"] == 30
+    assert "left out" not in on_four.stdout and events(tmp_path / "s", "eval")[-1]["images"] == 30
 
 
 def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_only(vit_jobs, tmp_path):

@@ -311,15 +311,20 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def memory_rank(rank: int, spec: dict, port: int, folder: str) -> None:
-    """One rank of a memory layout: build the Trainer, one step, then the measured steps."""
+def rank_setup(rank: int, spec: dict, port: int, folder: str):
+    """A benchmark rank's configuration, device, unbuilt Trainer and fixed batch (images, labels, classes)."""
     warnings.simplefilter("ignore", FixresWarning)
     cfg = trainer_config(spec, rank, port, folder)
     device = device_of(spec, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    images, labels, _ = fixed_batch(spec, rank, device)
-    trainer = Trainer(cfg, log=lambda message: None)
+    batch = fixed_batch(spec, rank, device)
+    return cfg, device, Trainer(cfg, log=lambda message: None), batch
+
+
+def memory_rank(rank: int, spec: dict, port: int, folder: str) -> None:
+    """One rank of a memory layout: build the Trainer, one step, then the measured steps."""
+    cfg, device, trainer, (images, labels, _) = rank_setup(rank, spec, port, folder)
     result = {"rank": rank}
     cpu = device.type == "cpu"
     tracker = LiveBytes()
@@ -367,13 +372,7 @@ def memory_rank(rank: int, spec: dict, port: int, folder: str) -> None:
 
 def speed_rank(rank: int, spec: dict, port: int, folder: str) -> None:
     """One rank of the step-time comparison: the project's sharded epoch and the raw FSDP2 loop, interleaved."""
-    warnings.simplefilter("ignore", FixresWarning)
-    cfg = trainer_config(spec, rank, port, folder)
-    device = device_of(spec, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    images, labels, num_classes = fixed_batch(spec, rank, device)
-    trainer = Trainer(cfg, log=lambda message: None)
+    cfg, device, trainer, (images, labels, num_classes) = rank_setup(rank, spec, port, folder)
     result = {"rank": rank}
     try:
         watch = Stopwatch(device.type == "cuda")

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fixres_dist.distributed import collectives
 from fixres_dist.errors import FixresError, first_line
 from fixres_dist.io import fsync_folder, private_folder
+from fixres_dist.training.finite import non_finite_tensors
 
 SUFFIX = ".shards"
 PARTIAL = ".partial"
@@ -113,19 +114,13 @@ def _complete(folder: Path) -> bool:
 
 
 def _non_finite(state) -> list[str]:
-    """Names of this rank's floating-point tensors (local shards) in ``state`` holding NaN or infinity."""
-    bad: list[str] = []
-
-    def walk(value, path: str) -> None:
+    """Names of this rank's floating-point tensors in ``state`` holding NaN or infinity
+    (:func:`fixres_dist.training.finite.non_finite_tensors` on the local shards of DTensors)."""
+    def local(value):
         if isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{path}/{key}" if path else str(key))
-        elif isinstance(value, torch.Tensor) and value.is_floating_point():
-            local = value.to_local() if hasattr(value, "to_local") else value
-            if not bool(torch.isfinite(local).all()):
-                bad.append(path)
-    walk(state, "")
-    return bad
+            return {key: local(item) for key, item in value.items()}
+        return value.to_local() if hasattr(value, "to_local") else value
+    return non_finite_tensors(local(state))[0]
 
 
 def _on_any_rank(flag: bool, model: nn.Module) -> bool:

@@ -1,7 +1,7 @@
-"""The preflight's memory estimate (``fixres_dist.models.memory``) against measured peaks.
+"""The preflight's memory estimate (``fixres_dist.models.memory_estimate``) against measured peaks.
 
 For each case (an architecture at a resolution, a batch per rank, one rank, the run's optimizer and
-``--amp``) the estimate is :func:`fixres_dist.models.memory.estimate`: two training steps on fake
+``--amp``) the estimate is :func:`fixres_dist.models.memory_estimate.estimate`: two training steps on fake
 tensors under torch's ``MemTracker``, in this process. The measurements run the same two steps
 with real tensors, in a fresh process per case (``--measure``): the model built by
 ``fixres_dist.models.architectures.build_model``, the optimizer by ``fixres_dist.training.optim``, each
@@ -218,10 +218,10 @@ def main() -> None:
     if args.measure:
         measure(args.measure)
         return
-    from fixres_dist.models import memory
+    from fixres_dist.models import memory_estimate
 
-    print(f"estimate ({memory.METHOD}) against measured peaks, {args.ranks} rank(s), {args.sharding}, {args.device}, "
-          f"{args.opt}, amp {args.amp}, {CLASSES} classes; MiB; load average {os.getloadavg()[0]:.1f}")
+    print(f"estimate ({memory_estimate.METHOD}) against measured peaks, {args.ranks} rank(s), {args.sharding}, "
+          f"{args.device}, {args.opt}, amp {args.amp}, {CLASSES} classes; MiB; load average {os.getloadavg()[0]:.1f}")
     print(f"{'model':<27}{'px':>4}{'batch':>6}{'estimate':>9}{'tracker':>9}{'allocator':>10}{'RSS':>8}"
           f"{'alloc ratio':>12}{'RSS ratio':>10}{'est s':>6}")
     rows = []
@@ -230,7 +230,7 @@ def main() -> None:
             continue
         config = run_config(args, architecture, size, batch)
         started = time.perf_counter()
-        found = memory.estimate(config, CLASSES)
+        found = memory_estimate.estimate(config, CLASSES)
         seconds = time.perf_counter() - started
         child = subprocess.run([sys.executable, __file__, "--measure", config.to_json()], capture_output=True,
                                text=True, cwd=ROOT, timeout=600)

@@ -366,7 +366,7 @@ class TrainerConfig:
     reshard_after_forward: bool = attrs.field(default=True, metadata=RESUMABLE)
     cpu_offload: bool = attrs.field(default=False, metadata=RESUMABLE)
     activation_checkpointing: bool = attrs.field(default=False, metadata=RESUMABLE)
-    # GiB a rank may use at its peak (the preflight's estimate: fixres_dist.models.memory); None: the
+    # GiB a rank may use at its peak (the preflight's estimate: fixres_dist.models.memory_budget); None: the
     # GPU's memory on CUDA, no limit on the CPU.
     memory_budget: float | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
     # Rank 0's progress bars (progress.py); None: when stderr is a terminal.

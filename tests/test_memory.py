@@ -1,5 +1,5 @@
-"""Will it fit (fixres_dist.models.memory): the estimated peak memory per rank of a training step,
-its table command, and the preflight's refusal of a run over its memory budget."""
+"""Will it fit: the estimated peak memory per rank of a training step (fixres_dist.models.memory_estimate),
+its table command (memory_table), and the preflight's refusal of a run over its memory budget (memory_budget)."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from conftest import FAST, run_main
 from fixres_dist.config import TrainerConfig
-from fixres_dist.models import memory
+from fixres_dist.models import memory_budget, memory_estimate, memory_table
 from fixres_dist.training import inputs
 
 SMALL = {"architecture": "resnet20", "input_size": 32, "batch": 8}  # a CIFAR ResNet: estimates in about a second
@@ -21,19 +21,19 @@ def config(**fields) -> TrainerConfig:
 
 
 @pytest.fixture(scope="module")
-def base() -> memory.MemoryEstimate:
-    return memory.estimate(config(), CLASSES)
+def base() -> memory_estimate.MemoryEstimate:
+    return memory_estimate.estimate(config(), CLASSES)
 
 
 @pytest.fixture(scope="module")
-def checkpointed() -> memory.MemoryEstimate:
-    return memory.estimate(config(activation_checkpointing=True), CLASSES)
+def checkpointed() -> memory_estimate.MemoryEstimate:
+    return memory_estimate.estimate(config(activation_checkpointing=True), CLASSES)
 
 
 def test_the_estimate_grows_with_batch_and_resolution(base):
     assert base.known and base.peak == base.parameters + base.gradients + base.optimizer + base.activations
-    larger_batch = memory.estimate(config(batch=32), CLASSES)
-    larger_images = memory.estimate(config(input_size=64), CLASSES)
+    larger_batch = memory_estimate.estimate(config(batch=32), CLASSES)
+    larger_images = memory_estimate.estimate(config(input_size=64), CLASSES)
     assert larger_batch.activations > 3 * base.activations and larger_batch.peak > base.peak
     assert larger_images.activations > 3 * base.activations and larger_images.peak > base.peak
     assert larger_batch.parameters == base.parameters  # the model is the same
@@ -45,14 +45,14 @@ def test_full_sharding_on_4_ranks_holds_less_than_ddp():
     """The sharded estimate runs as rank 0 of 4 on a fake process group, made and destroyed here: it
     leaves none behind, and another can be made after it."""
     excepthook = sys.excepthook
-    ddp = memory.estimate(config(num_tasks=4, opt="adamw"), CLASSES)
-    full = memory.estimate(config(num_tasks=4, opt="adamw", sharding="full"), CLASSES)
+    ddp = memory_estimate.estimate(config(num_tasks=4, opt="adamw"), CLASSES)
+    full = memory_estimate.estimate(config(num_tasks=4, opt="adamw", sharding="full"), CLASSES)
     assert ddp.known and full.known, (ddp.reason, full.reason)
     assert "full shard over 4 ranks" in full.setting and "DDP on 4 ranks" in ddp.setting
     assert full.parameters + full.optimizer < 0.5 * (ddp.parameters + ddp.optimizer)
     assert full.peak < ddp.peak
     assert not dist.is_initialized() and sys.excepthook is excepthook
-    with memory.fake_process_group(2):
+    with memory_estimate.fake_process_group(2):
         assert dist.get_world_size() == 2
     assert not dist.is_initialized()
 
@@ -65,15 +65,15 @@ def test_activation_checkpointing_keeps_fewer_activations(base, checkpointed):
 def test_a_model_the_fake_route_cannot_run_gives_no_estimate_and_the_reason(monkeypatch):
     def fails(*args):
         raise RuntimeError("no fake kernel for this\nsecond line")
-    monkeypatch.setattr(memory, "_tracked_steps", fails)
-    found = memory.estimate(config(), CLASSES)
+    monkeypatch.setattr(memory_estimate, "_tracked_steps", fails)
+    found = memory_estimate.estimate(config(), CLASSES)
     assert not found.known and found.reason == "RuntimeError: no fake kernel for this"
     assert found.describe().startswith("no memory estimate for resnet20") and not found.fits(2 ** 40)
 
 
 @pytest.mark.slow
 def test_the_command_prints_its_table(capsys):
-    memory.main(["--architecture", "resnet20", "--input-size", "32", "--batch", "8", "--num-tasks", "4",
+    memory_table.main(["--architecture", "resnet20", "--input-size", "32", "--batch", "8", "--num-tasks", "4",
                  "--shard-group-size", "2", "--num-classes", "10", "--opt", "adamw"])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("resnet20 at 32 px, batch 8 per rank, 4 ranks, adamw, amp off, 10 classes")
@@ -92,7 +92,7 @@ def test_the_command_prints_its_table(capsys):
 ])
 def test_the_command_refuses_bad_input_in_one_line(args, status, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        memory.main(args)
+        memory_table.main(args)
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == status and len(err.splitlines()) == 1 and message in err, err
 
@@ -102,7 +102,7 @@ def run_args(tmp_path, *args) -> list[str]:
 
 
 def test_preflight_names_the_cheapest_change_that_fits(base, checkpointed, tmp_path, capsys):
-    budget = (base.peak + checkpointed.peak) / 2 / memory.GIB  # only activation checkpointing fits
+    budget = (base.peak + checkpointed.peak) / 2 / memory_estimate.GIB  # only activation checkpointing fits
     code, err = run_main(capsys, "scratch", *run_args(tmp_path, "--memory-budget", f"{budget:.9f}"))
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert "resnet20 needs an estimated" in err and "more than the budget of" in err
@@ -133,8 +133,8 @@ def test_preflight_within_the_budget_says_the_estimate(tmp_path, capsys):
 def test_a_cpu_run_without_a_budget_estimates_nothing(monkeypatch, tmp_path):
     def never(*args, **kwargs):
         raise AssertionError("estimated")
-    monkeypatch.setattr(memory, "estimate", never)
-    monkeypatch.setattr(memory, "check_run", never)
+    monkeypatch.setattr(memory_budget, "estimate", never)
+    monkeypatch.setattr(memory_budget, "check_run", never)
     checked = inputs.preflight(config(shared_folder_path=str(tmp_path)))
     assert checked.memory_estimate is None
-    assert memory.check_budget(config(memory_budget=1, eval_only=True, weight_path=__file__), CLASSES) is None
+    assert memory_budget.check_budget(config(memory_budget=1, eval_only=True, weight_path=__file__), CLASSES) is None

@@ -20,7 +20,8 @@ from fixres_dist.data import file_index, pipeline
 from fixres_dist.distributed import placement
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
-from fixres_dist.models import architectures, lineage, memory, resolutions, weights
+from fixres_dist.models import architectures, lineage, memory_budget, resolutions, weights
+from fixres_dist.models.memory_estimate import MemoryEstimate
 from fixres_dist.reporting import extraction, tensorboard_events
 from fixres_dist.training import checkpoint
 
@@ -43,7 +44,7 @@ class JobInputs:
     or loaded; written by rank 0 or the launcher); ``classes``: the class names, in label order;
     ``resume``: the checkpoint continued, or None; ``weights``: ``--weight-path`` read, or None;
     ``memory_estimate``: the preflight's estimate of the peak memory per rank
-    (:func:`fixres_dist.models.memory.check_budget`), or None when none was made.
+    (:func:`fixres_dist.models.memory_budget.check_budget`), or None when none was made.
     """
 
     root: Path
@@ -51,7 +52,7 @@ class JobInputs:
     classes: list[str]
     resume: Resume | None
     weights: weights.WeightFile | None
-    memory_estimate: memory.MemoryEstimate | None = None
+    memory_estimate: MemoryEstimate | None = None
 
     @classmethod
     def read(cls, config: TrainerConfig) -> "JobInputs":
@@ -98,7 +99,7 @@ def preflight(config: TrainerConfig) -> JobInputs:
     GPU, the ``--compile`` backend, every resolution (measured: :mod:`fixres_dist.models.resolutions`),
     TensorBoard, the weights against the model and the finetune scope, and whether a training step
     fits the memory budget (``--memory-budget``, or the GPU's memory; estimated on the CPU:
-    :func:`fixres_dist.models.memory.check_budget`; nothing is estimated on a CPU run without a
+    :func:`fixres_dist.models.memory_budget.check_budget`; nothing is estimated on a CPU run without a
     budget). Writes a walked file index once every check passed (bad input leaves nothing written)."""
     inputs = JobInputs.read(config)
     architectures.check_architecture(config.architecture, config.low_res_stem)
@@ -118,7 +119,7 @@ def preflight(config: TrainerConfig) -> JobInputs:
     resolutions.check_run_sizes(config, len(inputs.classes), lineage.for_run(config, inputs.weights).train_size)
     if inputs.weights:
         _check_weights(config, inputs)
-    estimate = memory.check_budget(config, len(inputs.classes))
+    estimate = memory_budget.check_budget(config, len(inputs.classes))
     inputs.index.save()
     return attrs.evolve(inputs, memory_estimate=estimate)
 

@@ -1,4 +1,7 @@
-"""Will it fit: the peak memory of one rank in a training step, estimated on the CPU before any rank starts.
+"""Will it fit: the estimator of the peak memory of one rank in a training step, on the CPU before any
+rank starts (:func:`estimate`, its :class:`MemoryEstimate` in bytes, and the fake process group a
+sharded estimate runs on). The preflight's check against a memory budget is
+:mod:`fixres_dist.models.memory_budget`, the table of several choices :mod:`fixres_dist.models.memory_table`.
 
 :func:`estimate` runs two training steps (forward, backward and optimizer step, so that the
 optimizer's state exists in the second) of a run's model on *fake* tensors
@@ -30,32 +33,24 @@ allocator fragmentation: ``nvidia-smi`` shows more than ``torch.cuda.max_memory_
 kernels and autocast lists; ``benchmarks/memory_estimate.py`` compares the estimate with measured
 peaks.
 
-A fake process group lives in its process until destroyed, and the launcher must keep none: the
-preflight (:func:`check_budget`) runs every estimate that needs one in a short-lived child process
-(``python -m fixres_dist.models.memory --serve``). ``python -m fixres_dist.models.memory
---architecture resnet50 --input-size 224 --batch 64 --num-tasks 8`` prints the estimates of several
-choices as a table (:func:`main`).
+A fake process group lives in its process until destroyed (:func:`fake_process_group` raises
+RuntimeError in a process that has a process group); :func:`estimate` creates and destroys one for a
+sharded estimate unless this process has one.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
-import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import attrs
 
-from fixres_dist.config import OPTIMIZERS, TrainerConfig
-from fixres_dist.errors import FixresError, first_line, say
+from fixres_dist.config import TrainerConfig
+from fixres_dist.errors import first_line
 
 GIB = 2 ** 30
 METHOD = "torch's MemTracker/FSDPMemTracker on fake tensors"
-MODULE = "fixres_dist.models.memory"
-CHILD_TIMEOUT_S = 600  # the child process of the preflight's estimates
 STEPS = 2  # the second step runs with the optimizer's state
 # The trackers' categories (their enum values) -> the parts of MemoryEstimate; the rest (Activation,
 # Temp, Inputs, Other) are activations and temporaries.
@@ -392,298 +387,3 @@ def _held_apart(config: TrainerConfig, model) -> dict[str, int]:
     if config.model_ema:
         held["parameters"] = sum(_local_bytes(t) for t in (*model.parameters(), *model.buffers()))
     return held
-
-
-def _in_child(request: dict) -> dict:
-    """``request`` answered by ``python -m fixres_dist.models.memory --serve`` (JSON in, JSON out), or
-    ``{"error": line}``. The child sees no GPU: everything it runs is fake."""
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-    try:
-        done = subprocess.run([sys.executable, "-m", MODULE, "--serve"], input=json.dumps(request), env=env,
-                              capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return {"error": f"the estimate took more than {CHILD_TIMEOUT_S} s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"the estimating process failed (exit status {done.returncode}): {tail}"[:300]}
-    return json.loads(lines[-1])
-
-
-def serve() -> None:
-    """The child process of :func:`check_run`: one JSON request on stdin (a configuration, its number of
-    classes and a budget in bytes), the :class:`Check` as one JSON line on stdout."""
-    request = json.loads(sys.stdin.read())
-    config = TrainerConfig.from_dict(request["config"])
-    with fake_process_group(config.num_tasks):
-        found = checked(config, request["num_classes"], request["budget"])
-    sys.stdout.write(json.dumps(found.to_dict()) + "\n")
-
-
-@attrs.frozen
-class Fit:
-    """The cheapest change of a run that fits a memory budget: ``change`` (its flags, e.g.
-    ``--activation-checkpointing``) and ``estimate`` (what it needs); or ``change`` None and in
-    ``estimate`` the least that was found, ``at`` that setting in words (``"batch 2 with full shard
-    over 4 ranks and activation checkpointing"``), or None when nothing could be estimated."""
-
-    change: str | None
-    estimate: MemoryEstimate | None
-    at: str = ""
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Fit":
-        return cls(data["change"], MemoryEstimate(**data["estimate"]) if data["estimate"] else None, data["at"])
-
-
-@attrs.frozen
-class Check:
-    """What the preflight found: ``first``, the estimate of the run as asked, and when that exceeds the
-    budget, ``fit`` (:func:`find_fit`)."""
-
-    first: MemoryEstimate
-    fit: Fit | None = None
-
-    def to_dict(self) -> dict:
-        return attrs.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Check":
-        return cls(MemoryEstimate(**data["first"]), Fit.from_dict(data["fit"]) if data["fit"] else None)
-
-
-def alternatives(config: TrainerConfig) -> list[tuple[str, TrainerConfig]]:
-    """The changes that lower the memory without changing the training, cheapest first, with their
-    flags: activation checkpointing, full sharding (more than one rank), both; those the
-    configuration refuses (e.g. a torchvision ViT sharded) are left out."""
-    changes = []
-    if not config.activation_checkpointing:
-        changes.append(("--activation-checkpointing", {"activation_checkpointing": True}))
-    if config.num_tasks > 1 and config.sharding != "full":
-        changes.append(("--sharding full", {"sharding": "full", "shard_group_size": None}))
-        if not config.activation_checkpointing:
-            changes.append(("--sharding full --activation-checkpointing",
-                            {"sharding": "full", "shard_group_size": None, "activation_checkpointing": True}))
-    found = []
-    for flags, fields in changes:
-        with contextlib.suppress(FixresError):
-            found.append((flags, attrs.evolve(config, **fields)))
-    return found
-
-
-def find_fit(config: TrainerConfig, num_classes: int, budget: int, first: MemoryEstimate) -> Fit:
-    """The cheapest change of ``config`` (whose estimate ``first`` exceeds ``budget`` bytes) that fits:
-    the :func:`alternatives` in order, then halving the batch with the one that needed the least
-    memory (a batch whose estimate, predicted from the activations' share, is still too large is
-    not estimated; batch 2 always is). In this process: a sharded alternative on more than one rank
-    needs its fake process group (:func:`fake_process_group`)."""
-    least, least_flags, least_config = first, "", config
-    for flags, candidate in alternatives(config):
-        found = estimate(candidate, num_classes)
-        if found.fits(budget):
-            return Fit(flags, found)
-        if found.known and (not least.known or found.peak < least.peak):
-            least, least_flags, least_config = found, flags, candidate
-    if not least.known:
-        return Fit(None, None)
-    fixed = least.parameters + least.gradients + least.optimizer
-    per_image = least.activations / least_config.batch
-    batch = least_config.batch // 2
-    while batch >= 2:
-        if batch == 2 or fixed + per_image * batch <= budget:
-            least = estimate(attrs.evolve(least_config, batch=batch), num_classes)
-            if least.fits(budget):
-                return Fit(" ".join([f"--batch {batch}", least_flags]).strip(), least)
-            least_config = attrs.evolve(least_config, batch=batch)
-        batch //= 2
-    return Fit(None, least, f"batch {least_config.batch} with {setting_words(least_config)}")
-
-
-def checked(config: TrainerConfig, num_classes: int, budget: int) -> Check:
-    """Estimate ``config``; when it exceeds ``budget`` bytes, :func:`find_fit`. In this process (see there)."""
-    first = estimate(config, num_classes)
-    if not first.known or first.fits(budget):
-        return Check(first)
-    return Check(first, find_fit(config, num_classes, budget, first))
-
-
-def check_run(config: TrainerConfig, num_classes: int, budget: int) -> Check:
-    """:func:`checked`, leaving this process without a process group: on one rank here; on more, where
-    the run or the search for a change needs a fake process group, in a short-lived child process
-    (a DDP run that fits is estimated here). A child that fails gives an estimate without a peak,
-    with the reason."""
-    if config.num_tasks == 1:
-        return checked(config, num_classes, budget)
-    if not needs_process_group(config):
-        first = estimate(config, num_classes)
-        if not first.known or first.fits(budget):
-            return Check(first)
-    answer = _in_child({"config": config.to_dict(), "num_classes": num_classes, "budget": budget})
-    if "error" in answer:
-        return Check(MemoryEstimate(setting_line(config), None, reason=answer["error"]))
-    return Check.from_dict(answer)
-
-
-def budget_bytes(config: TrainerConfig) -> tuple[int, str] | None:
-    """The memory a rank may use (bytes) and its source in words: ``--memory-budget`` (GiB), else on
-    CUDA the GPU's memory (``torch.cuda.get_device_properties(device).total_memory``), else None (a
-    CPU run without ``--memory-budget`` is not checked)."""
-    if config.memory_budget is not None:
-        return int(config.memory_budget * GIB), f"the budget of {config.memory_budget:g} GiB per rank (--memory-budget)"
-    if config.device != "cuda":
-        return None
-    import torch
-
-    from fixres_dist.distributed import placement
-
-    device = placement.cuda_device(config.local_rank)
-    properties = torch.cuda.get_device_properties(device)
-    return properties.total_memory, f"the {gib(properties.total_memory)} of {device} ({properties.name})"
-
-
-def check_budget(config: TrainerConfig, num_classes: int) -> MemoryEstimate | None:
-    """The preflight's check: estimate a training run of ``config`` against :func:`budget_bytes` (None,
-    and nothing estimated, for ``--eval-only`` or a CPU run without ``--memory-budget``). Says the
-    estimate in one line on stderr; raises a one-line :class:`FixresError` when it exceeds the budget,
-    naming the cheapest change that fits (:func:`find_fit`) or saying that none does. Without an
-    estimate (the fake route failed), says why and lets the run start."""
-    budget = None if config.eval_only else budget_bytes(config)
-    if budget is None:
-        return None
-    limit, source = budget
-    found = check_run(config, num_classes, limit)
-    first, fit = found.first, found.fit
-    if not first.known:
-        say(f"fixres_dist: warning: {first.describe()}; starting without checking {source}")
-        return first
-    if fit is None:
-        say(f"fixres_dist: memory: an estimated {first.describe()}, within {source} ({METHOD})")
-        return first
-    needs = f"{config.architecture} needs an estimated {gib(first.peak)} per rank ({first.breakdown()}) " \
-            f"at batch {config.batch} with {setting_words(config)}"
-    if fit.change is not None:
-        raise FixresError(f"{needs}, more than {source}; the cheapest change that fits: {fit.change} "
-                          f"({gib(fit.estimate.peak)} per rank; {METHOD})")
-    if fit.estimate is None or not fit.estimate.known:
-        raise FixresError(f"{needs}, more than {source}; no other setting could be estimated")
-    raise FixresError(f"no change of batch, sharding or checkpointing meets {source}: {needs}, and still "
-                      f"{gib(fit.estimate.peak)} even at {fit.at} ({METHOD}); give it more memory, more ranks to "
-                      "shard over or a smaller --input-size")
-
-
-PROG = f"python -m {MODULE}"
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with a usage error in one line on stderr, ``<prog>: error: <message>``, exit status 2."""
-
-    def error(self, message: str):
-        say(f"{self.prog}: error: {message}")
-        raise SystemExit(2)
-
-
-def count(text: str) -> int:
-    """An argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description="The estimated peak memory per rank (GiB) of a training step, for DDP, "
-                      "full and hybrid sharding, with and without activation checkpointing: torch's MemTracker/"
-                      "FSDPMemTracker on fake tensors, in seconds on a CPU (docs/sharding.md, 'Will it fit').")
-    p.add_argument("--architecture", help="model name, as main_scratch.py's --architecture (required)")
-    p.add_argument("--input-size", type=count, metavar="PX", help="training resolution in pixels (required)")
-    p.add_argument("--batch", type=count, default=64, help="images per rank per step (default: %(default)s)")
-    p.add_argument("--num-tasks", type=count, default=1, help="ranks (default: %(default)s)")
-    p.add_argument("--num-classes", type=count, default=1000, help="classes (default: %(default)s)")
-    p.add_argument("--amp", choices=("bf16", "fp16", "off"), default="off", help="mixed precision (default: off)")
-    p.add_argument("--opt", choices=OPTIMIZERS, default="sgd", help="optimizer (default: sgd)")
-    p.add_argument("--shard-group-size", type=count, metavar="N",
-                   help="also a row for hybrid sharding in groups of N ranks")
-    p.add_argument("--low-res-stem", action="store_true", help="torchvision ResNets' 3x3 stride-1 stem")
-    p.add_argument("--device", choices=("cuda", "cpu"),
-                   help="the device trained on: on cuda the optimizer is torch's foreach one (default: cuda when "
-                        "available, else cpu)")
-    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the preflight's child process
-    return p
-
-
-def table_rows(args: argparse.Namespace) -> list[tuple[str, TrainerConfig | str]]:
-    """(label, configuration or why the configuration refuses it) for each row of the table. Raises
-    :class:`FixresError` for bad input: an unknown architecture, a size it cannot train at, a batch
-    or group size that cannot be."""
-    from fixres_dist.models import architectures, resolutions
-
-    architectures.check_architecture(args.architecture, args.low_res_stem)
-    architectures.check_resolution(args.architecture, args.input_size)
-    if args.shard_group_size and args.num_tasks % args.shard_group_size:
-        raise FixresError(f"--shard-group-size {args.shard_group_size} does not divide --num-tasks {args.num_tasks}")
-    base = TrainerConfig(architecture=args.architecture, input_size=args.input_size, batch=args.batch,
-                         num_tasks=args.num_tasks, amp=args.amp, opt=args.opt, device=args.device,
-                         low_res_stem=args.low_res_stem)
-    probe = resolutions.Probe(args.architecture, args.num_classes, args.input_size, low_res_stem=args.low_res_stem,
-                              batch=args.batch)
-    resolutions.check_sizes(probe, [args.input_size], [])
-    choices = [("ddp", {}), ("ddp + AC", {"activation_checkpointing": True})]
-    if args.num_tasks > 1:
-        choices += [("full", {"sharding": "full"}),
-                    ("full + AC", {"sharding": "full", "activation_checkpointing": True})]
-    if args.shard_group_size and args.num_tasks > 1:
-        choices.append((f"hybrid ({args.shard_group_size})", {"sharding": "hybrid",
-                                                               "shard_group_size": args.shard_group_size}))
-    rows: list[tuple[str, TrainerConfig | str]] = []
-    for label, fields in choices:
-        try:
-            rows.append((label, attrs.evolve(base, **fields)))
-        except FixresError as exc:
-            rows.append((label, str(exc)))
-    return rows
-
-
-def table(args: argparse.Namespace, rows: list[tuple[str, TrainerConfig | str]]) -> str:
-    """The estimates of ``rows`` (:func:`table_rows`) as a text table, GiB per rank."""
-    ranks = f"{args.num_tasks} ranks" if args.num_tasks > 1 else "1 rank (nothing to shard)"
-    lines = [f"{args.architecture} at {args.input_size} px, batch {args.batch} per rank, {ranks}, {args.opt}, "
-             f"amp {args.amp}, {args.num_classes} classes, on {args.device}: peak memory per rank in GiB ({METHOD})",
-             f"{'choice':<14}{'peak':>8}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}"]
-    for label, config in rows:
-        found = estimate(config, args.num_classes) if isinstance(config, TrainerConfig) else None
-        if found is not None and found.known:
-            sizes = (found.peak, found.parameters, found.gradients, found.optimizer, found.activations)
-            lines.append(f"{label:<14}{sizes[0] / GIB:>8.3f}" + "".join(f"{s / GIB:>9.3f}" for s in sizes[1:]))
-        else:
-            lines.append(f"{label:<14}  no estimate: {found.reason if found is not None else config}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m fixres_dist.models.memory``: the table of :func:`table` on stdout; bad input in one
-    line on stderr (exit status 2 for a usage error, 1 for a model or size that cannot be)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.serve:
-        serve()
-        return
-    if not args.architecture or args.input_size is None:
-        parser.error("--architecture and --input-size are required")
-    if args.device is None:
-        import torch
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        rows = table_rows(args)
-    except FixresError as exc:
-        say(f"{PROG}: {exc}")
-        raise SystemExit(1) from None
-    print(table(args, rows), flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -115,26 +115,49 @@ def test_a_sharded_job_stopped_mid_epoch_resumes_hybrid_on_4_ranks(stopped_shard
     assert "left out" not in on_four.stdout and events(tmp_path / "s", "eval")[-1]["images"] == 30
 
 
-def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_only(vit_jobs, tmp_path):
-    """main_finetune.py reads the sharded run's checkpoint.pth and finetunes it sharded at 48 px on 4
-    ranks for a 3-class task: the frozen weights come out exactly as they went in (the position
-    embedding resampled to 48 px, a new head). 3 validation images on 4 ranks: rank 3 has no batch,
-    and runs a blank forward so that every rank gathers each block as often (else the others would
-    wait for it until the timeout)."""
-    data = make_subset(tmp_path / "data", 6, 1, classes=3)
-    scratch = vit_jobs / "full" / CHECKPOINT_FILE
-    result = run_script("finetune", "--num-tasks", 4, "--job-id", "ft", "--shared-folder-path", tmp_path,
-                        "--data-path", data, "--weight-path", scratch, "--sharding", "full",
-                        "--architecture", "timm/test_vit", "--input-size", 48, "--batch", 2, "--epochs", 1,
-                        "--workers", 0, "--no-progress", "--dist-timeout", 60)
+@pytest.fixture(scope="module")
+def sharded_finetune(vit_jobs, tmp_path_factory):
+    """main_finetune.py on the sharded run's checkpoint.pth, sharded at 48 px on 4 ranks for a 3-class
+    task with 3 validation images (rank 3 has no batch); its folder and output."""
+    folder = tmp_path_factory.mktemp("finetune")
+    data = make_subset(folder / "data", 6, 1, classes=3)
+    result = run_script("finetune", "--num-tasks", 4, "--job-id", "ft", "--shared-folder-path", folder,
+                        "--data-path", data, "--weight-path", vit_jobs / "full" / CHECKPOINT_FILE,
+                        "--sharding", "full", "--architecture", "timm/test_vit", "--input-size", 48, "--batch", 2,
+                        "--epochs", 1, "--workers", 0, "--no-progress", "--dist-timeout", 60)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "--sharding full: 6 blocks" in result.stdout
-    before, after = full(scratch)["model"], full(tmp_path / "ft" / CHECKPOINT_FILE)["model"]
+    return folder, result.stdout
+
+
+def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_only(vit_jobs, sharded_finetune):
+    """The frozen weights come out exactly as they went in (the position embedding resampled to 48 px,
+    a new head). The model is sharded before the evaluations that precede finetuning, and rank 3,
+    without a validation batch, runs blank forwards so that every rank gathers each block as often
+    (else the others would wait for it until the timeout)."""
+    folder, stdout = sharded_finetune
+    sharded_at = stdout.index("--sharding full: 6 blocks")
+    assert sharded_at < stdout.index("eval train-resolution @32px") < stdout.index("eval before @48px"), stdout
+    before, after = full(vit_jobs / "full" / CHECKPOINT_FILE)["model"], full(folder / "ft" / CHECKPOINT_FILE)["model"]
     resized = {k for k in after if after[k].shape != before[k].shape}
     assert resized == {"pos_embed", "head.weight", "head.bias"}  # a 3 x 3 patch grid at 48 px; 3 classes
     trained = {k for k in after if k not in resized and not torch.equal(after[k], before[k])}
     assert trained and all(k.startswith(("fc_norm.", "norm.")) for k in trained), trained
-    assert [(e["resolution"], e["images"]) for e in events(tmp_path / "ft", "eval")][-1] == (48, 3)
+    assert [(e["resolution"], e["images"]) for e in events(folder / "ft", "eval")][-1] == (48, 3)
+
+
+def test_eval_only_of_a_sharded_checkpoint_runs_sharded_and_agrees(sharded_finetune):
+    """``--eval-only --sharding full`` on 2 ranks evaluates the finetuned shards without ever
+    building the model unsharded for a forward, and measures what the finetune's last evaluation did."""
+    folder, _ = sharded_finetune
+    result = run_script("finetune", "--eval-only", "--num-tasks", 2, "--job-id", "ev", "--shared-folder-path",
+                        folder, "--data-path", folder / "data", "--weight-path", folder / "ft" / CHECKPOINT_FILE,
+                        "--sharding", "full", "--architecture", "timm/test_vit", "--test-sizes", 48,
+                        "--workers", 0, "--no-progress", "--dist-timeout", 60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.index("--sharding full: 6 blocks") < result.stdout.index("eval sweep @48px")
+    ours, finetuned = events(folder / "ev", "eval")[-1], events(folder / "ft", "eval")[-1]
+    assert (ours["resolution"], ours["images"], ours["top1"]) == (48, 3, finetuned["top1"])
+    assert math.isclose(ours["loss"], finetuned["loss"], rel_tol=1e-5)
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -20,6 +20,7 @@ from fixres_dist.distributed import sharding
 from fixres_dist.errors import first_line
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, batchnorm, lineage, preprocessing, resolutions, weights
+from fixres_dist.models.ema import ModelEMA
 from fixres_dist.training.engine import AMP_DTYPES
 
 
@@ -56,6 +57,8 @@ class Network:
         self.model = model.to(device)
         self.wrapped = self.forward = self.model
         self.sharded = False  # parameters sharded over the ranks (FSDP2): every forward is a collective
+        self.laid_out = False  # lay_out() ran: prepared, averaged and wrapped
+        self.average: ModelEMA | None = None  # --model-ema's average of the weights (lay_out makes it)
         self._compile_checked = True
 
     @staticmethod
@@ -73,6 +76,27 @@ class Network:
         if self.config.mode == "scratch":
             return lineage.Lineage(input_size)
         return lineage.Lineage(self.train_size, input_size)
+
+    @property
+    def shards_before_evaluating(self) -> bool:
+        """Whether the model is laid out (prepared, then sharded: :meth:`wrap`) before its first
+        evaluation: with ``--sharding full/hybrid`` on more than one rank, so that every evaluation
+        (``--eval-only``, a finetune's before finetuning) runs on the shards, never the whole model
+        on one device. DDP wraps at the start of training (evaluations use the unwrapped model)."""
+        return self.config.sharding != "ddp" and self.config.num_tasks > 1
+
+    def lay_out(self, input_size: int, trains: bool) -> None:
+        """Once, for a run that ``trains`` at ``input_size`` pixels: :meth:`prepare_for_training`, then
+        ``--model-ema``'s :attr:`average` (a copy: before sharding, which cannot be copied), then
+        :meth:`wrap`. DDP at the start of training; a sharded run before its first evaluation
+        (:attr:`shards_before_evaluating`). An evaluation-only run is wrapped only."""
+        if self.laid_out:
+            return
+        if trains:
+            self.prepare_for_training(input_size)
+            if self.config.model_ema:
+                self.average = ModelEMA(self.model, self.config.model_ema_decay, self.config.model_ema_steps)
+        self.wrap(self.average.module if self.average else None)
 
     def prepare_for_training(self, input_size: int) -> None:
         """Finetune (FixRes): train only ``--finetune-scope`` at ``input_size``, the rest frozen. Then
@@ -92,15 +116,19 @@ class Network:
         count = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.log(f"finetuning ({cfg.finetune_scope}) {count:,} of {sum(p.numel() for p in self.model.parameters()):,} "
                  f"parameters in {len(trainable)} tensors: {', '.join(trainable)}")
-        below = finetuning.finetune_resolution_warning(self.train_size, input_size)
-        if below:
-            self.warn(below)
         if cfg.num_tasks > 1:
             norms = [name for name, m in self.model.named_modules() if isinstance(m, finetuning.NORM_TYPES)
                      and any(p.requires_grad for p in m.parameters(recurse=False))]
             synchronised = batchnorm.synchronise(self.model, norms, self.device.type)
             if synchronised:
                 self.log(f"BatchNorm statistics over all {cfg.num_tasks} ranks' images: {', '.join(synchronised)}")
+
+    def warn_below_train_size(self, input_size: int) -> None:
+        """A finetune at ``input_size`` pixels below the weights' train resolution: warned
+        (:func:`~fixres_dist.fixres.finetuning.finetune_resolution_warning`)."""
+        below = self.config.mode == "finetune" and finetuning.finetune_resolution_warning(self.train_size, input_size)
+        if below:
+            self.warn(below)
 
     def wrap(self, average: nn.Module | None = None) -> None:
         """Wrap for training with ``--sharding``: DDP (world size > 1), or the model sharded in place
@@ -109,7 +137,8 @@ class Network:
         ``--compile``, the forward to compile at its first call. The optimizer is built after this:
         sharding replaces the parameters."""
         cfg, model = self.config, self.model
-        if cfg.activation_checkpointing:
+        self.laid_out = True
+        if cfg.activation_checkpointing and not cfg.eval_only:  # no backward: nothing to recompute
             blocks = sharding.checkpoint_activations(model)
             if blocks:
                 self.log(f"activation checkpointing: {blocks} blocks recompute their forward in the backward")

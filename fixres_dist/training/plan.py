@@ -58,7 +58,8 @@ class Action:
 ACTIONS = {
     "train-resolution from sweep": "the sweep before finetuning measured the train resolution: record it as such",
     "choose input size": "--input-size auto: the best test resolution of the sweep before finetuning",
-    "start training": "freeze what does not train, build the optimizer, wrap in DDP, restore the checkpoint",
+    "start training": "freeze what does not train and wrap in DDP (sharded runs did both when built), build "
+                      "the optimizer, restore the checkpoint",
     "final result": "the run's result: its last evaluation at the test resolution",
     "finetune table": "log the FixRes table (reports.finetune_table)",
     "sweep report": "the table and plot of the sweeps (resolution_sweep.md/.png)",

@@ -26,11 +26,6 @@ def base_learning_rate(config: TrainerConfig) -> float:
     return optim.scaled_learning_rate(config.learning_rate, config.batch, config.num_tasks, config.grad_accum_steps)
 
 
-def average_of(config: TrainerConfig, model: torch.nn.Module) -> ModelEMA | None:
-    """``--model-ema``'s average of ``model`` (a copy: make it before sharding), else None."""
-    return ModelEMA(model, config.model_ema_decay, config.model_ema_steps) if config.model_ema else None
-
-
 class TrainStep:
     """One optimizer step on this rank's share of a global batch, for ``network`` (prepared for
     training). ``watch``: where each step's loss is checked for NaN or infinity (the stop
@@ -40,7 +35,7 @@ class TrainStep:
     run their course in this run.
 
     Build it after :meth:`Network.wrap <fixres_dist.training.network.Network.wrap>` (sharding replaces
-    the parameters the optimizer holds); ``ema``: the weights' average (:func:`average_of`), made
+    the parameters the optimizer holds); ``ema``: the weights' average (``network.average``), made
     before the wrap, or None.
 
     ``global_step`` is the caller's (:class:`~fixres_dist.training.state.TrainState`): the step about to

@@ -4,10 +4,11 @@
 
 * :meth:`Trainer.build`: open the rank's session (:class:`~fixres_dist.distributed.session.RankSession`:
   the job lock, meeting the other ranks); read the inputs (:class:`~fixres_dist.training.inputs.JobInputs`:
-  data, the checkpoint to continue, weights); start the run's log; build the network; plan the job
+  data, the checkpoint to continue, weights); start the run's log; build the network (sharded at
+  once with ``--sharding full/hybrid``, so that every evaluation runs on the shards); plan the job
   (:mod:`fixres_dist.training.plan`: one protocol per job kind) and run it up to training (a FixRes
   finetune first measures top-1 before finetuning and, with ``--input-size auto``, picks the test
-  resolution); then build the optimizer step, wrap in DDP and restore the checkpoint.
+  resolution); then wrap in DDP, build the optimizer step and restore the checkpoint.
 * :meth:`Trainer.fit`: run the rest of the plan: epochs (train, average BatchNorm statistics over
   ranks, evaluate exactly, checkpoint), the final sweep, the reports and the features.
 
@@ -45,7 +46,7 @@ from fixres_dist.training.inputs import JobInputs
 from fixres_dist.training.network import Network
 from fixres_dist.training.plan import Action, EndEpoch, Evaluate, TrainEpoch
 from fixres_dist.training.state import TrainState
-from fixres_dist.training.step import TrainStep, average_of
+from fixres_dist.training.step import TrainStep
 from fixres_dist.training.stopping import StopController
 
 
@@ -129,10 +130,12 @@ class Trainer:
                            seen, per_epoch)
         self.network = Network(cfg, len(self.data.classes), Network.build_size(cfg, self.state.input_size),
                                inputs.weights, self.session.device, log, self.run_log.warn)
+        self.protocol = plan.protocol(cfg)
+        if self.network.shards_before_evaluating:  # every evaluation then runs on the shards
+            self.network.lay_out(self.state.input_size, self.protocol.trains)
         self.checkpointer = Checkpointer(cfg, self.run_log, self.faults, self.network, per_epoch,
                                          self.session.control_group)
         self.stops = StopController(self.session.agreement, LossWatch(), self.checkpointer, self.state, log)
-        self.protocol = plan.protocol(cfg)
         self.plan = plan.Plan(self.protocol.steps(self.state, self.run_log, self.network.train_size, bool(resume)))
         self.remaining = plan.Remaining(cfg, self.state, self.plan, self.clock, per_epoch, len(self.data.val_set))
         self.evaluator = Evaluator(cfg, self.data, self.network, self.run_log, self.clock, self._after_eval_batch,
@@ -183,14 +186,12 @@ class Trainer:
             self.evaluator.extract_features(state.eval_size(cfg))
 
     def _start_training(self) -> None:
-        """Freeze what does not train (finetune), the train loader, the weights' average, the wrap (DDP
-        or sharding), the optimizer step; then continue the checkpoint, if any."""
+        """The network laid out, the train loader, the optimizer step; then the checkpoint continued."""
         cfg, size = self.config, self.state.input_size
-        self.network.prepare_for_training(size)
+        self.network.lay_out(size, trains=True)
+        self.network.warn_below_train_size(size)
         self.data.train(size, self.network.preprocessing)
-        ema = average_of(cfg, self.network.model)  # a copy: before sharding, which cannot be copied
-        self.network.wrap(ema.module if ema else None)
-        self.step = TrainStep(cfg, self.network, ema, len(self.data.classes), self.stops.watch,
+        self.step = TrainStep(cfg, self.network, self.network.average, len(self.data.classes), self.stops.watch,
                               len(self.data.train_loader), len(self.data.train_set), self.run_log.log,
                               self.run_log.warn)
         self.checkpointer.train_with(self.step)

@@ -198,16 +198,15 @@ class DataIndex:
 def build(root: str | Path) -> DataIndex:
     """Walk ``root``'s ``train/`` and ``val/`` (:func:`fixres_dist.data.pipeline.scan_split`) and record every
     folder's stat just before it is listed. Raises :class:`~fixres_dist.errors.FixresError` if
-    ``root`` lacks a split folder (:func:`fixres_dist.data.pipeline.check_layout`), ``OSError`` if a folder
-    cannot be listed."""
+    ``root`` lacks a split folder (:func:`fixres_dist.data.pipeline.check_layout`) or holds a symbolic-link
+    loop (naming it), ``OSError`` if a folder cannot be listed."""
     root = pipeline.check_layout(root)
     start, listed_at = time.monotonic(), time.time_ns()
     folders, inodes, ctimes, splits = [], [], [], {}
     for name in SPLITS:
         split_folder = str(root / name)  # every path the walk gives starts with it
 
-        def visit(path: str, name=name, cut=len(split_folder)) -> None:
-            stat = os.stat(path)  # follows links, as the walk does
+        def visit(path: str, stat: os.stat_result, name=name, cut=len(split_folder)) -> None:
             folders.append(name + path[cut:])
             inodes.append(stat.st_ino)
             ctimes.append(stat.st_ctime_ns)
@@ -323,8 +322,9 @@ def data_index(root: str | Path, cache_folder: str | Path | None) -> DataIndex:
     """The index of data root ``root``: loaded from ``cache_folder`` (:func:`index_file`) if it is
     current, else walked (``built``, not yet written: call :meth:`DataIndex.save`). ``cache_folder``
     None: always walk. Raises :class:`~fixres_dist.errors.FixresError` if ``root`` is not a folder
-    holding ``train/`` and ``val/`` (:func:`fixres_dist.data.pipeline.check_layout`), ``OSError`` if a folder
-    cannot be listed; a missing, unreadable or corrupt cache file is no error (it is walked again).
+    holding ``train/`` and ``val/`` (:func:`fixres_dist.data.pipeline.check_layout`) or holds a
+    symbolic-link loop, ``OSError`` if a folder cannot be listed; a missing, unreadable or corrupt
+    cache file is no error (it is walked again).
     """
     root = pipeline.check_layout(root)
     start = time.monotonic()

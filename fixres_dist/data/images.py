@@ -21,6 +21,14 @@ white. :func:`to_rgb8` maps every mode Pillow can open to 8-bit RGB by its *leve
 What cannot be converted raises :class:`ImageModeError` (a ``ValueError``) naming the mode and the
 reason; the data loader reports it like any unreadable image (:class:`fixres_dist.data.pipeline.SeededDataset`).
 
+Pillow's decompression-bomb check is kept, for every format: an image of more than twice
+``PIL.Image.MAX_IMAGE_PIXELS`` pixels (178,956,970 by default), which Pillow refuses with
+``DecompressionBombError`` (an ``Exception``, none of the errors a loader expects), raises
+:class:`ImageTooLargeError` (a ``ValueError``) with its pixel count and the limit, before anything
+is decoded (JPEGs too, which Pillow's header read checks before ``decode_jpeg`` runs). Between the
+limit and twice the limit, Pillow decodes and warns: they are decoded, without the warning
+(:func:`_pillow_limits` says why).
+
 :func:`read_image` is the loader: JPEG files are decoded by ``torchvision.io.decode_jpeg``
 (libjpeg-turbo with Pillow's settings: the same pixels as Pillow's decoder, grey and CMYK become RGB
 as with Pillow) straight into a uint8 (3, H, W) tensor, about 0.7 of Pillow's time; everything else,
@@ -29,7 +37,9 @@ as by torchvision's ImageFolder.
 """
 from __future__ import annotations
 
+import contextlib
 import io
+import re
 import warnings
 
 import numpy as np
@@ -49,6 +59,34 @@ _TIFF_BITS_PER_SAMPLE = 258
 
 class ImageModeError(ValueError):
     """An image whose mode or values have no 8-bit RGB equivalent; the message says why."""
+
+
+class ImageTooLargeError(ValueError):
+    """An image above Pillow's decompression-bomb limit; the message gives its pixels and the limit."""
+
+
+_BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")  # the count in Pillow's DecompressionBombError message
+
+
+@contextlib.contextmanager
+def _pillow_limits():
+    """Within the block, Pillow's ``DecompressionBombError`` becomes :class:`ImageTooLargeError`, and
+    its ``DecompressionBombWarning`` is not shown."""
+    with warnings.catch_warnings():
+        # Between MAX_IMAGE_PIXELS and twice that, Pillow decodes and warns. So do we, silently: such
+        # an image (89 to 179 M pixels by default: a large photo, scan or panorama; under 0.6 GB as
+        # 8-bit RGB) is data rather than an attack, and refusing it would refuse what Pillow and
+        # torchvision read; while the warning names no file, and every loader worker process would
+        # print it, once per size, among the progress bars. The refusal above twice the limit stays.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            yield
+        except Image.DecompressionBombError as exc:
+            found = _BOMB_PIXELS.search(str(exc))
+            size = f"{int(found[1]):,} pixels" if found else str(exc).strip()
+            limit = 2 * Image.MAX_IMAGE_PIXELS
+            raise ImageTooLargeError(f"{size}, above Pillow's decompression-bomb limit of {limit:,} pixels "
+                                     "(twice PIL.Image.MAX_IMAGE_PIXELS)") from None
 
 
 def _full_scale(image: Image.Image) -> int:
@@ -105,10 +143,11 @@ def to_rgb8(image: Image.Image) -> Image.Image:
 def open_rgb(path: str) -> Image.Image:
     """The image file at ``path`` as an 8-bit RGB PIL image (:func:`to_rgb8`).
 
-    Raises ``OSError`` for an unreadable file (Pillow's ``UnidentifiedImageError`` is one) and
-    :class:`ImageModeError` for one that cannot be converted.
+    Raises ``OSError`` for an unreadable file (Pillow's ``UnidentifiedImageError`` is one),
+    :class:`ImageModeError` for one that cannot be converted and :class:`ImageTooLargeError` for
+    one above Pillow's decompression-bomb limit (module docstring).
     """
-    with open(path, "rb") as f:
+    with open(path, "rb") as f, _pillow_limits():
         return to_rgb8(Image.open(io.BytesIO(f.read())))
 
 
@@ -119,11 +158,14 @@ def read_image(path: str):
     """
     with open(path, "rb") as f:
         encoded = f.read()
-    if decode_jpeg is not None and encoded[:3] == _JPEG_MAGIC:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)
-                return decode_jpeg(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        except RuntimeError:
-            pass
-    return to_rgb8(Image.open(io.BytesIO(encoded)))
+    with _pillow_limits():
+        image = Image.open(io.BytesIO(encoded))  # reads the header alone, and checks its size
+        if decode_jpeg is not None and encoded[:3] == _JPEG_MAGIC:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    return decode_jpeg(torch.frombuffer(bytearray(encoded), dtype=torch.uint8),
+                                       mode=ImageReadMode.RGB)
+            except RuntimeError:
+                pass
+        return to_rgb8(image)

@@ -35,6 +35,7 @@ did with PIL).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import multiprocessing
 import os
@@ -112,53 +113,88 @@ class FolderListing:
     hidden: list[str]
 
 
+def _link_loop(path: str, how: str) -> FixresError:
+    return FixresError(f"symbolic-link loop in the data: {path} {how}, so the walk of the folders would never "
+                       "end; remove that link or point it elsewhere")
+
+
 def list_folder(folder: str) -> FolderListing:
     """The entries of one folder, classified as :func:`scan_split` walks them. ``os.scandir`` knows
     most entries' types without a ``stat`` (only links need one), so this costs one listing.
-    Raises ``OSError`` if ``folder`` cannot be listed."""
+    Raises ``OSError`` if ``folder`` cannot be listed, :class:`FixresError` naming an entry that is
+    a chain of links leading back to itself (``x -> y -> x``: ELOOP)."""
     folders, files, hidden = [], [], []
     with os.scandir(folder) as entries:
         for entry in entries:
             if is_hidden(entry.name):
                 hidden.append(entry.path)
-            elif entry.is_dir():  # follows links, as ImageFolder's os.walk(followlinks=True)
+                continue
+            try:
+                is_folder = entry.is_dir()  # follows links, as ImageFolder's os.walk(followlinks=True)
+            except OSError as exc:  # a broken link is no folder (False); a looping one raises
+                if exc.errno == errno.ELOOP:
+                    raise _link_loop(entry.path, "is a chain of links that leads back to itself") from None
+                raise
+            if is_folder:
                 folders.append(entry.path)
             elif entry.name.lower().endswith(IMG_EXTENSIONS) and entry.is_file():
                 files.append(entry.path)
     return FolderListing(folders, sorted(files), hidden)
 
 
-def _image_files(folder: str, hidden: list[str], visit: Callable[[str], None] | None = None) -> list[str]:
+# A folder's identity whatever the path (links) it is reached by: (st_dev, st_ino) -> that path.
+Ancestors = dict[tuple[int, int], str]
+Visit = Callable[[str, os.stat_result], None]
+
+
+def _enter(folder: str, ancestors: Ancestors, visit: Visit | None) -> Ancestors:
+    """``ancestors`` (the folders above ``folder`` on the path walked to it) with ``folder`` added;
+    ``visit(folder, its stat)`` is called first. Raises :class:`FixresError` naming ``folder`` if it
+    is one of them: a link back up the tree, which torchvision's walk would follow forever (two such
+    links in one folder double the paths at every turn)."""
+    status = os.stat(folder)  # follows links, as the walk does
+    key = (status.st_dev, status.st_ino)
+    if key in ancestors:
+        raise _link_loop(folder, f"leads back to {ancestors[key]}, a folder that holds it")
+    if visit is not None:
+        visit(folder, status)
+    return {**ancestors, key: folder}
+
+
+def _image_files(folder: str, hidden: list[str], ancestors: Ancestors, visit: Visit | None = None) -> list[str]:
     """Image files under ``folder`` in ImageFolder's order (sub-folders by path, files by name);
-    hidden entries are appended to ``hidden`` and not walked into. ``visit(path)`` is called for
-    each folder just before it is listed."""
-    found, stack = [], [folder]
+    hidden entries are appended to ``hidden`` and not walked into. ``ancestors``: the folders above
+    ``folder`` (:func:`_enter`). ``visit(path, stat)`` is called for each folder just before it is
+    listed. Raises as :func:`scan_split`."""
+    found, stack = [], [(folder, ancestors)]
     while stack:
-        root = stack.pop()
-        if visit is not None:
-            visit(root)
+        root, above = stack.pop()
+        above = _enter(root, above, visit)
         listing = list_folder(root)
         hidden.extend(listing.hidden)
-        stack.extend(listing.folders)
+        stack.extend((path, above) for path in listing.folders)
         found.append((root, listing.images))
     return [path for _, paths in sorted(found) for path in paths]
 
 
-def scan_split(split: str | Path, visit: Callable[[str], None] | None = None) -> SplitScan:
+def scan_split(split: str | Path, visit: Visit | None = None) -> SplitScan:
     """The classes and image files of ``split``, walked as torchvision's ImageFolder walks them
     (symbolic links followed, extensions ``IMG_EXTENSIONS`` in any case, the same order), except
-    that hidden files and folders are skipped and counted, and names that are not files (a folder
-    named ``x.png``, a broken link) are not images. ``visit(path)``, if given, is called with every
-    folder walked (``split`` itself, each class folder and every sub-folder), just before it is
-    listed (:mod:`fixres_dist.data.file_index` records their ``stat`` there). Raises ``OSError`` if a
-    folder cannot be listed.
+    that hidden files and folders are skipped and counted, names that are not files (a folder
+    named ``x.png``, a broken link) are not images, and a symbolic-link loop is an error, found as
+    soon as the walk comes back to a folder it is in (links that do not loop, to a class folder or
+    below one, are followed; a folder reached through two links is walked twice, as torchvision
+    does). ``visit(path, stat)``, if given, is called with every folder walked (``split`` itself,
+    each class folder and every sub-folder) and its ``os.stat`` (links followed), just before it is
+    listed (:mod:`fixres_dist.data.file_index` records them there). Raises ``OSError`` if a folder
+    cannot be listed, :class:`FixresError` naming the looping path for a link loop.
     """
-    if visit is not None:
-        visit(str(split))
+    split = str(split)
+    above = _enter(split, {}, visit)
     listing = list_folder(split)
     hidden, images_by_class = list(listing.hidden), {}
     for path in sorted(listing.folders, key=os.path.basename):
-        images_by_class[os.path.basename(path)] = _image_files(path, hidden, visit)
+        images_by_class[os.path.basename(path)] = _image_files(path, hidden, above, visit)
     return SplitScan(images_by_class, sorted(hidden))
 
 
@@ -368,8 +404,10 @@ class SeededDataset(Dataset):
     repeated augmentation), ``[seed, epoch, index, copy]`` for the other copies of a repeated
     augmentation (each its own draw), and restored afterwards, so the same image gets the same crop
     whatever the rank, the loader worker or the restart point.
-    Returns ``(uint8 tensor (3, H, W), int label)``, or ``None`` for an unreadable image when
-    ``skip_bad_images`` (else :class:`FixresError` naming the file).
+    Returns ``(uint8 tensor (3, H, W), int label)``, or ``None`` for a bad image when
+    ``skip_bad_images`` (else :class:`FixresError` naming the file, in one line): one that cannot be
+    read or converted, or one above Pillow's decompression-bomb limit (twice
+    ``PIL.Image.MAX_IMAGE_PIXELS``; :mod:`fixres_dist.data.images`).
 
     For an :class:`ImageFolder` as made by :func:`image_folder` (loader
     :func:`fixres_dist.data.images.open_rgb`, no transforms of its own) and a transform of this module
@@ -407,10 +445,18 @@ class SeededDataset(Dataset):
         except (OSError, ValueError, SyntaxError) as exc:  # PIL's UnidentifiedImageError is an OSError
             if self.skip_bad_images:
                 return None
-            raise FixresError(f"unreadable image {self.base.samples[key.index][0]} ({type(exc).__name__}: "
-                              f"{first_line(exc)}); fix or remove it, or pass --skip-bad-images") from None
+            raise FixresError(bad_image_message(self.base.samples[key.index][0], exc)) from None
         with seeded_cpu_generator([self.seed, key.epoch, key.index] + ([key.copy] if key.copy else [])):
             return self.transform(image), label
+
+
+def bad_image_message(path: str, exc: Exception) -> str:
+    """The one line that names the bad image ``path`` and says what ``exc``, raised reading it, means."""
+    if isinstance(exc, images.ImageTooLargeError):
+        problem, fix = f"image {path} is too large: {exc}", "downscale"
+    else:
+        problem, fix = f"unreadable image {path} ({type(exc).__name__}: {first_line(exc)})", "fix"
+    return f"{problem}; {fix} or remove it, or pass --skip-bad-images"
 
 
 def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -131,10 +131,13 @@ def sharded_finetune(vit_jobs, tmp_path_factory):
 
 def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_only(vit_jobs, sharded_finetune):
     """The frozen weights come out exactly as they went in (the position embedding resampled to 48 px,
-    a new head). The model is sharded before the evaluations that precede finetuning, and rank 3,
+    the head's rows those of the 3 classes kept, found by the class names that the sharded checkpoint's
+    ``.pth`` records). The model is sharded before the evaluations that precede finetuning, and rank 3,
     without a validation batch, runs blank forwards so that every rank gathers each block as often
     (else the others would wait for it until the timeout)."""
     folder, stdout = sharded_finetune
+    assert "classifier rows of head mapped by class name: 3 kept, 7 dropped (3_dress, 4_coat, 5_sandal and 4 " \
+           "more)" in stdout
     sharded_at = stdout.index("--sharding full: 6 blocks")
     assert sharded_at < stdout.index("eval train-resolution @32px") < stdout.index("eval before @48px"), stdout
     before, after = full(vit_jobs / "full" / CHECKPOINT_FILE)["model"], full(folder / "ft" / CHECKPOINT_FILE)["model"]

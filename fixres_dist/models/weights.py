@@ -33,7 +33,10 @@ the differences a real file brings:
 * a timm model's own checkpoint filter (``checkpoint_filter_fn`` of its module: position
   embeddings resampled to the model's grid, patch embeddings, relative position tables ...);
   a torchvision ViT's position embedding is interpolated to the model's patch grid;
-* a classifier head for another number of classes: the model keeps its own, freshly initialised.
+* a classifier head for another number of classes: the model keeps its own, freshly initialised;
+* weights that record their class names (a fixres_dist checkpoint's ``classes``), loaded for data
+  with other names or another order: the head's rows follow the names
+  (:mod:`fixres_dist.models.class_names`: kept, new, dropped; no shared name: a fresh head).
 
 Anything else missing, unexpected or misshapen is refused in one line; a refused load leaves the
 model as it was.
@@ -54,6 +57,7 @@ from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.errors import FixresError, first_line
 from fixres_dist.fixres.finetuning import find_head_and_last_norm
 from fixres_dist.io import safe_load
+from fixres_dist.models import class_names
 from fixres_dist.models.architectures import build_size, interpolated_pos_embedding, is_timm_model
 from fixres_dist.training.finite import describe_non_finite, non_finite_tensors
 
@@ -92,7 +96,8 @@ class WeightFile:
     other entries that are state_dicts too (e.g. ``model_ema``); ``config``: a fixres_dist
     checkpoint's configuration (dict) or None; ``placeholders``: the foreign classes and functions
     read as :class:`Placeholder` objects; ``lineage``: a fixres_dist checkpoint's record of the
-    resolutions its weights were trained and finetuned at (:mod:`fixres_dist.models.lineage`) or None.
+    resolutions its weights were trained and finetuned at (:mod:`fixres_dist.models.lineage`) or None;
+    ``classes``: a fixres_dist checkpoint's class names, in the label order of its head's rows, or None.
     """
 
     path: str
@@ -102,6 +107,7 @@ class WeightFile:
     config: dict | None = None
     placeholders: tuple[str, ...] = ()
     lineage: dict | None = None
+    classes: tuple[str, ...] | None = None
 
     def describe(self) -> str:
         """One line for the log: where the weights came from in the file."""
@@ -194,7 +200,10 @@ def read_weight_file(path: str | Path, weight_key: str | None = None) -> WeightF
     config = payload.get("config") if key in ("model", "model_ema") and isinstance(payload.get("config"), dict) \
         else None
     lineage = payload.get("lineage") if config is not None and isinstance(payload.get("lineage"), dict) else None
-    return WeightFile(str(path), dict(state), key, tuple(map(str, others)), config, placeholders, lineage)
+    classes = payload.get("classes") if config is not None else None
+    classes = tuple(classes) if isinstance(classes, (list, tuple)) and all(isinstance(c, str) for c in classes) \
+        else None
+    return WeightFile(str(path), dict(state), key, tuple(map(str, others)), config, placeholders, lineage, classes)
 
 
 def _common_prefix(state: dict, own: dict) -> tuple[dict, str, list[str]]:
@@ -282,24 +291,47 @@ def _timm_filter(model: nn.Module, state: dict, source: str) -> tuple[dict, list
     return dict(adapted), changed
 
 
+def _vit_pos_embedding(model: VisionTransformer, state: dict, own: dict, source: str) -> list[str]:
+    """A torchvision ViT's position embedding in ``state`` interpolated to ``model``'s patch grid, in
+    place; returns the note to log, if any. Raises FixresError when it cannot be interpolated."""
+    key = "encoder.pos_embedding"
+    if key not in state or state[key].shape == own[key].shape:
+        return []
+    grid_from = math.isqrt(max(state[key].shape[1] - 1, 0)) if state[key].dim() == 3 else 0
+    try:
+        state[key] = interpolated_pos_embedding(state[key], model.image_size, model.patch_size)
+    except FixresError as exc:
+        raise FixresError(f"weights in {source}: {exc}") from None
+    if state[key].shape != own[key].shape:
+        return []
+    grid = model.image_size // model.patch_size
+    return [f"position embedding interpolated from {grid_from}x{grid_from} to {grid}x{grid} patches"]
+
+
 @attrs.frozen
 class Loaded:
     """What :func:`load_weights` did: ``note`` for the log (prefixes removed, entries ignored,
-    embeddings resampled, new head) or None; ``new_head_from``: the class count of the weight file's
-    head when the model got a freshly initialised head instead (its class count differs), else None."""
+    embeddings resampled, new head, rows mapped by class name) or None; ``new_head_from``: the class
+    count of the weight file's head when the model got a freshly initialised head instead (its class
+    count differs, or no class name is shared), else None; ``warning``: a line to warn with (the
+    weights share no class name with the data: a new task), else None."""
 
     note: str | None
     new_head_from: int | None = None
+    warning: str | None = None
 
 
-def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | None = None) -> Loaded:
+def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | None = None,
+                 classes: list[str] | None = None) -> Loaded:
     """Load ``weights`` (a :class:`WeightFile` or a state_dict) into ``model``; returns :class:`Loaded`.
 
     See the module docstring for what is tolerated. ``source`` names the weights in messages
-    (default: the file's path). ``weights`` is not modified. Raises a one-line
-    :class:`FixresError` for any other missing, unexpected or misshapen key, and when the file
-    lacks only the head ("weight file X has no classifier head (missing fc.weight, fc.bias)");
-    then ``model`` is unchanged.
+    (default: the file's path); ``classes``: the data's class names in label order, which the head's
+    rows follow when ``weights`` records its own (:func:`fixres_dist.models.class_names.map_head_rows`).
+    ``weights`` is not modified. Raises a one-line :class:`FixresError` for any other missing,
+    unexpected or misshapen key, when the file lacks only the head ("weight file X has no classifier
+    head (missing fc.weight, fc.bias)"), and for class names the rows cannot follow (see
+    :func:`~fixres_dist.models.class_names.map_head_rows`); then ``model`` is unchanged.
     """
     if isinstance(weights, WeightFile):
         source, state_dict = source or weights.path, weights.state_dict
@@ -316,16 +348,14 @@ def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | Non
         state, changed = _timm_filter(model, state, source)
         if changed:
             notes.append(f"timm resampled {', '.join(changed[:3])} to this model's size")
-    key = "encoder.pos_embedding"
-    if isinstance(model, VisionTransformer) and key in state and state[key].shape != own[key].shape:
-        grid_from = math.isqrt(max(state[key].shape[1] - 1, 0)) if state[key].dim() == 3 else 0
-        try:
-            state[key] = interpolated_pos_embedding(state[key], model.image_size, model.patch_size)
-        except FixresError as exc:
-            raise FixresError(f"weights in {source}: {exc}") from None
-        if state[key].shape == own[key].shape:
-            grid = model.image_size // model.patch_size
-            notes.append(f"position embedding interpolated from {grid_from}x{grid_from} to {grid}x{grid} patches")
+    if isinstance(model, VisionTransformer):
+        notes += _vit_pos_embedding(model, state, own, source)
+    mapped = class_names.Mapped()
+    if classes is not None and isinstance(weights, WeightFile) and weights.classes is not None:
+        match = class_names.ClassMatch(weights.classes, classes)
+        mapped = class_names.map_head_rows(state, own, None if match.same else _head_name(model), match, source)
+        notes += [mapped.note] if mapped.note else []
+        new_head_from = len(match.trained) if mapped.fresh_head else None
     shapes = [k for k in own if k in state and state[k].shape != own[k].shape]
     trial = {**state, **{k: own[k] for k in shapes}}  # torch's verdict on the keys, sizes checked by us
     missing, unexpected = _torch_verdict(model, trial, source)
@@ -346,4 +376,4 @@ def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | Non
         notes.append(f"new {own[weight].shape[0]}-class head {head} (weights had {new_head_from} classes)")
         state = trial
     model.load_state_dict(state)
-    return Loaded("; ".join(notes) or None, new_head_from)
+    return Loaded("; ".join(notes) or None, new_head_from, mapped.warning)

@@ -12,8 +12,10 @@ epochs), ``scaler`` (the fp16 GradScaler state or None), ``input_size`` (the tra
 chosen by ``--input-size auto`` or given), ``epoch`` and ``images_in_epoch`` (where the sampler
 resumes), ``global_step``, ``ranks`` (per rank: RNG states of torch, CUDA, numpy, random and the
 rank's BatchNorm buffers, and its EMA's with ``--model-ema``), ``config`` (a plain dict),
-``metrics`` (the events so far) and ``lineage`` (the resolutions the weights were trained from
-scratch and FixRes-finetuned at: :mod:`fixres_dist.models.lineage`); with ``--model-ema`` also
+``metrics`` (the events so far), ``lineage`` (the resolutions the weights were trained from
+scratch and FixRes-finetuned at: :mod:`fixres_dist.models.lineage`) and ``classes`` (the training
+data's class names in label order, the class of each row of the classifier:
+:mod:`fixres_dist.models.class_names`); with ``--model-ema`` also
 ``model_ema`` (the moving average's state_dict, rank 0's BatchNorm statistics;
 ``--weight-key model_ema`` loads it) and ``model_ema_state`` (its update count,
 :mod:`fixres_dist.models.ema`). The learning-rate schedule and the samplers need no state of their
@@ -130,6 +132,7 @@ class Contents:
     epoch_sums: list | None = None
     epoch_seconds: float = 0.0
     lineage: dict | None = None
+    classes: list | None = None  # the data's class names, in label order (older checkpoints: none)
     tensorboard_at: int | None = None
     model_ema: dict | None = None
     model_ema_state: dict | None = None
@@ -146,7 +149,7 @@ class Contents:
         return cls(**{f.name: state[f.name] for f in attrs.fields(cls) if f.name in state})
 
 
-OPTIONAL_ENTRIES = ("model_ema", "model_ema_state", "shards", "shard_digests")  # left out when None
+OPTIONAL_ENTRIES = ("model_ema", "model_ema_state", "shards", "shard_digests", "classes")  # left out when None
 REQUIRED_KEYS = tuple(f.name for f in attrs.fields(Contents) if f.default is attrs.NOTHING)
 
 

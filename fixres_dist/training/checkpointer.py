@@ -72,6 +72,7 @@ class Checkpointer:
                 images_in_epoch=state.images_in_epoch, global_step=state.global_step, ranks=ranks,
                 epoch_seconds=state.meter.seconds() if partial else 0.0, config=cfg.to_dict(),
                 metrics=self.run_log.history, lineage=network.lineage_at(state.input_size).record(),
+                classes=network.classes,
                 tensorboard_at=self.run_log.checkpointed(state.images_seen(images_per_epoch)))
             try:
                 checkpoint.save_checkpoint(cfg.job_folder, contents.as_dict(), state.global_step, cfg.keep_checkpoints,

@@ -20,7 +20,7 @@ from fixres_dist.data import file_index, pipeline
 from fixres_dist.distributed import placement
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
-from fixres_dist.models import architectures, lineage, memory_budget, resolutions, weights
+from fixres_dist.models import architectures, class_names, lineage, memory_budget, resolutions, weights
 from fixres_dist.models.memory_estimate import MemoryEstimate
 from fixres_dist.reporting import extraction, tensorboard_events
 from fixres_dist.training import checkpoint
@@ -57,8 +57,10 @@ class JobInputs:
     @classmethod
     def read(cls, config: TrainerConfig) -> "JobInputs":
         """The checks that building the run makes anyway: the data and their index, a too large
-        ``--grad-accum-steps``, the job folder, the checkpoint continued, the features folder, the
-        weight file."""
+        ``--grad-accum-steps``, the job folder, the checkpoint continued (its configuration, and its
+        classes: the data's, in the same order), the features folder, the weight file (with
+        ``--eval-only``, a classifier row for every class of the data:
+        :mod:`fixres_dist.models.class_names`)."""
         root = Path(config.data_path or pipeline.embedded_data_path())
         index = file_index.data_index(root, config.file_index_folder)
         classes = pipeline.check_image_folder(root, 2 * config.num_tasks, index)
@@ -69,10 +71,13 @@ class JobInputs:
         if path is not None:
             state = checkpoint.load_checkpoint(path)
             checkpoint.check_resumable(config, state["config"], path)
+            class_names.check_resumable(state.get("classes"), classes, path, root)
             resume = Resume(path, note, checkpoint.Contents.from_dict(state))
         if config.extract_features:
             extraction.check_destination(config.extract_features, config.overwrite)
         found = weights.read_weight_file(config.weight_path, config.weight_key) if config.weight_path else None
+        if found is not None and config.eval_only:
+            class_names.check_evaluable(found.classes, classes, found.path)
         return cls(root, index, classes, resume, found)
 
 
@@ -97,10 +102,11 @@ def _check_job_folder(config: TrainerConfig) -> None:
 def preflight(config: TrainerConfig) -> JobInputs:
     """:meth:`JobInputs.read`, then what only a whole command line can fail: the architecture, the
     GPU, the ``--compile`` backend, every resolution (measured: :mod:`fixres_dist.models.resolutions`),
-    TensorBoard, the weights against the model and the finetune scope, and whether a training step
-    fits the memory budget (``--memory-budget``, or the GPU's memory; estimated on the CPU:
-    :func:`fixres_dist.models.memory_budget.check_budget`; nothing is estimated on a CPU run without a
-    budget). Writes a walked file index once every check passed (bad input leaves nothing written)."""
+    TensorBoard, the weights against the model (their head's rows mapped by class name) and the
+    finetune scope, and whether a training step fits the memory budget (``--memory-budget``, or the
+    GPU's memory; estimated on the CPU: :func:`fixres_dist.models.memory_budget.check_budget`; nothing
+    is estimated on a CPU run without a budget). Writes a walked file index once every check passed
+    (bad input leaves nothing written)."""
     inputs = JobInputs.read(config)
     architectures.check_architecture(config.architecture, config.low_res_stem)
     if config.device == "cuda":
@@ -136,7 +142,7 @@ def _check_weights(config: TrainerConfig, inputs: JobInputs) -> None:
     build_size = resolutions.build_size(config)
     model = architectures.build_model(config.architecture, len(inputs.classes), image_size=build_size,
                                       low_res_stem=config.low_res_stem)
-    loaded = weights.load_weights(model, inputs.weights)
+    loaded = weights.load_weights(model, inputs.weights, classes=inputs.classes)
     if config.input_size == "auto" and loaded.new_head_from is not None:
         raise FixresError(
             f"--input-size auto picks the finetune resolution from the sweep before finetuning, but "

@@ -25,27 +25,33 @@ from fixres_dist.training.engine import AMP_DTYPES
 
 
 class Network:
-    """Build ``config.architecture`` for ``num_classes`` classes at ``size`` pixels on ``device``, with
-    ``found`` (the ``--weight-path`` file read, or None) loaded; ``log``/``warn``: rank 0's log.
+    """Build ``config.architecture`` for ``classes`` (the data's class names, in label order) at ``size``
+    pixels on ``device``, with ``found`` (the ``--weight-path`` file read, or None) loaded, its head's
+    rows following the class names it records (:mod:`fixres_dist.models.class_names`); ``log``/``warn``:
+    rank 0's log.
 
-    ``new_head``: ``(classes, the weight file's head's classes)`` when the weights got a new head, else
-    None; ``train_size``: the resolution (pixels) the weights were trained at from scratch, None when
-    unknown. Raises :class:`~fixres_dist.errors.FixresError` for weights that do not fit the model.
+    ``new_head``: ``(classes, the weight file's head's classes)`` when the weights got a new head (another
+    class count, or no class name shared), else None; ``train_size``: the resolution (pixels) the
+    weights were trained at from scratch, None when unknown. Raises
+    :class:`~fixres_dist.errors.FixresError` for weights that do not fit the model.
     """
 
-    def __init__(self, config: TrainerConfig, num_classes: int, size: int, found: weights.WeightFile | None,
+    def __init__(self, config: TrainerConfig, classes: list[str], size: int, found: weights.WeightFile | None,
                  device: torch.device, log: Callable[[str], None], warn: Callable[[str], None]):
         self.config, self.device, self.log, self.warn = config, device, log, warn
-        model = architectures.build_model(config.architecture, num_classes, image_size=size,
+        self.classes = list(classes)  # the class of each of the head's rows: every checkpoint records them
+        model = architectures.build_model(config.architecture, len(classes), image_size=size,
                                           low_res_stem=config.low_res_stem)
         self.new_head = None
         if found is not None:
             log(found.describe())
-            loaded = weights.load_weights(model, found)
+            loaded = weights.load_weights(model, found, classes=self.classes)
             if loaded.note:
                 log(loaded.note)
+            if loaded.warning:
+                warn(loaded.warning)
             if loaded.new_head_from is not None:
-                self.new_head = (num_classes, loaded.new_head_from)
+                self.new_head = (len(classes), loaded.new_head_from)
         self.preprocessing = preprocessing.resolve(config, found.config if found else None)
         log(self.preprocessing.describe())
         self.weights_lineage = lineage.for_run(config, found)

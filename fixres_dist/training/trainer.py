@@ -128,7 +128,7 @@ class Trainer:
         per_epoch, seen = self.data.images_per_epoch, self.state.images_seen(self.data.images_per_epoch)
         self.run_log.start(resume.contents.metrics if resume else [], resumed_board_at(resume, cfg.job_folder, seen),
                            seen, per_epoch)
-        self.network = Network(cfg, len(self.data.classes), Network.build_size(cfg, self.state.input_size),
+        self.network = Network(cfg, self.data.classes, Network.build_size(cfg, self.state.input_size),
                                inputs.weights, self.session.device, log, self.run_log.warn)
         self.protocol = plan.protocol(cfg)
         if self.network.shards_before_evaluating:  # every evaluation then runs on the shards

@@ -134,6 +134,15 @@ class DataIndex:
         """Images in both splits."""
         return sum(len(split.files) for split in self.splits.values())
 
+    @property
+    def train_images(self) -> int:
+        """The images of ``train/``."""
+        return sum(len(paths) for paths in self.scan("train").images.values())
+
+    def dataset(self, split: str) -> pipeline.ImageFolder:
+        """Split ``split`` (``train`` or ``val``) as a dataset, from this index (no walk)."""
+        return pipeline.image_folder(self.root, split, self)
+
     def scan(self, split: str) -> pipeline.SplitScan:
         """What :func:`fixres_dist.data.pipeline.scan_split` gives for ``root/split``, without walking it:
         class name -> image paths (``str(Path(root) / split) + "/" + relative path``, as the walk

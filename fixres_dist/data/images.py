@@ -157,7 +157,12 @@ def read_image(path: str):
     See the module docstring; raises as :func:`open_rgb`.
     """
     with open(path, "rb") as f:
-        encoded = f.read()
+        return decode_image(f.read())
+
+
+def decode_image(encoded: bytes):
+    """An image file's bytes (e.g. a packed shard's sample) decoded as :func:`read_image` decodes the
+    file; raises as :func:`open_rgb`."""
     with _pillow_limits():
         image = Image.open(io.BytesIO(encoded))  # reads the header alone, and checks its size
         if decode_jpeg is not None and encoded[:3] == _JPEG_MAGIC:

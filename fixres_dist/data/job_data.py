@@ -1,5 +1,6 @@
 """The datasets and loaders of one rank's run: ``train/`` and ``val/`` of the data folder, made
-from its file index (:mod:`fixres_dist.data.file_index`), and each loader giving this rank's share
+from its file index (:mod:`fixres_dist.data.file_index`), or the train and val shards of packed data
+(:mod:`fixres_dist.data.shards`), and each loader giving this rank's share
 (:class:`~fixres_dist.data.samplers.ExactBatchSampler`)."""
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ class JobData:
                  train_loader=None):
         self.config, self.device = config, device
         root = inputs.root
-        self.train_set = pipeline.image_folder(root, "train", inputs.index)
-        self.val_set = pipeline.image_folder(root, "val", inputs.index)
+        self.train_set, self.val_set = inputs.index.dataset("train"), inputs.index.dataset("val")
         self.classes = list(self.train_set.classes)
         hidden = [*self.train_set.hidden, *self.val_set.hidden]
         if hidden:

@@ -439,13 +439,18 @@ class SeededDataset(Dataset):
             return images.read_image(path), label
         return self.base[index]
 
+    def item_name(self, index: int) -> str:
+        """What a message names for item ``index``: its file, or its shard and key (packed data)."""
+        name = getattr(self.base, "item_name", None)
+        return name(index) if name is not None else self.base.samples[index][0]
+
     def __getitem__(self, key: SampleKey):
         try:
             image, label = self._load(key.index)
         except (OSError, ValueError, SyntaxError) as exc:  # PIL's UnidentifiedImageError is an OSError
             if self.skip_bad_images:
                 return None
-            raise FixresError(bad_image_message(self.base.samples[key.index][0], exc)) from None
+            raise FixresError(bad_image_message(self.item_name(key.index), exc)) from None
         with seeded_cpu_generator([self.seed, key.epoch, key.index] + ([key.copy] if key.copy else [])):
             return self.transform(image), label
 

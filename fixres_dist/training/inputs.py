@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from fixres_dist.config import TrainerConfig
-from fixres_dist.data import file_index, pipeline
+from fixres_dist.data import file_index, pipeline, shards
 from fixres_dist.distributed import placement
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
@@ -41,14 +41,15 @@ class JobInputs:
     """The inputs of one run of ``config``, read and checked (see the module docstring).
 
     ``root``: the data folder; ``index``: its file index (:mod:`fixres_dist.data.file_index`, walked
-    or loaded; written by rank 0 or the launcher); ``classes``: the class names, in label order;
+    or loaded; written by rank 0 or the launcher), or packed data's (:mod:`fixres_dist.data.shards`);
+    ``classes``: the class names, in label order;
     ``resume``: the checkpoint continued, or None; ``weights``: ``--weight-path`` read, or None;
     ``memory_estimate``: the preflight's estimate of the peak memory per rank
     (:func:`fixres_dist.models.memory_budget.check_budget`), or None when none was made.
     """
 
     root: Path
-    index: file_index.DataIndex
+    index: file_index.DataIndex | shards.PackedData
     classes: list[str]
     resume: Resume | None
     weights: weights.WeightFile | None
@@ -61,9 +62,7 @@ class JobInputs:
         classes: the data's, in the same order), the features folder, the weight file (with
         ``--eval-only``, a classifier row for every class of the data:
         :mod:`fixres_dist.models.class_names`)."""
-        root = Path(config.data_path or pipeline.embedded_data_path())
-        index = file_index.data_index(root, config.file_index_folder)
-        classes = pipeline.check_image_folder(root, 2 * config.num_tasks, index)
+        root, index, classes = _read_data(config)
         _check_accumulation(config, index)
         _check_job_folder(config)
         path, note = checkpoint.resume_source(config.job_folder, config.resume)
@@ -81,9 +80,21 @@ class JobInputs:
         return cls(root, index, classes, resume, found)
 
 
-def _check_accumulation(config: TrainerConfig, index: file_index.DataIndex) -> None:
+def _read_data(config: TrainerConfig) -> tuple[Path, file_index.DataIndex | shards.PackedData, list[str]]:
+    """The data folder, its index and its class names: packed shards (:mod:`fixres_dist.data.shards`)
+    or an ImageFolder (its file index, :mod:`fixres_dist.data.file_index`), checked; at least 2
+    training images per rank."""
+    root = Path(config.data_path or pipeline.embedded_data_path())
+    if shards.is_packed(root):
+        packed = shards.open_packed(root, 2 * config.num_tasks)
+        return root, packed, packed.classes
+    index = file_index.data_index(root, config.file_index_folder)
+    return root, index, pipeline.check_image_folder(root, 2 * config.num_tasks, index)
+
+
+def _check_accumulation(config: TrainerConfig, index: file_index.DataIndex | shards.PackedData) -> None:
     if config.grad_accum_steps > 1 and not config.eval_only:
-        train_images = sum(len(paths) for paths in index.scan("train").images.values())
+        train_images = index.train_images
         step = config.batch * config.num_tasks * config.grad_accum_steps
         if step > train_images:
             raise FixresError(f"--grad-accum-steps {config.grad_accum_steps}: one step would take {step:,} images "

@@ -1,0 +1,249 @@
+"""Pack a data folder into WebDataset tar shards with an index, and verify a packed folder.
+
+    python -m fixres_dist.data.packing pack SOURCE OUT [--shard-size 256] [--workers N]
+    python -m fixres_dist.data.packing verify OUT
+
+``pack`` reads ``SOURCE/train`` and ``SOURCE/val`` as a run reads them (ImageFolder: hidden files
+skipped, the same class folders in both, symbolic-link loops refused; :mod:`fixres_dist.data.pipeline`)
+and writes into ``OUT`` what :mod:`fixres_dist.data.shards` reads: shards of about ``--shard-size``
+MiB each (``train-000000.tar``, ...: every image file's bytes as they are, not decoded or
+re-encoded, and its class number), the index of each split and ``shards.json``. Shards are written
+by ``--workers`` processes at once, each into a hidden ``.<name>.partial`` file renamed when complete
+(fsynced), so a killed pack leaves no half-written shard under a shard's name; ``shards.json`` comes
+last. Run it again to continue: the partial files are removed, and a shard already written with the
+planned samples (same keys and image sizes) is kept. The shards are the same bytes whoever packs
+them (members in order, mode 0444, time 0, no owner), so their SHA-256 identifies the data.
+
+``verify`` reads every shard: its size and SHA-256 against ``shards.json``, and each shard indexed
+again against the split's index. Each problem ends either command in one line naming the file, exit 1.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import io
+import json
+import os
+import sys
+import tarfile
+from pathlib import Path
+
+import attrs
+import numpy as np
+from tqdm import tqdm
+
+from fixres_dist.data import pipeline, shards
+from fixres_dist.errors import FixresError, plural, say
+from fixres_dist.io import fsync_folder, temporary_name
+
+PARTIAL = ".partial"
+
+
+@attrs.frozen
+class ShardPlan:
+    """One shard to write: its file name, the split's number of its first sample (keys count from
+    it) and its samples as ``(image file, class number)``."""
+
+    name: str
+    first: int
+    samples: tuple[tuple[str, int], ...]
+
+    def keys(self) -> list[str]:
+        return [f"{self.first + number:08d}" for number in range(len(self.samples))]
+
+
+def plan(source: Path, shard_bytes: int) -> tuple[list[str], dict[str, list[ShardPlan]]]:
+    """The class names of ``source`` and, for each split, its shards: consecutive samples in the
+    ImageFolder's order, a new shard once one holds ``shard_bytes`` of image files. Raises
+    :class:`FixresError` as a run does for a bad data folder."""
+    classes = pipeline.check_image_folder(source)
+    planned = {}
+    for split in shards.SPLITS:
+        samples = pipeline.image_folder(source, split).samples
+        split_shards, current, size = [], [], 0
+        for path, label in samples:
+            current.append((path, label))
+            size += os.stat(path).st_size
+            if size >= shard_bytes:
+                split_shards.append(current)
+                current, size = [], 0
+        if current:
+            split_shards.append(current)
+        first = np.cumsum([0] + [len(s) for s in split_shards])
+        planned[split] = [ShardPlan(f"{split}-{number:06d}.tar", int(first[number]), tuple(s))
+                          for number, s in enumerate(split_shards)]
+    return classes, planned
+
+
+def _member(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, 0o444, 0
+    return info
+
+
+def write_shard(shard: ShardPlan, out: Path, num_classes: int) -> tuple[dict, shards.ShardIndex, bool]:
+    """Write ``shard`` into ``out`` unless a complete one with its samples is there. Returns its
+    ``shards.json`` entry, its index and whether it was kept."""
+    final = out / shard.name
+    keys = shard.keys()
+    sizes = [os.stat(path).st_size for path, _ in shard.samples]
+    if final.exists():
+        try:
+            found = shards.index_shard(final, num_classes)
+        except FixresError:
+            found = None
+        if found is not None and found.keys == keys and found.sizes.tolist() == sizes:
+            return _entry(final, found), found, True
+    partial = out / f".{shard.name}{PARTIAL}"
+    with open(partial, "wb") as file:
+        with tarfile.open(fileobj=file, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for key, (path, label) in zip(keys, shard.samples):
+                with open(path, "rb") as image:
+                    data = image.read()
+                extension = Path(path).suffix.lower()
+                tar.addfile(_member(f"{key}{extension}", len(data)), io.BytesIO(data))
+                text = str(label).encode()
+                tar.addfile(_member(f"{key}.cls", len(text)), io.BytesIO(text))
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, final)
+    found = shards.index_shard(final, num_classes)
+    return _entry(final, found), found, False
+
+
+def _entry(path: Path, found: shards.ShardIndex) -> dict:
+    return {"name": path.name, "images": len(found.keys), "bytes": path.stat().st_size, "sha256": shards.sha256(path)}
+
+
+def pack(source: str | Path, out: str | Path, shard_mib: float = 256, workers: int = 1,
+         progress: bool = True) -> dict:
+    """Pack ``source`` into ``out`` (module docstring); returns ``shards.json``'s content. Raises
+    :class:`FixresError` for a bad data folder or an ``out`` that holds other files than a pack's."""
+    source, out = Path(source), Path(out)
+    if shard_mib <= 0:
+        raise FixresError(f"--shard-size must be positive (MiB); got {shard_mib}")
+    classes, planned = plan(source, int(shard_mib * 2 ** 20))
+    out.mkdir(parents=True, exist_ok=True)
+    foreign = [p.name for p in out.iterdir() if not _ours(p.name)]
+    if foreign:
+        raise FixresError(f"{out} holds files that are not a pack's ({', '.join(sorted(foreign)[:3])}): pack into a "
+                          "new or empty folder")
+    for leftover in out.glob(f".*{PARTIAL}"):
+        leftover.unlink()
+    (out / shards.MANIFEST).unlink(missing_ok=True)  # incomplete from here until the new one is written
+    jobs = [(split, shard) for split in shards.SPLITS for shard in planned[split]]
+    results, kept = {}, 0
+    with concurrent.futures.ProcessPoolExecutor(max(1, workers)) as pool:
+        futures = {pool.submit(write_shard, shard, out, len(classes)): (split, shard.name) for split, shard in jobs}
+        bar = tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="packing", unit="shard",
+                   disable=not progress)
+        for future in bar:
+            entry, found, was_kept = future.result()
+            results[futures[future]] = (entry, found)
+            kept += was_kept
+    manifest = {"format": shards.FORMAT, "classes": classes, "splits": {}}
+    for split in shards.SPLITS:
+        entries = [results[(split, shard.name)] for shard in planned[split]]
+        index_path = out / shards.index_name(split)
+        _write_atomically(index_path, lambda f, e=entries: np.savez(f, **_index_arrays(e)))
+        manifest["splits"][split] = {"shards": [entry for entry, _ in entries],
+                                     "index_sha256": shards.sha256(index_path)}
+    _write_atomically(out / shards.MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    named = {shard.name for _, shard in jobs}
+    for old in out.glob("*.tar"):
+        if old.name not in named:  # of an earlier pack with another shard size
+            old.unlink()
+    manifest["kept"] = kept
+    return manifest
+
+
+def _ours(name: str) -> bool:
+    return (name == shards.MANIFEST or name.endswith((".tar", ".index.npz", PARTIAL))
+            or (name.startswith(".") and name.endswith(".tmp")))
+
+
+def _index_arrays(entries: list[tuple[dict, shards.ShardIndex]]) -> dict[str, np.ndarray]:
+    found = [index for _, index in entries]
+    return {"shard": np.concatenate([np.full(len(f.keys), n, np.int32) for n, f in enumerate(found)]),
+            "offset": np.concatenate([f.offsets for f in found]), "size": np.concatenate([f.sizes for f in found]),
+            "label": np.concatenate([f.labels for f in found]),
+            "key": np.array([key.encode() for f in found for key in f.keys], dtype=bytes)}
+
+
+def _write_atomically(path: Path, write) -> None:
+    """``write(file)`` into a temporary sibling, fsynced, renamed to ``path`` (readable as the folder's
+    other files: packed data is shared, unlike a run's own files)."""
+    temporary = temporary_name(path)
+    with open(temporary, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    fsync_folder(path.parent)
+
+
+def verify(out: str | Path, workers: int = 1, progress: bool = True) -> str:
+    """Read every shard of the packed folder ``out`` (module docstring); returns a one-line summary.
+    Raises :class:`FixresError` naming the first shard or index that does not match."""
+    out = Path(out)
+    data = shards.open_packed(out)
+    jobs = [(split, number, entry) for split in shards.SPLITS
+            for number, entry in enumerate(data.manifest["splits"][split]["shards"])]
+    with concurrent.futures.ProcessPoolExecutor(max(1, workers)) as pool:
+        futures = [pool.submit(_check_shard, out / entry["name"], entry["sha256"], len(data.classes))
+                   for _, _, entry in jobs]
+        for (split, number, entry), future in tqdm(zip(jobs, futures), total=len(jobs), desc="verifying",
+                                                   unit="shard", disable=not progress):
+            found = future.result()
+            index = data.indexes[split]
+            mine = index["shard"] == number
+            if ([key.decode() for key in index["key"][mine]] != found.keys
+                    or not np.array_equal(index["offset"][mine], found.offsets)
+                    or not np.array_equal(index["size"][mine], found.sizes)
+                    or not np.array_equal(index["label"][mine], found.labels)):
+                raise FixresError(f"shard {out / entry['name']} does not match the index {shards.index_name(split)}: "
+                                  "pack the data again")
+    images = sum(data.images(split) for split in shards.SPLITS)
+    return f"{out}: verified {plural(len(jobs), 'shard')}, {images:,} images, {len(data.classes)} classes"
+
+
+def _check_shard(path: Path, digest: str, num_classes: int) -> shards.ShardIndex:
+    if shards.sha256(path) != digest:
+        raise FixresError(f"shard {path}: its SHA-256 is not the one in {shards.MANIFEST} (changed or damaged since "
+                          "packing): pack the data again")
+    return shards.index_shard(path, num_classes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fixres_dist.data.packing",
+                                     description="pack a data folder into WebDataset tar shards, or verify a pack")
+    commands = parser.add_subparsers(dest="command", required=True)
+    packing = commands.add_parser("pack", help="pack SOURCE (train/ and val/ class folders) into OUT")
+    packing.add_argument("source", help="the data folder (train/ and val/ with one folder per class)")
+    packing.add_argument("out", help="the folder to write the shards into (new, or a pack to continue)")
+    packing.add_argument("--shard-size", type=float, default=256, help="MiB of images per shard (default 256)")
+    checking = commands.add_parser("verify", help="read every shard of OUT and check it")
+    checking.add_argument("out", help="a packed folder")
+    for sub in (packing, checking):
+        sub.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                         help="processes that pack or read shards at once (default: the CPUs, at most 8)")
+        sub.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "verify":
+            print(verify(args.out, args.workers, not args.no_progress))
+            return 0
+        manifest = pack(args.source, args.out, args.shard_size, args.workers, not args.no_progress)
+    except FixresError as exc:
+        say(f"fixres_dist: {exc}")
+        return 1
+    written = {split: manifest["splits"][split]["shards"] for split in shards.SPLITS}
+    counts = ", ".join(f"{sum(s['images'] for s in written[split]):,} {split} images in "
+                       f"{plural(len(written[split]), 'shard')}" for split in shards.SPLITS)
+    kept = f" ({manifest['kept']} already written, kept)" if manifest["kept"] else ""
+    print(f"{args.out}: {counts}{kept}, {len(manifest['classes'])} classes; use it as --data-path")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Packed data (issue 26): the packer's shards and index, read back sample by sample as the ImageFolder
+they came from; a run on them equal to the run on the folder; a killed pack continued; each bad input
+one line naming the shard or sample."""
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import shown_commands as shown
+from conftest import SCRATCH, run_main, run_script
+from fixres_dist.data import packing, pipeline, shards
+from fixres_dist.errors import FixresError
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
+
+SHARD_MIB = 0.008  # about 8 KB of images: tiny_data's 80 train images in 5 shards
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_data, tmp_path_factory) -> Path:
+    """:func:`conftest.tiny_data` packed (several train shards, 2 workers)."""
+    out = tmp_path_factory.mktemp("packed") / "tiny"
+    packing.pack(tiny_data, out, SHARD_MIB, workers=2, progress=False)
+    return out
+
+
+def copy_of(packed: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(packed, tmp_path / "copy"))
+
+
+def as_tensor(image) -> torch.Tensor:
+    return image if isinstance(image, torch.Tensor) else pipeline.ToUint8Tensor()(image)
+
+
+def test_the_shards_hold_the_folder_sample_by_sample(tiny_data, packed):
+    """Every sample, in order: the same label and the same decoded pixels as the ImageFolder's file;
+    several train shards; each is a WebDataset tar (key.png + key.cls); verify reads them all."""
+    data = shards.open_packed(packed)
+    assert data.classes == pipeline.check_image_folder(tiny_data)
+    assert len(data.manifest["splits"]["train"]["shards"]) > 2
+    for split in shards.SPLITS:
+        folder, ours = pipeline.image_folder(tiny_data, split), data.dataset(split)
+        assert len(ours) == len(folder) and ours.targets == folder.targets
+        for index, (path, label) in enumerate(folder.samples):
+            image, our_label = ours[index]
+            assert our_label == label
+            assert torch.equal(as_tensor(image), as_tensor(pipeline.images.read_image(path))), path
+    with tarfile.open(packed / "val-000000.tar") as tar:
+        assert tar.getnames()[:2] == ["00000000.png", "00000000.cls"]
+    count = sum(len(data.manifest["splits"][split]["shards"]) for split in shards.SPLITS)
+    assert packing.verify(packed, progress=False) == f"{packed}: verified {count} shards, 110 images, 10 classes"
+
+
+def test_a_killed_pack_continues_and_packs_the_same_bytes(tiny_data, packed, tmp_path):
+    """Killed after some shards: no shards.json (the set is refused in one line), a partial file; the
+    pack run again removes it, keeps the finished shards and writes the same bytes as at once."""
+    out = copy_of(packed, tmp_path)
+    (out / shards.MANIFEST).unlink()
+    (out / "train-000001.tar").rename(out / ".train-000001.tar.partial")
+    with pytest.raises(FixresError, match="holds tar shards but no shards.json: a pack that did not finish"):
+        shards.open_packed(out)
+    manifest = packing.pack(tiny_data, out, SHARD_MIB, workers=1, progress=False)
+    shard_count = sum(len(manifest["splits"][s]["shards"]) for s in shards.SPLITS)
+    assert manifest["kept"] == shard_count - 1 and not list(out.glob(".*.partial"))
+    assert json.loads((out / shards.MANIFEST).read_text()) == json.loads((packed / shards.MANIFEST).read_text())
+
+
+def test_a_run_on_the_shards_is_the_run_on_the_folder(scratch_job, packed, tmp_path):
+    """The session's 2-rank scratch job (loader workers, 2 epochs) again on the packed data: the same
+    losses, top-1 and final weights, bit for bit (the same images in the same order)."""
+    result = run_script("scratch", "--num-tasks", 2, "--job-id", "straight", "--shared-folder-path", tmp_path,
+                        "--data-path", packed, *SCRATCH)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data: packed: 80 train and 30 val images in 10 classes" in result.stdout
+
+    def events(folder):
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in e.items() if k in ("event", "epoch", "loss", "top1", "top5", "images")}
+                for e in map(json.loads, lines) if e["event"] in ("train", "eval")]
+    assert events(tmp_path / "straight") == events(scratch_job)
+    ours, theirs = (load_checkpoint(f / CHECKPOINT_FILE)["model"] for f in (tmp_path / "straight", scratch_job))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def truncate(out: Path) -> str:
+    shard = out / "train-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:-2000])
+    return f"shard {shard} is"
+
+
+def remove_shard(out: Path) -> str:
+    (out / "val-000000.tar").unlink()
+    return f"shard {out / 'val-000000.tar'} (val) is missing"
+
+
+def stale_index(out: Path) -> str:
+    with np.load(out / "train.index.npz") as arrays:
+        changed = dict(arrays)
+    changed["offset"] = changed["offset"] + 512
+    np.savez(out / "train.index.npz", **changed)
+    return f"index {out / 'train.index.npz'} does not match shards.json (stale"
+
+
+def remove_index(out: Path) -> str:
+    (out / "val.index.npz").unlink()
+    return f"index {out / 'val.index.npz'} is missing"
+
+
+def damaged_manifest(out: Path) -> str:
+    (out / shards.MANIFEST).write_text("{")
+    return f"{out / shards.MANIFEST} is not a packed data manifest"
+
+
+@pytest.mark.parametrize("damage", [truncate, remove_shard, stale_index, remove_index, damaged_manifest])
+def test_a_damaged_pack_is_refused_in_one_line_before_any_rank_starts(packed, tmp_path, capsys, damage):
+    out = copy_of(packed, tmp_path)
+    expected = damage(out)
+    status, err = run_main(capsys, "scratch", "--data-path", out, "--shared-folder-path", tmp_path / "runs",
+                           "--job-id", "j", *SCRATCH)
+    assert status == 1 and err.count("\n") == 1 and expected in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_verify_finds_a_changed_byte_that_keeps_the_size(packed, tmp_path):
+    out = copy_of(packed, tmp_path)
+    shard = out / "train-000000.tar"
+    data = bytearray(shard.read_bytes())
+    data[700] ^= 0xFF  # inside the first image
+    shard.write_bytes(bytes(data))
+    shards.open_packed(out)  # sizes and the index still match: a start reads no shard whole
+    with pytest.raises(FixresError, match=re.escape(f"shard {shard}: its SHA-256 is not the one in shards.json")):
+        packing.verify(out, progress=False)
+
+
+def write_tar(path: Path, members: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("members, message", [
+    ({"a.png": b"x"}, "sample a: no label (no a.cls member)"),
+    ({"a.png": b"x", "a.cls": b"12"}, "sample a: label '12' is not a class number of the class list (0 to 9)"),
+    ({"a.png": b"x", "a.cls": b"cat"}, "sample a: label 'cat' is not a class number"),
+    ({"a.cls": b"1"}, "sample a: no image members (cls)"),
+])
+def test_a_foreign_shard_with_a_bad_sample_names_the_shard_and_the_key(tmp_path, members, message):
+    shard = write_tar(tmp_path / "train-000000.tar", members)
+    with pytest.raises(FixresError, match=re.escape(f"shard {shard}, {message}")):
+        shards.index_shard(shard, 10)
+
+
+def test_a_truncated_tar_is_named(packed, tmp_path):
+    shard = tmp_path / "cut.tar"
+    shard.write_bytes((packed / "train-000000.tar").read_bytes()[:1300])
+    with pytest.raises(FixresError, match=re.escape(f"shard {shard} cannot be read as a tar file")):
+        shards.index_shard(shard, 10)
+
+
+def test_the_pack_command_refuses_a_folder_of_other_files(tiny_data, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert packing.main(["pack", str(tiny_data), str(tmp_path), "--no-progress"]) == 1
+    assert capsys.readouterr().err == (f"fixres_dist: {tmp_path} holds files that are not a pack's (notes.txt): "
+                                       "pack into a new or empty folder\n")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_a_run_on_the_shards_stopped_mid_epoch_resumes_bit_identically(scratch_job, packed, tmp_path):
+    """Stopped after step 2 of epoch 1 (of 5 steps), resumed: the run ends as the uninterrupted one on
+    the folder, weights bit for bit (the training stream is a function of seed and epoch)."""
+    common = ("--num-tasks", 2, "--job-id", "straight", "--shared-folder-path", tmp_path, "--data-path", packed,
+              *SCRATCH)
+    stopped = run_script("scratch", *common, env={"FIXRES_FAULT": "signal:rank=1:step=2"})
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    resumed = run_script("scratch", *common)
+    assert resumed.returncode == 0 and "image 48 of the epoch" in resumed.stdout, resumed.stderr[-3000:]
+    ours, theirs = (load_checkpoint(f / CHECKPOINT_FILE)["model"] for f in (tmp_path / "straight", scratch_job))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+@pytest.mark.slow
+def test_evaluation_on_the_shards_is_exact_on_1_2_and_3_ranks(scratch_job, packed, tmp_path):
+    """30 validation images on 1, 2 and 3 ranks (3 does not divide 30 into equal batches of 4): every
+    image once, the same top-1 and loss as the folder's evaluation of the same weights."""
+    straight = [json.loads(line) for line in (scratch_job / "metrics.jsonl").read_text().splitlines()]
+    expected = [e for e in straight if e["event"] == "eval"][-1]
+    for ranks in (1, 2, 3):
+        result = run_script("finetune", "--eval-only", "--num-tasks", ranks, "--job-id", f"eval{ranks}",
+                            "--shared-folder-path", tmp_path, "--data-path", packed, "--weight-path",
+                            scratch_job / CHECKPOINT_FILE, "--test-sizes", 32, "--batch", 4, "--workers", 0,
+                            "--no-progress")
+        assert result.returncode == 0, result.stderr[-3000:]
+        found = [json.loads(line) for line in (tmp_path / f"eval{ranks}" / "metrics.jsonl").read_text().splitlines()]
+        ours = [e for e in found if e["event"] == "eval"][-1]
+        assert (ours["images"], ours["top1"]) == (30, expected["top1"]), ranks
+        assert abs(ours["loss"] - expected["loss"]) < 1e-5, ranks
+
+
+@pytest.mark.slow
+def test_the_commands_shown(tiny_data, tmp_path, capsys):
+    """docs/data_at_scale.md's commands on tiny_data: pack, verify, train on the shards."""
+    pack, verify, train = (shown.argv(c, DATA=tiny_data, **{"/tmp/packed": tmp_path / "packed"})
+                           for c in shown.block("python -m fixres_dist.data.packing pack DATA"))
+    assert packing.main(pack[3:]) == 0 and packing.main(verify[3:]) == 0
+    assert f"{tmp_path / 'packed'}: verified 2 shards, 110 images, 10 classes" in capsys.readouterr().out
+    result = run_script("scratch", *train[2:], "--shared-folder-path", tmp_path / "runs")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data: packed: 80 train and 30 val images in 10 classes" in result.stdout

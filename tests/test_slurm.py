@@ -193,10 +193,6 @@ class Submitted:
 
     submitit: Command               # submit.py scratch --wait, preempted mid-training (``submitit_preempted``)
     submitit_preempted: concurrent.futures.Future
-    sbatch_folder: Path             # sbatch's working folder: its logs slurm-fixres-<name>-<id>.out
-    sbatch_scratch: str             # job.sbatch main_scratch.py, preempted mid-training (``sbatch_preempted``)
-    sbatch_preempted: concurrent.futures.Future
-    sbatch_finetune: str            # job.sbatch main_finetune.py of its checkpoint, after it (afterok)
     finetune: tuple                 # (job, config, request): submitit finetune of 2 tasks, from Python
     failing: Command                # submit.py scratch --wait, whose rank 1 raises at step 2
     sweep: Command                  # sweep.py at 32 and 48 px
@@ -205,11 +201,10 @@ class Submitted:
 
 @pytest.fixture(scope="module")
 def submitted(cluster, tiny_data, scratch_job, tmp_path_factory):
-    """Submit every job of the tests below at once, then let each test wait for its own; cancels
-    whatever is still running at the end. Finetunes start from :func:`conftest.scratch_job`'s
-    checkpoint, except the sbatch one, from its scratch job's."""
-    shared = {name: tmp_path_factory.mktemp(f"slurm-{name}")
-              for name in ("submitit", "sbatch", "finetune", "failing", "sweep")}
+    """Submit every job of the tests below at once (but :func:`sbatch_chain`'s), then let each test wait
+    for its own; cancels whatever is still running at the end. Finetunes start from
+    :func:`conftest.scratch_job`'s checkpoint."""
+    shared = {name: tmp_path_factory.mktemp(f"slurm-{name}") for name in ("submitit", "finetune", "failing", "sweep")}
     logs = tmp_path_factory.mktemp("slurm-commands")
     preempter, cancelled = concurrent.futures.ThreadPoolExecutor(2), threading.Event()
     commands, job_ids = [], []
@@ -221,17 +216,8 @@ def submitted(cluster, tiny_data, scratch_job, tmp_path_factory):
                                 "--input-size", "32", "--batch", "8", "--epochs", "1", "--workers", "0",
                                 "--no-progress", "--dist-timeout", 2 * TIMEOUT_MIN * 60,
                                 FIXRES_FAULT="raise:rank=1:step=2"))  # the job inherits the variable
-        template = ROOT / "slurm" / "job.sbatch"
-        scratch = sbatch(shared["sbatch"], "--job-name", "fixres-scratch", template, "main_scratch.py",
-                         *scratch_flags(tiny_data, shared["sbatch"]))
-        job_ids.append(scratch)
-        # the warning signal mid-training, to the two scratch jobs, as soon as each can take it
-        preempted = {name: preempter.submit(preempt_mid_training, job_id, shared[name], cancelled)
-                     for name, job_id in (("submitit", commands[0].job_id), ("sbatch", lambda: scratch))}
-        scratch_weights = shared["sbatch"] / scratch / "checkpoint.pth"
-        job_ids.append(sbatch(shared["sbatch"], "--job-name", "fixres-finetune", f"--dependency=afterok:{scratch}",
-                              template, "main_finetune.py",
-                              *finetune_flags(tiny_data, shared["sbatch"], scratch_weights)))
+        # the warning signal mid-training, as soon as the job can take it
+        preempted = preempter.submit(preempt_mid_training, commands[0].job_id, shared["submitit"], cancelled)
         weights = scratch_job / "checkpoint.pth"
         commands.append(Command(logs, "sweep", "sweep.py", "--resolutions", "32,48", "--timeout-min", TIMEOUT_MIN,
                                 "--signal-delay-s", "10", "--poll-s", "1", "--", "--weight-path", weights,
@@ -241,9 +227,8 @@ def submitted(cluster, tiny_data, scratch_job, tmp_path_factory):
                               finetune_flags(tiny_data, shared["finetune"], weights))
         job_ids.append(finetune[0].job_id)
         submitit, failing, sweep = commands
-        yield Submitted(submitit=submitit, submitit_preempted=preempted["submitit"], sbatch_folder=shared["sbatch"],
-                        sbatch_scratch=scratch, sbatch_preempted=preempted["sbatch"], sbatch_finetune=job_ids[1],
-                        finetune=finetune, failing=failing, sweep=sweep, shared=shared)
+        yield Submitted(submitit=submitit, submitit_preempted=preempted, finetune=finetune, failing=failing,
+                        sweep=sweep, shared=shared)
     finally:
         cancelled.set()
         preempter.shutdown(wait=True, cancel_futures=True)
@@ -252,6 +237,38 @@ def submitted(cluster, tiny_data, scratch_job, tmp_path_factory):
                 command.process.kill()
         job_ids += [command.job_id() for command in commands]
         subprocess.run(["scancel", *filter(None, job_ids)], capture_output=True, timeout=30)
+
+
+@attrs.frozen
+class SbatchChain:
+    """job.sbatch main_scratch.py, preempted mid-training (``preempted``: its events at the signal), and
+    job.sbatch main_finetune.py of its checkpoint after it (afterok); ``folder``: sbatch's working
+    folder (its logs slurm-fixres-<name>-<id>.out)."""
+
+    folder: Path
+    scratch: str
+    preempted: concurrent.futures.Future
+    finetune: str
+
+
+@pytest.fixture(scope="module")
+def sbatch_chain(cluster, tiny_data, tmp_path_factory):
+    """Submit :class:`SbatchChain`'s two jobs; cancels whatever is still running at the end."""
+    folder, template = tmp_path_factory.mktemp("slurm-sbatch"), ROOT / "slurm" / "job.sbatch"
+    preempter, cancelled, job_ids = concurrent.futures.ThreadPoolExecutor(1), threading.Event(), []
+    try:
+        scratch = sbatch(folder, "--job-name", "fixres-scratch", template, "main_scratch.py",
+                         *scratch_flags(tiny_data, folder))
+        job_ids.append(scratch)
+        preempted = preempter.submit(preempt_mid_training, lambda: scratch, folder, cancelled)
+        weights = folder / scratch / "checkpoint.pth"
+        job_ids.append(sbatch(folder, "--job-name", "fixres-finetune", f"--dependency=afterok:{scratch}", template,
+                              "main_finetune.py", *finetune_flags(tiny_data, folder, weights)))
+        yield SbatchChain(folder, scratch, preempted, job_ids[1])
+    finally:
+        cancelled.set()
+        preempter.shutdown(wait=True, cancel_futures=True)
+        subprocess.run(["scancel", *job_ids], capture_output=True, timeout=30)
 
 
 TABLE_ROW = re.compile(r"^\|\s+(\d)\s+\|\s+\S+ \|\s+(\d+) \|\s+32 px \|\s+([\d.]+) \|.*\|\s+30 \|$", re.M)
@@ -291,12 +308,15 @@ def assert_same_parameters(checkpoint: Path, reference: Path) -> None:
     assert not different, f"parameters differ from the uninterrupted run's: {different[:5]}"
 
 
-def test_sbatch_template_trains_then_finetunes_with_two_tasks_and_requeues(submitted, scratch_job):
+@pytest.mark.slow
+def test_sbatch_template_trains_then_finetunes_with_two_tasks_and_requeues(sbatch_chain, scratch_job):
     """job.sbatch main_scratch.py gets the warning signal mid-training: its ranks checkpoint, rank 0
     requeues the job, which resumes to the uninterrupted run's parameters; job.sbatch
-    main_finetune.py then runs after it (afterok)."""
-    scratch, finetune, shared = submitted.sbatch_scratch, submitted.sbatch_finetune, submitted.sbatch_folder
-    at_signal = submitted.sbatch_preempted.result(timeout=JOB_WAIT)
+    main_finetune.py then runs after it (afterok). Slow: the requeue of submit.py's job, in the main
+    pass, and sbatch on two nodes (tests/test_multinode.py) cover the same paths."""
+    chain = sbatch_chain
+    scratch, finetune, shared = chain.scratch, chain.finetune, chain.folder
+    at_signal = chain.preempted.result(timeout=JOB_WAIT)
     assert not any(e["event"] == "train" and e["epoch"] == 2 for e in at_signal), "the signal came too late"
     wait_gone(finetune)
 

@@ -16,8 +16,9 @@ import torch
 
 import shown_commands as shown
 from conftest import SCRATCH, run_main, run_script
-from fixres_dist.data import packing, pipeline, shards
+from fixres_dist.data import file_index, packing, pipeline, shards
 from fixres_dist.errors import FixresError
+from fixres_dist.training import checkpoint
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 SHARD_MIB = 0.008  # about 8 KB of images: tiny_data's 80 train images in 5 shards
@@ -139,6 +140,19 @@ def test_verify_finds_a_changed_byte_that_keeps_the_size(packed, tmp_path):
         packing.verify(out, progress=False)
 
 
+def test_a_shard_replaced_by_one_of_the_same_size_is_named_at_its_first_read(packed, tmp_path):
+    """Same size, same index: a start cannot tell; the first read of a sample from it can (the tar
+    header before the image names another key), and ends the run in one line."""
+    out = copy_of(packed, tmp_path)
+    first, second = out / "train-000000.tar", out / "train-000001.tar"
+    size = second.stat().st_size
+    second.write_bytes(first.read_bytes()[:size].ljust(size, b"\0"))
+    split = shards.open_packed(out).dataset("train")
+    number = int(np.argmax(split.shard == 1))
+    with pytest.raises(FixresError, match=re.escape(f"{second}:{number:08d}: the shard holds '00000000.png' there")):
+        split[number]
+
+
 def write_tar(path: Path, members: dict[str, bytes]) -> Path:
     with tarfile.open(path, "w") as tar:
         for name, data in members.items():
@@ -167,12 +181,24 @@ def test_a_truncated_tar_is_named(packed, tmp_path):
         shards.index_shard(shard, 10)
 
 
-def test_the_pack_command_refuses_a_folder_of_other_files(tiny_data, tmp_path, capsys):
+def test_the_pack_command_refuses_what_it_would_overwrite(tiny_data, packed, tmp_path, capsys):
+    """A folder of other files, a file, a finished pack of other data: one line each, nothing changed;
+    verify of a folder that is no pack says so."""
     (tmp_path / "notes.txt").write_text("mine")
-    assert packing.main(["pack", str(tiny_data), str(tmp_path), "--no-progress"]) == 1
-    assert capsys.readouterr().err == (f"fixres_dist: {tmp_path} holds files that are not a pack's (notes.txt): "
-                                       "pack into a new or empty folder\n")
-    assert (tmp_path / "notes.txt").read_text() == "mine"
+    other_source = Path(shutil.copytree(tiny_data, tmp_path / "elsewhere"))
+    finished = copy_of(packed, tmp_path)
+    manifest = (finished / shards.MANIFEST).read_text()
+    for out, message in ((tmp_path, f"{tmp_path} holds files that are not a pack's (copy, elsewhere, notes.txt)"),
+                         (tmp_path / "notes.txt", f"cannot pack into {tmp_path / 'notes.txt'}: File exists"),
+                         (finished, f"{finished} holds a pack of {tiny_data.resolve()}, not of {other_source}: packing "
+                          "would replace that data")):
+        assert packing.main(["pack", str(other_source), str(out), "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"fixres_dist: {message}") and err.count("\n") == 1, err
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (finished / shards.MANIFEST).read_text() == manifest
+    assert packing.main(["verify", str(tiny_data), "--no-progress"]) == 1
+    assert capsys.readouterr().err == (f"fixres_dist: {tiny_data} is not a packed data folder (no shards.json, no "
+                                       "tar shards)\n")
 
 
 @pytest.mark.slow
@@ -217,3 +243,20 @@ def test_the_commands_shown(tiny_data, tmp_path, capsys):
     result = run_script("scratch", *train[2:], "--shared-folder-path", tmp_path / "runs")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data: packed: 80 train and 30 val images in 10 classes" in result.stdout
+
+
+def test_a_resume_on_other_images_is_refused(scratch_job, tiny_data, packed, tmp_path):
+    """Checkpoints record their data's identity (images per split, a SHA-256 of their names, or of the
+    packed shards): the session's job records its folder's; one image fewer, or the images packed,
+    is other data for a resume (one line); the same images packed again are the same."""
+    saved = load_checkpoint(scratch_job / CHECKPOINT_FILE)["data"]
+    copy = Path(shutil.copytree(tiny_data, tmp_path / "data"))
+    assert file_index.data_index(copy, None).identity() == saved
+    next((copy / "train").rglob("*.png")).unlink()
+    fewer = file_index.data_index(copy, None).identity()
+    with pytest.raises(FixresError, match=re.escape(f"ckpt.pth was trained on other images than {copy} holds now "
+                                                    "(train 80 images then, 79 now, val 30 images then, 30 now;")):
+        checkpoint.check_same_data(saved, fewer, "ckpt.pth", copy)
+    again = packing.pack(tiny_data, tmp_path / "again", SHARD_MIB, progress=False)
+    assert shards.open_packed(tmp_path / "again").identity() == shards.open_packed(packed).identity() != saved
+    assert again["kept"] == 0

@@ -139,6 +139,16 @@ class DataIndex:
         """The images of ``train/``."""
         return sum(len(paths) for paths in self.scan("train").images.values())
 
+    def identity(self) -> dict:
+        """What a resumed run must see again (its checkpoint records it): the images of each split and a
+        SHA-256 (hex) of their names, class by class, relative to the split folder."""
+        digest = hashlib.sha256()
+        for split in SPLITS:
+            index = self.splits[split]
+            digest.update(json.dumps([split, list(index.classes), list(map(int, index.counts))]).encode())
+            digest.update("\0".join(index.files).encode())
+        return {**{split: len(self.splits[split].files) for split in SPLITS}, "sha256": digest.hexdigest()}
+
     def dataset(self, split: str) -> pipeline.ImageFolder:
         """Split ``split`` (``train`` or ``val``) as a dataset, from this index (no walk)."""
         return pipeline.image_folder(self.root, split, self)

@@ -11,7 +11,8 @@ re-encoded, and its class number), the index of each split and ``shards.json``. 
 by ``--workers`` processes at once, each into a hidden ``.<name>.partial`` file renamed when complete
 (fsynced), so a killed pack leaves no half-written shard under a shard's name; ``shards.json`` comes
 last. Run it again to continue: the partial files are removed, and a shard already written with the
-planned samples (same keys and image sizes) is kept. The shards are the same bytes whoever packs
+planned samples (same keys and image sizes) is kept; a finished pack of another source is never
+packed over. Worker processes end with the command, however it ends. The shards are the same bytes whoever packs
 them (members in order, mode 0444, time 0, no owner), so their SHA-256 identifies the data.
 
 ``verify`` reads every shard: its size and SHA-256 against ``shards.json``, and each shard indexed
@@ -33,6 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fixres_dist.data import pipeline, shards
+from fixres_dist.entry import startup
 from fixres_dist.errors import FixresError, plural, say
 from fixres_dist.io import fsync_folder, temporary_name
 
@@ -123,17 +125,13 @@ def pack(source: str | Path, out: str | Path, shard_mib: float = 256, workers: i
     if shard_mib <= 0:
         raise FixresError(f"--shard-size must be positive (MiB); got {shard_mib}")
     classes, planned = plan(source, int(shard_mib * 2 ** 20))
-    out.mkdir(parents=True, exist_ok=True)
-    foreign = [p.name for p in out.iterdir() if not _ours(p.name)]
-    if foreign:
-        raise FixresError(f"{out} holds files that are not a pack's ({', '.join(sorted(foreign)[:3])}): pack into a "
-                          "new or empty folder")
+    _check_destination(source, out)
     for leftover in out.glob(f".*{PARTIAL}"):
         leftover.unlink()
     (out / shards.MANIFEST).unlink(missing_ok=True)  # incomplete from here until the new one is written
     jobs = [(split, shard) for split in shards.SPLITS for shard in planned[split]]
     results, kept = {}, 0
-    with concurrent.futures.ProcessPoolExecutor(max(1, workers)) as pool:
+    with concurrent.futures.ProcessPoolExecutor(max(1, workers), initializer=startup.die_with_parent) as pool:
         futures = {pool.submit(write_shard, shard, out, len(classes)): (split, shard.name) for split, shard in jobs}
         bar = tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="packing", unit="shard",
                    disable=not progress)
@@ -141,7 +139,7 @@ def pack(source: str | Path, out: str | Path, shard_mib: float = 256, workers: i
             entry, found, was_kept = future.result()
             results[futures[future]] = (entry, found)
             kept += was_kept
-    manifest = {"format": shards.FORMAT, "classes": classes, "splits": {}}
+    manifest = {"format": shards.FORMAT, "source": str(source.resolve()), "classes": classes, "splits": {}}
     for split in shards.SPLITS:
         entries = [results[(split, shard.name)] for shard in planned[split]]
         index_path = out / shards.index_name(split)
@@ -155,6 +153,26 @@ def pack(source: str | Path, out: str | Path, shard_mib: float = 256, workers: i
             old.unlink()
     manifest["kept"] = kept
     return manifest
+
+
+def _check_destination(source: Path, out: Path) -> None:
+    """``out`` made if need be; raises :class:`FixresError` for a file, a folder of other files, or a
+    finished pack of another source (packing again would replace that data)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        foreign = [p.name for p in out.iterdir() if not _ours(p.name)]
+    except OSError as exc:
+        raise FixresError(f"cannot pack into {out}: {exc.strerror or exc}") from None
+    if foreign:
+        raise FixresError(f"{out} holds files that are not a pack's ({', '.join(sorted(foreign)[:3])}): pack into a "
+                          "new or empty folder")
+    try:
+        earlier = json.loads((out / shards.MANIFEST).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return
+    if earlier != str(source.resolve()):
+        raise FixresError(f"{out} holds a pack of {earlier}, not of {source}: packing would replace that data (and a "
+                          "job resuming on it would refuse it); pack into a new folder, or remove this one first")
 
 
 def _ours(name: str) -> bool:
@@ -186,10 +204,12 @@ def verify(out: str | Path, workers: int = 1, progress: bool = True) -> str:
     """Read every shard of the packed folder ``out`` (module docstring); returns a one-line summary.
     Raises :class:`FixresError` naming the first shard or index that does not match."""
     out = Path(out)
+    if not shards.is_packed(out):
+        raise FixresError(f"{out} is not a packed data folder (no {shards.MANIFEST}, no tar shards)")
     data = shards.open_packed(out)
     jobs = [(split, number, entry) for split in shards.SPLITS
             for number, entry in enumerate(data.manifest["splits"][split]["shards"])]
-    with concurrent.futures.ProcessPoolExecutor(max(1, workers)) as pool:
+    with concurrent.futures.ProcessPoolExecutor(max(1, workers), initializer=startup.die_with_parent) as pool:
         futures = [pool.submit(_check_shard, out / entry["name"], entry["sha256"], len(data.classes))
                    for _, _, entry in jobs]
         for (split, number, entry), future in tqdm(zip(jobs, futures), total=len(jobs), desc="verifying",
@@ -221,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     packing = commands.add_parser("pack", help="pack SOURCE (train/ and val/ class folders) into OUT")
     packing.add_argument("source", help="the data folder (train/ and val/ with one folder per class)")
     packing.add_argument("out", help="the folder to write the shards into (new, or a pack to continue)")
-    packing.add_argument("--shard-size", type=float, default=256, help="MiB of images per shard (default 256)")
+    packing.add_argument("--shard-size", type=float, default=256,
+                         help="MiB of image files per shard (default 256; a tar adds 1 KiB per image)")
     checking = commands.add_parser("verify", help="read every shard of OUT and check it")
     checking.add_argument("out", help="a packed folder")
     for sub in (packing, checking):

@@ -46,6 +46,7 @@ FORMAT = "fixres_dist shards 1"
 SPLITS = ("train", "val")
 OPEN_SHARDS = 64  # file descriptors a process keeps open (the least recently read shard is closed first)
 HASH_CHUNK = 1 << 22
+HEADER = 512  # a tar member's header: the block before its data, its name in the first 100 bytes
 
 
 def index_name(split: str) -> str:
@@ -122,7 +123,7 @@ class ShardSplit(Dataset):
     8-bit RGB PIL image (:func:`fixres_dist.data.images.decode_image`). ``classes``, ``class_to_idx``,
     ``targets`` and ``hidden`` (none) as torchvision's ImageFolder has them. Each process (rank,
     loader worker) opens the shards it reads, at most :data:`OPEN_SHARDS` at a time. Reading raises
-    ``OSError`` naming the shard and sample for a shard shorter than its index says.
+    :class:`FixresError` (:meth:`read`) for a shard that is not the one packed.
     """
 
     def __init__(self, root: Path, split: str, classes: list[str], shard_names: list[str],
@@ -145,13 +146,21 @@ class ShardSplit(Dataset):
         return f"{self.shard_paths[self.shard[index]]}:{self.keys[index].decode()}"
 
     def read(self, index: int) -> bytes:
-        """The image file's bytes of sample ``index``."""
+        """The image file's bytes of sample ``index``, read with the tar header before them, whose member
+        name must be the sample's key (a shard replaced by another of the same size is found at its
+        first read). Raises :class:`FixresError` naming the shard and key when it is not, or when the
+        shard ends before the sample does."""
         shard, offset, size = int(self.shard[index]), int(self.offset[index]), int(self.size[index])
-        data = os.pread(self._descriptor(shard), size, offset)
-        if len(data) != size:
-            raise OSError(f"the shard ends {size - len(data)} bytes before the end of this sample: truncated "
-                          "since it was packed")
-        return data
+        data = os.pread(self._descriptor(shard), size + HEADER, offset - HEADER)
+        key = self.keys[index]
+        if len(data) != size + HEADER:
+            raise FixresError(f"{self.item_name(index)}: the shard ends before this sample does (truncated since "
+                              "it was packed); pack the data again")
+        if data[:len(key) + 1] != key + b".":
+            found = data[:100].split(b"\0")[0].decode(errors="replace")
+            raise FixresError(f"{self.item_name(index)}: the shard holds {found!r} there, not this sample (replaced "
+                              "since it was packed); pack the data again, or run verify")
+        return data[HEADER:]
 
     def __getitem__(self, index: int):
         return images.decode_image(self.read(index)), self.targets[index]
@@ -193,6 +202,13 @@ class PackedData:
     @property
     def train_images(self) -> int:
         return self.images("train")
+
+    def identity(self) -> dict:
+        """What a resumed run must see again (its checkpoint records it): the images of each split and a
+        SHA-256 (hex) of the class list and the shards' and indexes' SHA-256s (the same images packed
+        again give the same bytes, hence the same identity)."""
+        content = json.dumps([self.classes, self.manifest["splits"]], sort_keys=True).encode()
+        return {**{split: self.images(split) for split in SPLITS}, "sha256": hashlib.sha256(content).hexdigest()}
 
     def dataset(self, split: str) -> ShardSplit:
         """Split ``split`` (``train`` or ``val``) as a dataset."""

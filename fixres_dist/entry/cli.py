@@ -286,7 +286,8 @@ def _add_data_and_model(t, mode: str) -> None:
     finetune = mode == "finetune"
     default = _default_help(mode)
     t.add_argument("--data-path", "--imnet-path", dest="data_path",
-                   help="ImageFolder root with train/ and val/ (default: embedded Fashion-MNIST subset)")
+                   help="ImageFolder root with train/ and val/, or a folder packed into shards (python -m "
+                        "fixres_dist.data.packing; docs/data_at_scale.md) (default: embedded Fashion-MNIST subset)")
     t.add_argument("--architecture", help=_architecture_help(default("architecture")))
     t.add_argument("--low-res-stem", action="store_true", default=None,
                    help="torchvision ResNets (resnet*, resnext*, wide_resnet*): 3x3 stride-1 first convolution and "

@@ -10,7 +10,6 @@ is written; a second launch of a running job is refused before any rendezvous (:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -36,6 +35,7 @@ from fixres_dist.distributed.preemption import (
     ignoring,
     stop_signals,
 )
+from fixres_dist.entry import startup
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.errors import FixresError, first_line, say, user_message
 from fixres_dist.training.inputs import JobInputs, preflight
@@ -83,9 +83,6 @@ def run_rank(config: TrainerConfig, inputs: JobInputs | None = None, locked: boo
     raise SystemExit(1)
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
 def stop_with_launcher() -> None:
     """Ask Linux to send this process SIGTERM when its parent exits (best effort, Linux only).
 
@@ -98,10 +95,7 @@ def stop_with_launcher() -> None:
     if getattr(server, "_forkserver_alive_fd", None) is not None:
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-    except (OSError, AttributeError):
-        pass
+    startup.die_with_parent(signal.SIGTERM)
     if os.getppid() == 1:  # the launcher died before the request
         say("fixres_dist: the launcher is gone; this rank does not start")
         raise SystemExit(PREEMPTED_EXIT_STATUS)

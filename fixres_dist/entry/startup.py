@@ -68,3 +68,16 @@ def quiet_native_logs() -> None:
     for every client address without a reverse DNS name; this package reports those events itself,
     in one line naming the ranks and hosts (:mod:`fixres_dist.distributed.rendezvous`)."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Ask Linux to send this process ``signum`` when its parent exits (best effort, Linux only): a
+    worker process must not run on as an orphan when its parent is killed."""
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
+    except (OSError, AttributeError):
+        pass

@@ -133,6 +133,7 @@ class Contents:
     epoch_seconds: float = 0.0
     lineage: dict | None = None
     classes: list | None = None  # the data's class names, in label order (older checkpoints: none)
+    data: dict | None = None  # the data's identity: images per split and a SHA-256 (older checkpoints: none)
     tensorboard_at: int | None = None
     model_ema: dict | None = None
     model_ema_state: dict | None = None
@@ -149,7 +150,7 @@ class Contents:
         return cls(**{f.name: state[f.name] for f in attrs.fields(cls) if f.name in state})
 
 
-OPTIONAL_ENTRIES = ("model_ema", "model_ema_state", "shards", "shard_digests", "classes")  # left out when None
+OPTIONAL_ENTRIES = ("model_ema", "model_ema_state", "shards", "shard_digests", "classes", "data")  # left out when None
 REQUIRED_KEYS = tuple(f.name for f in attrs.fields(Contents) if f.default is attrs.NOTHING)
 
 
@@ -219,6 +220,19 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     version, internal, gauss = state["random"]
     random.setstate((version, tuple(internal), gauss))
+
+
+def check_same_data(saved: dict | None, now: dict, path, root) -> None:
+    """A resumed run must see the images its checkpoint at ``path`` was trained on: ``saved`` and
+    ``now`` are the identities (``identity()`` of :class:`~fixres_dist.data.file_index.DataIndex` or
+    :class:`~fixres_dist.data.shards.PackedData`) recorded and of ``root`` now. Nothing to check for
+    an older checkpoint (``saved`` None). Raises a one-line :class:`FixresError` otherwise."""
+    if saved is None or saved == now:
+        return
+    counts = ", ".join(f"{split} {saved.get(split, 0):,} images then, {now[split]:,} now" for split in ("train", "val"))
+    raise FixresError(f"{path} was trained on other images than {root} holds now ({counts}; their names or packed "
+                      "shards differ): a resumed run must see the same data to continue exactly; restore the data, or "
+                      f"start a new job from its weights with another --job-id and --weight-path {path}")
 
 
 def check_resumable(config, saved: dict, path) -> None:

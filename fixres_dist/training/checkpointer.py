@@ -25,12 +25,14 @@ from fixres_dist.training.step import TrainStep
 
 class Checkpointer:
     """The checkpoints of ``network``'s job (``images_per_epoch``: training images per epoch, for the
-    schedule's progress and the TensorBoard position). ``last_step``: the global step of the last
-    checkpoint written or resumed (None: none yet); ``unsaved``: trained since it."""
+    schedule's progress and the TensorBoard position; ``data``: the data's identity, recorded).
+    ``last_step``: the global step of the last checkpoint written or resumed (None: none yet);
+    ``unsaved``: trained since it."""
 
     def __init__(self, config: TrainerConfig, run_log: RunLog, faults: FaultInjector, network: Network,
-                 images_per_epoch: int, control_group=None):
+                 images_per_epoch: int, control_group=None, data: dict | None = None):
         self.config, self.run_log, self.faults, self.control_group = config, run_log, faults, control_group
+        self.data = data  # the data's identity, recorded in every checkpoint (checkpoint.check_same_data)
         self.network, self.images_per_epoch = network, images_per_epoch
         self.step: TrainStep | None = None
         self.last_step: int | None = None
@@ -72,7 +74,7 @@ class Checkpointer:
                 images_in_epoch=state.images_in_epoch, global_step=state.global_step, ranks=ranks,
                 epoch_seconds=state.meter.seconds() if partial else 0.0, config=cfg.to_dict(),
                 metrics=self.run_log.history, lineage=network.lineage_at(state.input_size).record(),
-                classes=network.classes,
+                classes=network.classes, data=self.data,
                 tensorboard_at=self.run_log.checkpointed(state.images_seen(images_per_epoch)))
             try:
                 checkpoint.save_checkpoint(cfg.job_folder, contents.as_dict(), state.global_step, cfg.keep_checkpoints,

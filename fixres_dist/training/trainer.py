@@ -134,7 +134,7 @@ class Trainer:
         if self.network.shards_before_evaluating:  # every evaluation then runs on the shards
             self.network.lay_out(self.state.input_size, self.protocol.trains)
         self.checkpointer = Checkpointer(cfg, self.run_log, self.faults, self.network, per_epoch,
-                                         self.session.control_group)
+                                         self.session.control_group, inputs.index.identity())
         self.stops = StopController(self.session.agreement, LossWatch(), self.checkpointer, self.state, log)
         self.plan = plan.Plan(self.protocol.steps(self.state, self.run_log, self.network.train_size, bool(resume)))
         self.remaining = plan.Remaining(cfg, self.state, self.plan, self.clock, per_epoch, len(self.data.val_set))

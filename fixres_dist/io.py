@@ -38,17 +38,18 @@ def fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def write_private(path: str | Path, content: str | bytes | Callable[[BinaryIO], None]) -> Path:
+def write_private(path: str | Path, content: str | bytes | Callable[[BinaryIO], None], mode: int = 0o600) -> Path:
     """Write ``content`` to ``path`` atomically, readable by the owner only; returns ``path``.
 
     ``content`` is text (UTF-8), bytes, or a function that writes into the open binary file (e.g.
-    ``lambda f: torch.save(state, f)``). Raises ``OSError`` (full or read-only disk) after removing
-    the temporary file; the previous ``path``, if any, is left as it was.
+    ``lambda f: torch.save(state, f)``). ``mode``: another mode for a file meant to be shared (packed
+    data: 0o644, less the umask). Raises ``OSError`` (full or read-only disk) after removing the
+    temporary file; the previous ``path``, if any, is left as it was.
     """
     path = Path(path)
     tmp = temporary_name(path)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         with os.fdopen(fd, "wb") as f:
             if callable(content):
                 content(f)

@@ -18,6 +18,7 @@ import shown_commands as shown
 from conftest import SCRATCH, run_main, run_script
 from fixres_dist.data import file_index, packing, pipeline, shards
 from fixres_dist.errors import FixresError
+from fixres_dist.io import temporary_name
 from fixres_dist.training import checkpoint
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
@@ -60,16 +61,16 @@ def test_the_shards_hold_the_folder_sample_by_sample(tiny_data, packed):
 
 
 def test_a_killed_pack_continues_and_packs_the_same_bytes(tiny_data, packed, tmp_path):
-    """Killed after some shards: no shards.json (the set is refused in one line), a partial file; the
+    """Killed after some shards: no shards.json (the set is refused in one line), a temporary file; the
     pack run again removes it, keeps the finished shards and writes the same bytes as at once."""
     out = copy_of(packed, tmp_path)
     (out / shards.MANIFEST).unlink()
-    (out / "train-000001.tar").rename(out / ".train-000001.tar.partial")
+    (out / "train-000001.tar").rename(temporary_name(out / "train-000001.tar"))
     with pytest.raises(FixresError, match="holds tar shards but no shards.json: a pack that did not finish"):
         shards.open_packed(out)
     manifest = packing.pack(tiny_data, out, SHARD_MIB, workers=1, progress=False)
     shard_count = sum(len(manifest["splits"][s]["shards"]) for s in shards.SPLITS)
-    assert manifest["kept"] == shard_count - 1 and not list(out.glob(".*.partial"))
+    assert manifest["kept"] == shard_count - 1 and not list(out.glob(".*.tmp"))
     assert json.loads((out / shards.MANIFEST).read_text()) == json.loads((packed / shards.MANIFEST).read_text())
 
 
@@ -243,6 +244,57 @@ def test_the_commands_shown(tiny_data, tmp_path, capsys):
     result = run_script("scratch", *train[2:], "--shared-folder-path", tmp_path / "runs")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data: packed: 80 train and 30 val images in 10 classes" in result.stdout
+
+
+def test_shards_that_the_pack_did_not_write_and_a_pack_inside_its_source_are_refused(tiny_data, tmp_path, capsys):
+    """A folder of another tool's shards (or one backup.tar) is never packed over; nor is the data
+    folder itself packed into."""
+    for name in ("backup.tar", "train-000000.tar"):
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        (folder / name).write_bytes(b"theirs")
+        assert packing.main(["pack", str(tiny_data), str(folder), "--no-progress"]) == 1
+        assert (folder / name).read_bytes() == b"theirs"
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"fixres_dist: {tmp_path / 'backup_tar'} holds files that are not a pack's (backup.tar): pack into "
+                   "a new or empty folder",
+                   f"fixres_dist: {tmp_path / 'train-000000_tar'} holds shards that this command did not write (no "
+                   ".pack.json): pack into a new or empty folder"]
+    assert packing.main(["pack", str(tiny_data), str(tiny_data / "packed"), "--no-progress"]) == 1
+    assert "it is inside the data folder" in capsys.readouterr().err and not (tiny_data / "packed").exists()
+
+
+def test_a_pack_continued_after_its_source_changed_rewrites_the_changed_shards(tiny_data, tmp_path):
+    """Two class folders swapped their names (a labelling fix): the shards holding them are written
+    again, the others kept, and the pack holds the new labels."""
+    source = Path(shutil.copytree(tiny_data, tmp_path / "data"))
+    out = tmp_path / "packed"
+    packing.pack(source, out, SHARD_MIB, progress=False)
+    for split in shards.SPLITS:
+        first, second = sorted((source / split).iterdir())[:2]
+        first.rename(source / split / "swap")
+        second.rename(first)
+        (source / split / "swap").rename(second)
+    again = packing.pack(source, out, SHARD_MIB, progress=False)
+    total = sum(len(again["splits"][split]["shards"]) for split in shards.SPLITS)
+    assert 0 < again["kept"] < total
+    ours = shards.open_packed(out).dataset("train")
+    assert ours.targets == pipeline.image_folder(source, "train").targets
+    assert packing.verify(out, progress=False).startswith(f"{out}: verified")
+
+
+def test_a_hand_edited_manifest_is_refused(packed, tmp_path):
+    out = copy_of(packed, tmp_path)
+    manifest = json.loads((out / shards.MANIFEST).read_text())
+    for change, message in ((lambda m: m["classes"].__setitem__(1, m["classes"][0]), "a class name appears twice"),
+                            (lambda m: m["splits"]["val"]["shards"][0].__setitem__("name", "../x.tar"),
+                             "shard name '../x.tar' is not <split>-NNNNNN.tar"),
+                            (lambda m: m["classes"].append("extra"), "class 'extra' has no training images")):
+        edited = json.loads(json.dumps(manifest))
+        change(edited)
+        (out / shards.MANIFEST).write_text(json.dumps(edited))
+        with pytest.raises(FixresError, match=re.escape(message)):
+            shards.open_packed(out)
 
 
 def test_a_resume_on_other_images_is_refused(scratch_job, tiny_data, packed, tmp_path):

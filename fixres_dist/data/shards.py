@@ -30,6 +30,7 @@ import collections
 import hashlib
 import json
 import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from fixres_dist.errors import FixresError, first_line, plural
 MANIFEST = "shards.json"
 FORMAT = "fixres_dist shards 1"
 SPLITS = ("train", "val")
+SHARD_NAME = re.compile(r"(train|val)-\d{6}\.tar")
 OPEN_SHARDS = 64  # file descriptors a process keeps open (the least recently read shard is closed first)
 HASH_CHUNK = 1 << 22
 HEADER = 512  # a tar member's header: the block before its data, its name in the first 100 bytes
@@ -173,7 +175,11 @@ class ShardSplit(Dataset):
             return self._open[shard]
         if len(self._open) >= OPEN_SHARDS:
             os.close(self._open.popitem(last=False)[1])
-        self._open[shard] = os.open(self.shard_paths[shard], os.O_RDONLY)
+        try:
+            self._open[shard] = os.open(self.shard_paths[shard], os.O_RDONLY)
+        except OSError as exc:
+            raise FixresError(f"shard {self.shard_paths[shard]} cannot be opened ({exc.strerror}): the packed data "
+                              "changed while the run was reading it") from None
         return self._open[shard]
 
     def __getstate__(self):
@@ -240,6 +246,10 @@ def open_packed(root: str | Path, min_train_images: int = 1) -> PackedData:
     manifest = read_manifest(root)
     indexes = {split: _checked_index(root, split, manifest) for split in SPLITS}
     data = PackedData(root, manifest, indexes)
+    empty = [name for name, count in zip(data.classes, np.bincount(indexes["train"]["label"],
+                                                                   minlength=len(data.classes))) if count == 0]
+    if empty:
+        raise FixresError(f"{root / MANIFEST}: class {empty[0]!r} has no training images; pack the data again")
     if data.train_images < min_train_images:
         raise FixresError(f"{root} holds {data.train_images} training images, too few for the ranks "
                           f"(at least {min_train_images}: 2 per rank)")
@@ -256,11 +266,18 @@ def read_manifest(root: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
         assert manifest["format"] == FORMAT, f"format {manifest['format']!r}, not {FORMAT!r}"
-        assert isinstance(manifest["classes"], list) and manifest["classes"], "no class list"
+        classes = manifest["classes"]
+        assert isinstance(classes, list) and classes and all(isinstance(c, str) and c for c in classes), \
+            "the class list is not a list of names"
+        assert len(set(classes)) == len(classes), "a class name appears twice"
         for split in SPLITS:
             for shard in manifest["splits"][split]["shards"]:
-                assert {"name", "images", "bytes", "sha256"} <= set(shard), f"a {split} shard's entry lacks fields"
-            assert manifest["splits"][split]["index_sha256"], f"no {split} index checksum"
+                assert isinstance(shard["name"], str) and SHARD_NAME.fullmatch(shard["name"]), \
+                    f"shard name {shard['name']!r} is not <split>-NNNNNN.tar"
+                assert all(isinstance(shard[k], int) and shard[k] >= 0 for k in ("images", "bytes")), \
+                    f"{shard['name']}: images or bytes is not a count"
+                assert isinstance(shard["sha256"], str), f"{shard['name']}: no SHA-256"
+            assert isinstance(manifest["splits"][split]["index_sha256"], str), f"no {split} index checksum"
     except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
         raise FixresError(f"{path} is not a packed data manifest ({type(exc).__name__}: {first_line(exc)}); "
                           "pack the data again") from None

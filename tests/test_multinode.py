@@ -276,7 +276,7 @@ def expected_loss(rank: int, ended: list[int]) -> tuple[str, ...]:
     return (LOST_N2,)
 
 
-@pytest.mark.parametrize("loss", ["killed", "cut off"])
+@pytest.mark.parametrize("loss", [pytest.param("killed", marks=pytest.mark.slow), "cut off"])  # killed: the easier case
 def test_a_lost_node_ends_every_rank_within_the_timeout_naming_the_ranks_lost_and_their_host(nodes, tiny_data,
                                                                                             tmp_path, loss):
     """Mid-training (the first epoch evaluated, all 4 ranks running), every process of n2 is killed,

@@ -181,6 +181,7 @@ def test_timeout_stops_the_job_with_a_checkpoint(tiny_data, tmp_path):
     assert_one_stop_checkpoint(folder)
 
 
+@pytest.mark.slow
 def test_killing_the_launcher_stops_its_ranks(tiny_data, tmp_path):
     """SIGKILL to the spawn launcher alone: its ranks get SIGTERM from the kernel, checkpoint and exit
     within seconds (they do not train on as orphans), and until they have, the job stays locked."""

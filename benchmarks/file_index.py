@@ -106,12 +106,14 @@ def preflight(root: Path, cache: Path | None) -> None:
     index.save()
 
 
-def job_start(root: Path, cache: Path | None, ranks: int) -> float:
-    """Seconds from the preflight's start to every one of ``ranks`` forked processes holding its datasets."""
+def job_start(root: Path, cache: Path | None, ranks: int, check=preflight, rank=rank_datasets) -> float:
+    """Seconds from the launcher's ``check(root, cache)`` (default: :func:`preflight`) to every one of
+    ``ranks`` forked processes done with ``rank(root, cache)`` (default: holding its datasets,
+    :func:`rank_datasets`)."""
     context = multiprocessing.get_context("fork")
     start = time.perf_counter()
-    preflight(root, cache)
-    processes = [context.Process(target=rank_datasets, args=(root, cache)) for _ in range(ranks)]
+    check(root, cache)
+    processes = [context.Process(target=rank, args=(root, cache)) for _ in range(ranks)]
     for process in processes:
         process.start()
     for process in processes:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import sys
@@ -107,25 +106,15 @@ def synthetic_pack(folder: Path, classes: int, train: int, val_per_class: int, i
     return root
 
 
-def packed_rank(root: Path) -> None:
+def packed_rank(root: Path, cache=None) -> None:
+    """One rank's data before its first step on packed data: opened and checked, both datasets made."""
     data = shards.open_packed(root)
     assert len(data.dataset("train")) and len(data.dataset("val"))
 
 
-def packed_job_start(root: Path, ranks: int) -> float:
-    """Seconds from the launcher's check (the packed folder opened and checked) to every one of ``ranks``
-    forked processes holding both datasets."""
-    context = multiprocessing.get_context("fork")
-    start = time.perf_counter()
+def packed_check(root: Path, cache=None) -> None:
+    """The launcher's check of packed data (``file_index.job_start``'s ``check``)."""
     shards.open_packed(root)
-    processes = [context.Process(target=packed_rank, args=(root,)) for _ in range(ranks)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join()
-    if any(p.exitcode for p in processes):
-        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in processes]}")
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -165,7 +154,8 @@ def main() -> None:
         folder_start = folder_bench.best(args.repeats, lambda: folder_bench.job_start(tree, cache, args.ranks))
     finally:
         shutil.rmtree(cache)
-    packed_start = folder_bench.best(args.repeats, lambda: packed_job_start(synthetic, args.ranks))
+    packed_start = folder_bench.best(
+        args.repeats, lambda: folder_bench.job_start(synthetic, None, args.ranks, packed_check, packed_rank))
     shard_count = sum(len(s["shards"]) for s in shards.read_manifest(synthetic)["splits"].values())
     files = args.files + 50 * args.classes
     print(f"\n| start-up, {files:,} images, {args.ranks} ranks to their first step | seconds |\n|---|---:|")

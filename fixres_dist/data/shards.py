@@ -256,6 +256,12 @@ def open_packed(root: str | Path, min_train_images: int = 1) -> PackedData:
     return data
 
 
+def _require(condition, problem: str) -> None:
+    """A manifest check that holds also under ``python -O`` (which drops ``assert``)."""
+    if not condition:
+        raise ValueError(problem)
+
+
 def read_manifest(root: Path) -> dict:
     """``root/shards.json``, its fields checked. Raises :class:`FixresError` (see :func:`open_packed`)."""
     path = root / MANIFEST
@@ -265,20 +271,20 @@ def read_manifest(root: Path) -> dict:
                           "python -m fixres_dist.data.packing")
     try:
         manifest = json.loads(path.read_text())
-        assert manifest["format"] == FORMAT, f"format {manifest['format']!r}, not {FORMAT!r}"
+        _require(manifest["format"] == FORMAT, f"format {manifest['format']!r}, not {FORMAT!r}")
         classes = manifest["classes"]
-        assert isinstance(classes, list) and classes and all(isinstance(c, str) and c for c in classes), \
-            "the class list is not a list of names"
-        assert len(set(classes)) == len(classes), "a class name appears twice"
+        _require(isinstance(classes, list) and classes and all(isinstance(c, str) and c for c in classes),
+                 "the class list is not a list of names")
+        _require(len(set(classes)) == len(classes), "a class name appears twice")
         for split in SPLITS:
             for shard in manifest["splits"][split]["shards"]:
-                assert isinstance(shard["name"], str) and SHARD_NAME.fullmatch(shard["name"]), \
-                    f"shard name {shard['name']!r} is not <split>-NNNNNN.tar"
-                assert all(isinstance(shard[k], int) and shard[k] >= 0 for k in ("images", "bytes")), \
-                    f"{shard['name']}: images or bytes is not a count"
-                assert isinstance(shard["sha256"], str), f"{shard['name']}: no SHA-256"
-            assert isinstance(manifest["splits"][split]["index_sha256"], str), f"no {split} index checksum"
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as exc:
+                _require(isinstance(shard["name"], str) and SHARD_NAME.fullmatch(shard["name"]),
+                         f"shard name {shard['name']!r} is not <split>-NNNNNN.tar")
+                _require(all(isinstance(shard[k], int) and shard[k] >= 0 for k in ("images", "bytes")),
+                         f"{shard['name']}: images or bytes is not a count")
+                _require(isinstance(shard["sha256"], str), f"{shard['name']}: no SHA-256")
+            _require(isinstance(manifest["splits"][split]["index_sha256"], str), f"no {split} index checksum")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise FixresError(f"{path} is not a packed data manifest ({type(exc).__name__}: {first_line(exc)}); "
                           "pack the data again") from None
     return manifest

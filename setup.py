@@ -20,6 +20,8 @@ setup(
         "timm": ["timm"],
         # TensorBoard event files of a run (fixres_dist.reporting.tensorboard_events)
         "tensorboard": ["tensorboard"],
+        # Hugging Face datasets as --data-path (fixres_dist.data.hf_datasets)
+        "hf": ["datasets"],
     },
     entry_points={"console_scripts": [
         "fixres-scratch=fixres_dist.entry.scripts:main_scratch",

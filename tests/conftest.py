@@ -1,6 +1,7 @@
 """Shared fixtures: small real ImageFolders cut from the embedded Fashion-MNIST, clean environment."""
 from __future__ import annotations
 
+import json
 import multiprocessing.forkserver
 import os
 import shutil
@@ -17,9 +18,12 @@ from fixres_dist.entry import startup
 
 startup.quiet_native_logs()  # before torch loads, as the scripts do (the jobs' output has no c10d warnings)
 
+import torch
+
 import launched  # imports torch
 from fixres_dist.data.pipeline import embedded_data_path
 from fixres_dist.entry import launch as launcher
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest_plugins = ["jobs_fixtures"]  # session jobs several files share
@@ -99,6 +103,48 @@ def clean_env(**extra) -> dict:
 
 
 FAST = ["--input-size", "32", "--batch", "8", "--epochs", "1", "--workers", "0", "--no-progress"]
+
+
+def run_on_other_data_as_scratch_job(scratch_job: Path, data: Path, tmp_path: Path, data_line: str) -> None:
+    """:func:`scratch_job`'s run on ``data`` (the same images in another form: packed shards, a Hugging
+    Face dataset), stopped after step 2 of epoch 1 (of 5 steps) and resumed: ``data_line`` logged, and
+    the same losses, top-1 and final weights as the uninterrupted run on the folder, bit for bit (the
+    same images in the same order; the training stream is a function of seed and epoch)."""
+    common = ("--num-tasks", 2, "--job-id", "straight", "--shared-folder-path", tmp_path, "--data-path", data,
+              *SCRATCH)
+    stopped = run_script("scratch", *common, env={"FIXRES_FAULT": "signal:rank=1:step=2"})
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    assert data_line in stopped.stdout, stopped.stdout[-3000:]
+    resumed = run_script("scratch", *common)
+    assert resumed.returncode == 0 and "image 48 of the epoch" in resumed.stdout, resumed.stderr[-3000:]
+
+    def events(folder):
+        return [{k: v for k, v in e.items() if k in ("event", "epoch", "loss", "top1", "top5", "images")}
+                for e in job_events(folder) if e["event"] in ("train", "eval")]
+    assert events(tmp_path / "straight") == events(scratch_job)
+    ours, theirs = (load_checkpoint(f / CHECKPOINT_FILE)["model"] for f in (tmp_path / "straight", scratch_job))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def evaluation_matches_scratch_job(scratch_job: Path, data: Path, tmp_path: Path, ranks: tuple[int, ...]) -> None:
+    """``--eval-only`` of :func:`scratch_job`'s weights on ``data`` (its 30 validation images in another
+    form) on each of ``ranks`` ranks, in batches of 4: every image once, the same top-1 and loss (to
+    1e-5) as the folder's last evaluation of the same weights."""
+    expected = [e for e in job_events(scratch_job) if e["event"] == "eval"][-1]
+    for count in ranks:
+        result = run_script("finetune", "--eval-only", "--num-tasks", count, "--job-id", f"eval{count}",
+                            "--shared-folder-path", tmp_path, "--data-path", data, "--weight-path",
+                            scratch_job / CHECKPOINT_FILE, "--test-sizes", 32, "--batch", 4, "--workers", 0,
+                            "--no-progress")
+        assert result.returncode == 0, result.stderr[-3000:]
+        ours = [e for e in job_events(tmp_path / f"eval{count}") if e["event"] == "eval"][-1]
+        assert (ours["images"], ours["top1"]) == (30, expected["top1"]), count
+        assert abs(ours["loss"] - expected["loss"]) < 1e-5, count
+
+
+def job_events(folder: Path) -> list[dict]:
+    """The events of a job's ``metrics.jsonl``."""
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def run_interpreter(script: str, *args, timeout: float = 240, env: dict | None = None, cwd=None):

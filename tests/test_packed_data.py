@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shown_commands as shown
-from conftest import SCRATCH, run_main, run_script
+from conftest import SCRATCH, evaluation_matches_scratch_job, run_main, run_on_other_data_as_scratch_job, run_script
 from fixres_dist.data import file_index, packing, pipeline, shards
 from fixres_dist.errors import FixresError
 from fixres_dist.io import temporary_name
@@ -187,43 +187,17 @@ def test_the_pack_command_refuses_what_it_would_overwrite(tiny_data, packed, tmp
 
 @pytest.mark.slow
 def test_a_run_on_the_shards_stopped_mid_epoch_resumes_bit_identically(scratch_job, packed, tmp_path):
-    """The session's 2-rank scratch job (loader workers, 2 epochs) on the packed data, stopped after step
-    2 of epoch 1 (of 5 steps) and resumed: the same losses, top-1 and final weights as the uninterrupted
-    run on the folder, bit for bit (the same images in the same order; the training stream is a
-    function of seed and epoch)."""
-    common = ("--num-tasks", 2, "--job-id", "straight", "--shared-folder-path", tmp_path, "--data-path", packed,
-              *SCRATCH)
-    stopped = run_script("scratch", *common, env={"FIXRES_FAULT": "signal:rank=1:step=2"})
-    assert stopped.returncode == 3, stopped.stderr[-3000:]
-    assert "data: packed: 80 train and 30 val images in 10 classes" in stopped.stdout
-    resumed = run_script("scratch", *common)
-    assert resumed.returncode == 0 and "image 48 of the epoch" in resumed.stdout, resumed.stderr[-3000:]
-
-    def events(folder):
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
-        return [{k: v for k, v in e.items() if k in ("event", "epoch", "loss", "top1", "top5", "images")}
-                for e in map(json.loads, lines) if e["event"] in ("train", "eval")]
-    assert events(tmp_path / "straight") == events(scratch_job)
-    ours, theirs = (load_checkpoint(f / CHECKPOINT_FILE)["model"] for f in (tmp_path / "straight", scratch_job))
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    """The session's 2-rank scratch job (loader workers, 2 epochs) on the packed data, stopped mid-epoch
+    and resumed: equal to the uninterrupted run on the folder, bit for bit."""
+    run_on_other_data_as_scratch_job(scratch_job, packed, tmp_path, "data: packed: 80 train and 30 val images in 10 "
+                                     "classes")
 
 
 @pytest.mark.slow
 def test_evaluation_on_the_shards_is_exact_on_1_2_and_3_ranks(scratch_job, packed, tmp_path):
     """30 validation images on 1, 2 and 3 ranks (3 does not divide 30 into equal batches of 4): every
     image once, the same top-1 and loss as the folder's evaluation of the same weights."""
-    straight = [json.loads(line) for line in (scratch_job / "metrics.jsonl").read_text().splitlines()]
-    expected = [e for e in straight if e["event"] == "eval"][-1]
-    for ranks in (1, 2, 3):
-        result = run_script("finetune", "--eval-only", "--num-tasks", ranks, "--job-id", f"eval{ranks}",
-                            "--shared-folder-path", tmp_path, "--data-path", packed, "--weight-path",
-                            scratch_job / CHECKPOINT_FILE, "--test-sizes", 32, "--batch", 4, "--workers", 0,
-                            "--no-progress")
-        assert result.returncode == 0, result.stderr[-3000:]
-        found = [json.loads(line) for line in (tmp_path / f"eval{ranks}" / "metrics.jsonl").read_text().splitlines()]
-        ours = [e for e in found if e["event"] == "eval"][-1]
-        assert (ours["images"], ours["top1"]) == (30, expected["top1"]), ranks
-        assert abs(ours["loss"] - expected["loss"]) < 1e-5, ranks
+    evaluation_matches_scratch_job(scratch_job, packed, tmp_path, (1, 2, 3))
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from fixres_dist.config import TrainerConfig
-from fixres_dist.data import file_index, pipeline, shards
+from fixres_dist.data import file_index, hf_datasets, pipeline, shards
 from fixres_dist.distributed import placement
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
@@ -41,7 +41,8 @@ class JobInputs:
     """The inputs of one run of ``config``, read and checked (see the module docstring).
 
     ``root``: the data folder; ``index``: its file index (:mod:`fixres_dist.data.file_index`, walked
-    or loaded; written by rank 0 or the launcher), or packed data's (:mod:`fixres_dist.data.shards`);
+    or loaded; written by rank 0 or the launcher), packed data's (:mod:`fixres_dist.data.shards`) or a
+    Hugging Face dataset's (:mod:`fixres_dist.data.hf_datasets`);
     ``classes``: the class names, in label order;
     ``resume``: the checkpoint continued, or None; ``weights``: ``--weight-path`` read, or None;
     ``memory_estimate``: the preflight's estimate of the peak memory per rank
@@ -49,7 +50,7 @@ class JobInputs:
     """
 
     root: Path
-    index: file_index.DataIndex | shards.PackedData
+    index: file_index.DataIndex | shards.PackedData | hf_datasets.HFData
     classes: list[str]
     resume: Resume | None
     weights: weights.WeightFile | None
@@ -81,19 +82,23 @@ class JobInputs:
         return cls(root, index, classes, resume, found)
 
 
-def _read_data(config: TrainerConfig) -> tuple[Path, file_index.DataIndex | shards.PackedData, list[str]]:
-    """The data folder, its index and its class names: packed shards (:mod:`fixres_dist.data.shards`)
-    or an ImageFolder (its file index, :mod:`fixres_dist.data.file_index`), checked; at least 2
-    training images per rank."""
+def _read_data(config: TrainerConfig) -> tuple[Path, file_index.DataIndex | shards.PackedData | hf_datasets.HFData,
+                                               list[str]]:
+    """The data folder, its index and its class names: packed shards (:mod:`fixres_dist.data.shards`),
+    a Hugging Face dataset (:mod:`fixres_dist.data.hf_datasets`) or an ImageFolder (its file index,
+    :mod:`fixres_dist.data.file_index`), checked; at least 2 training images per rank."""
     root = Path(config.data_path or pipeline.embedded_data_path())
     if shards.is_packed(root):
         packed = shards.open_packed(root, 2 * config.num_tasks)
         return root, packed, packed.classes
+    if hf_datasets.is_hf_dataset(root):
+        found = hf_datasets.open_hf_dataset(root, config.file_index_folder, 2 * config.num_tasks)
+        return root, found, found.classes
     index = file_index.data_index(root, config.file_index_folder)
     return root, index, pipeline.check_image_folder(root, 2 * config.num_tasks, index)
 
 
-def _check_accumulation(config: TrainerConfig, index: file_index.DataIndex | shards.PackedData) -> None:
+def _check_accumulation(config: TrainerConfig, index) -> None:
     if config.grad_accum_steps > 1 and not config.eval_only:
         train_images = index.train_images
         step = config.batch * config.num_tasks * config.grad_accum_steps

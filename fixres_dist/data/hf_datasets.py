@@ -1,0 +1,261 @@
+"""Hugging Face datasets as a run's data: a ``DatasetDict`` saved with ``save_to_disk``, or parquet
+files (as the Hugging Face Hub stores datasets), read with the ``datasets`` library.
+
+``--data-path ROOT`` is such a dataset when ``ROOT`` holds
+
+* ``dataset_dict.json`` (``DatasetDict.save_to_disk``): read in place with ``datasets.load_from_disk``
+  (memory-mapped Arrow files, nothing copied); or
+* ``*.parquet`` files, in ``ROOT`` or a folder in it, each of the split its path names: a folder or a file
+  name that is, or starts with, ``train``, ``val``, ``validation`` or ``test`` followed by ``-``,
+  ``_`` or ``.`` (the Hub's ``data/train-00000-of-00004.parquet``, ``train/0000.parquet``). They are
+  converted once to Arrow files by ``datasets.load_dataset("parquet")`` in the data cache
+  ``<shared-folder-path>/file_index/hf_datasets`` (the random access that exact sampling needs is
+  the Arrow files'; later runs reuse the conversion while the parquet files are unchanged).
+
+The training split is ``train``; the evaluation split the first of ``val``, ``validation`` and
+``test``. Each has one :class:`datasets.Image` column and one :class:`datasets.ClassLabel` column
+(the class names, in label order, come from it); train and val must have the same class names.
+Images are kept as their files' bytes (``Image(decode=False)``) and decoded as an image file of an
+ImageFolder is (:func:`fixres_dist.data.images.decode_image`), so the same transforms, per-model
+preprocessing and exact sampler (:mod:`fixres_dist.data.samplers`) apply: every validation image
+evaluated once at any world size, a bit-identical resume mid-epoch.
+
+``datasets`` is imported only when a run reads such data (it takes seconds); it runs offline here
+(``HF_DATASETS_OFFLINE``, ``HF_HUB_OFFLINE``): nothing is downloaded at run time.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from fixres_dist.data import images
+from fixres_dist.errors import FixresError, first_line
+
+SPLITS = ("train", "val")
+VAL_SPLITS = ("val", "validation", "test")  # the evaluation split: the first of these the dataset has
+SAVED = "dataset_dict.json"
+CACHE = "hf_datasets"  # the parquet files' Arrow conversion, in the data cache folder
+FINGERPRINT_TAIL = 1 << 16  # bytes at the end of each data file hashed into the data's identity
+PARQUET_SPLIT = re.compile(r"(train|val|validation|test)([-_.]|$)")
+
+
+def is_hf_dataset(root: str | Path) -> bool:
+    """Whether ``root`` is a Hugging Face dataset folder (module docstring)."""
+    root = Path(root)
+    return (root / SAVED).is_file() or (root / "state.json").is_file() or bool(_parquet_files(root))
+
+
+def _parquet_files(root: Path) -> list[Path]:
+    """The parquet files in ``root`` and its sub-folders, one level down (never a walk of an image
+    folder: the class folders are listed, not entered)."""
+    return sorted([*root.glob("*.parquet"), *root.glob("*/*.parquet")])
+
+
+def library():
+    """The ``datasets`` library, offline and quiet, or a one-line error saying how to install it."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError:
+        raise FixresError("reading a Hugging Face dataset needs the datasets library: pip install -e '.[hf]' "
+                          "(scripts/setup.sh installs it)") from None
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def parquet_splits(root: Path) -> dict[str, list[Path]]:
+    """The parquet files below ``root`` by split name (module docstring), each list sorted. Raises
+    :class:`FixresError` for a parquet file whose path names no split."""
+    found: dict[str, list[Path]] = {}
+    for path in _parquet_files(root):
+        parts = path.relative_to(root).parts
+        split = next((m.group(1) for part in parts if (m := PARQUET_SPLIT.match(part))), None)
+        if split is None:
+            raise FixresError(f"parquet file {path} names no split: its folder or file name must start with train, "
+                              "val, validation or test (as data/train-00000-of-00001.parquet)")
+        found.setdefault(split, []).append(path)
+    return found
+
+
+def _split_names(available, root: Path) -> dict[str, str]:
+    """Our split (``train``, ``val``) -> the dataset's split name."""
+    val = next((name for name in VAL_SPLITS if name in available), None)
+    if "train" not in available or val is None:
+        raise FixresError(f"Hugging Face dataset {root} has the splits {', '.join(sorted(available)) or 'none'}: a run "
+                          f"needs train and one of {', '.join(VAL_SPLITS)}")
+    return {"train": "train", "val": val}
+
+
+class HFSplit(Dataset):
+    """One split of a Hugging Face dataset as a map-style dataset, ImageFolder's counterpart for
+    :class:`~fixres_dist.data.pipeline.SeededDataset`.
+
+    Item ``i``: ``(image, class number)``, the image a uint8 (3, H, W) RGB tensor for a JPEG, else an
+    8-bit RGB PIL image (:func:`fixres_dist.data.images.decode_image`); an image stored as a path
+    rather than bytes is read from that path. ``classes``, ``class_to_idx``, ``targets`` and ``hidden``
+    (none) as torchvision's ImageFolder has them.
+    """
+
+    def __init__(self, table, image_column: str, name: str, classes: list[str], targets: list[int]):
+        self.table, self.image_column, self.name = table, image_column, name
+        self.classes, self.targets = classes, targets
+        self.class_to_idx = {c: number for number, c in enumerate(classes)}
+        self.hidden: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def item_name(self, index: int) -> str:
+        """``<root> [<split>] row <index>``: what a message about row ``index`` names."""
+        return f"{self.name} row {index}"
+
+    def read(self, index: int) -> bytes:
+        """The image file's bytes of row ``index``."""
+        image = self.table[index][self.image_column]
+        if image.get("bytes") is not None:
+            return image["bytes"]
+        if not image.get("path"):
+            raise ValueError("the row holds no image (neither bytes nor a path)")
+        with open(image["path"], "rb") as f:
+            return f.read()
+
+    def __getitem__(self, index: int):
+        return images.decode_image(self.read(index)), self.targets[index]
+
+
+class HFData:
+    """A Hugging Face dataset folder ``root``, read and checked (:func:`open_hf_dataset`); the
+    counterpart of :class:`~fixres_dist.data.file_index.DataIndex` for a run. ``classes``: the class
+    names in label order; ``form``: ``saved`` or ``parquet``."""
+
+    built = False  # nothing to save: the dataset is its own index
+
+    def __init__(self, root: Path, form: str, splits: dict[str, HFSplit], split_names: dict[str, str],
+                 files: dict[str, list[Path]]):
+        self.root, self.form, self.splits, self.split_names, self.files = root, form, splits, split_names, files
+        self.classes = splits["train"].classes
+
+    def images(self, split: str) -> int:
+        return len(self.splits[split])
+
+    @property
+    def train_images(self) -> int:
+        return self.images("train")
+
+    def identity(self) -> dict:
+        """What a resumed run must see again (its checkpoint records it): the images of each split and a
+        SHA-256 (hex) of the class list, each data file's name and size and its last 64 KiB (a cheap
+        fingerprint: the files are not read whole at every start)."""
+        digest = hashlib.sha256(json.dumps([self.classes, self.split_names]).encode())
+        for split in SPLITS:
+            for path in self.files[split]:
+                size = path.stat().st_size
+                digest.update(f"{split}\0{path.name}\0{size}\0".encode())
+                with open(path, "rb") as f:
+                    f.seek(max(0, size - FINGERPRINT_TAIL))
+                    digest.update(f.read())
+        return {**{split: self.images(split) for split in SPLITS}, "sha256": digest.hexdigest()}
+
+    def dataset(self, split: str) -> HFSplit:
+        """Split ``split`` (``train`` or ``val``) as a dataset."""
+        return self.splits[split]
+
+    def save(self) -> None:
+        """Nothing to save (DataIndex's interface)."""
+
+    def describe(self) -> str:
+        val = self.split_names["val"]
+        return (f"data: Hugging Face dataset ({self.form}): {self.images('train'):,} train and {self.images('val'):,} "
+                f"{val} images in {len(self.classes):,} classes, {self.root}, checked")
+
+
+def open_hf_dataset(root: str | Path, cache_folder: str | Path | None = None, min_train_images: int = 1) -> HFData:
+    """Read and check the Hugging Face dataset at ``root`` (module docstring); ``cache_folder``: where
+    parquet files are converted to Arrow (``<cache_folder>/hf_datasets``; None: the library's cache).
+
+    Raises :class:`FixresError` in one line for a dataset that cannot be read, a missing train or
+    evaluation split, a split without one image and one class-label column, train and val with
+    different class names, a label outside the class list, a class without training images, or
+    fewer than ``min_train_images`` training images.
+    """
+    root = Path(root)
+    datasets = library()
+    if (root / SAVED).is_file() or (root / "state.json").is_file():
+        form = "saved"
+        with _unreadable(root):
+            loaded = datasets.load_from_disk(str(root))
+        if not isinstance(loaded, datasets.DatasetDict):
+            raise FixresError(f"{root} holds one saved split ({len(loaded):,} rows), not a DatasetDict: save "
+                              "DatasetDict({'train': ..., 'validation': ...}) with save_to_disk")
+        names = _split_names(loaded.keys(), root)
+        tables = {split: loaded[name] for split, name in names.items()}
+        files = {split: [Path(f["filename"]) for f in tables[split].cache_files] for split in SPLITS}
+    else:
+        form = "parquet"
+        found = parquet_splits(root)
+        names = _split_names(found.keys(), root)
+        files = {split: found[name] for split, name in names.items()}
+        cache = str(Path(cache_folder) / CACHE) if cache_folder is not None else None
+        with _unreadable(root):
+            loaded = datasets.load_dataset("parquet", data_files={name: [str(p) for p in files[split]]
+                                                                  for split, name in names.items()}, cache_dir=cache)
+        tables = {split: loaded[name] for split, name in names.items()}
+    splits = {split: _split(datasets, table, root, names[split], files[split]) for split, table in tables.items()}
+    train, val = splits["train"], splits["val"]
+    if train.classes != val.classes:
+        only_train = sorted(set(train.classes) - set(val.classes))[:3]
+        only_val = sorted(set(val.classes) - set(train.classes))[:3]
+        raise FixresError(f"Hugging Face dataset {root}: the class names of train and {names['val']} differ (only in "
+                          f"train {only_train}, only in {names['val']} {only_val}"
+                          f"{', or their order' if not only_train and not only_val else ''})")
+    counts = np.bincount(train.targets, minlength=len(train.classes))
+    if (counts == 0).any():
+        raise FixresError(f"Hugging Face dataset {root}: class {train.classes[int(np.argmin(counts))]!r} has no "
+                          "training images")
+    if len(train) < min_train_images:
+        raise FixresError(f"{root} holds {len(train)} training images, too few for the ranks "
+                          f"(at least {min_train_images}: 2 per rank)")
+    return HFData(root, form, splits, names, files)
+
+
+@contextlib.contextmanager
+def _unreadable(root: Path):
+    try:
+        yield
+    except FixresError:
+        raise
+    except Exception as exc:  # the library raises many types (pyarrow's, FileNotFoundError, ValueError, ...)
+        raise FixresError(f"Hugging Face dataset {root} cannot be read ({type(exc).__name__}: {first_line(exc)})") \
+            from None
+
+
+def _split(datasets, table, root: Path, name: str, files: list[Path]) -> HFSplit:
+    """Split ``name`` of the dataset as an :class:`HFSplit`: its image and class-label columns found
+    and checked, its labels read (one column read)."""
+    where = f"Hugging Face dataset {root} [{name}]"
+    features = table.features
+    image_columns = [c for c, f in features.items() if isinstance(f, datasets.Image)]
+    label_columns = [c for c, f in features.items() if isinstance(f, datasets.ClassLabel)]
+    columns = ", ".join(f"{c} ({type(f).__name__})" for c, f in features.items())
+    if len(image_columns) != 1 or len(label_columns) != 1:
+        raise FixresError(f"{where}: a run needs exactly one Image column and one ClassLabel column (which holds the "
+                          f"class names), and it has {columns}; cast them with Dataset.cast_column")
+    image_column, label_column = image_columns[0], label_columns[0]
+    classes = list(features[label_column].names)
+    labels = np.asarray(table.with_format("numpy")[label_column])
+    bad = np.flatnonzero((labels < 0) | (labels >= len(classes)))
+    if bad.size:
+        raise FixresError(f"{where}: row {int(bad[0])} has label {int(labels[bad[0]])}, not a class number of its "
+                          f"{len(classes)} classes ({bad.size:,} rows so; an unlabelled split cannot train or "
+                          "evaluate)")
+    table = table.select_columns([image_column]).cast_column(image_column, datasets.Image(decode=False))
+    return HFSplit(table, image_column, f"{root} [{name}]", classes, labels.astype(np.int64).tolist())

@@ -254,7 +254,7 @@ def test_a_hand_edited_manifest_is_refused(packed, tmp_path):
     manifest = json.loads((out / shards.MANIFEST).read_text())
     for change, message in ((lambda m: m["classes"].__setitem__(1, m["classes"][0]), "a class name appears twice"),
                             (lambda m: m["splits"]["val"]["shards"][0].__setitem__("name", "../x.tar"),
-                             "shard name '../x.tar' is not <split>-NNNNNN.tar"),
+                             "shard name '../x.tar' is not a file name ending in .tar"),
                             (lambda m: m["classes"].append("extra"), "class 'extra' has no training images")):
         edited = json.loads(json.dumps(manifest))
         change(edited)

@@ -6,11 +6,14 @@ sample number (a map-style dataset), packed data keeps what the samplers give an
 validation image evaluated once at any world size, a training stream that depends only on (seed,
 epoch), a bit-identical mid-epoch resume, repeated augmentation (:mod:`fixres_dist.data.samplers`).
 
-A packed data folder ``ROOT`` (written by ``python -m fixres_dist.data.packing``) holds
+A packed data folder ``ROOT`` (written by ``python -m fixres_dist.data.packing pack``, or shards
+written by another tool indexed in place by ``... packing index``) holds
 
-* ``train-000000.tar``, ..., ``val-000000.tar``, ...: WebDataset shards. Each sample is two tar
-  members with the same key: ``<key>.<ext>``, the image file's bytes as they were (``jpg``, ``png``,
-  ``webp``, ...), and ``<key>.cls``, its class number in decimal. WebDataset and other tools read them.
+* ``train-000000.tar``, ..., ``val-000000.tar``, ...: WebDataset shards (another tool's have its own
+  names). Each sample is tar members with the same key (WebDataset's: the member name up to the first
+  dot of its last path component): ``<key>.<ext>``, the image file's bytes as they were (``jpg``,
+  ``png``, ``webp``, ...), and ``<key>.cls``, its class number in decimal. WebDataset and other tools
+  read them. Members whose file name starts with a dot (``._x.jpg`` of macOS tar) are not samples.
 * ``train.index.npz``, ``val.index.npz``: for each sample in order, its shard, the byte offset and
   size of its image inside the shard, its class number and key (numpy arrays; :func:`index_shard`).
 * ``shards.json`` (:data:`MANIFEST`), written last: the class names in label order, and for each
@@ -30,7 +33,6 @@ import collections
 import hashlib
 import json
 import os
-import re
 import tarfile
 from pathlib import Path
 
@@ -45,10 +47,19 @@ from fixres_dist.errors import FixresError, first_line, plural
 MANIFEST = "shards.json"
 FORMAT = "fixres_dist shards 1"
 SPLITS = ("train", "val")
-SHARD_NAME = re.compile(r"(train|val)-\d{6}\.tar")
 OPEN_SHARDS = 64  # file descriptors a process keeps open (the least recently read shard is closed first)
 HASH_CHUNK = 1 << 22
 HEADER = 512  # a tar member's header: the block before its data, its name in the first 100 bytes
+NAME_FIELD = 100
+LABEL_LIMIT = 2 ** 31  # labels are below it, class list or not
+PACKED = ("packed", "pack the data again")  # what made a folder's index, and what to do when it no longer holds
+INDEXED = ("indexed", "index the shards again")
+
+
+def origin(manifest: dict) -> tuple[str, str]:
+    """How the folder of ``manifest`` was made (``packed`` or ``indexed``: another tool's shards indexed
+    in place) and what to do when its shards no longer match it, for messages."""
+    return INDEXED if manifest.get("indexed") else PACKED
 
 
 def index_name(split: str) -> str:
@@ -74,28 +85,62 @@ class ShardIndex:
     labels: np.ndarray  # int64
 
 
-def index_shard(path: Path, num_classes: int) -> ShardIndex:
-    """Index a WebDataset shard with :mod:`tarfile`: per sample (members grouped by the key before the
-    first dot of their name, in order), its image member's offset and size and its ``.cls`` label.
+def split_name(name: str) -> tuple[str, str]:
+    """A tar member's ``(key, extension)`` as WebDataset splits them: at the first dot of its last
+    path component (``./a/b.seg.png``: ``./a/b`` and ``seg.png``)."""
+    folder, slash, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return folder + slash + stem, ext
+
+
+def index_shard(path: Path, num_classes: int | None) -> ShardIndex:
+    """Index a WebDataset shard with :mod:`tarfile`: per sample (members grouped by key,
+    :func:`split_name`, in order; hidden files skipped), its image member's offset and size and its
+    ``.cls`` label. ``num_classes``: labels are below it (``None``: below :data:`LABEL_LIMIT`).
 
     Raises :class:`FixresError` naming the shard and the sample key for an unreadable or truncated
-    tar, a sample without an image or without a label, a label that is not a number or not in
-    ``range(num_classes)``.
+    tar, a sample without an image or without a label, a label that is not a number or out of range,
+    an image whose tar header :meth:`ShardSplit.read` could not check (a tar dialect it does not know).
     """
     samples: dict[str, dict[str, tarfile.TarInfo]] = collections.OrderedDict()
     try:
         with tarfile.open(path, "r:") as tar:
             for member in tar:
-                if member.isfile():
-                    key, _, ext = member.name.partition(".")
+                if member.isfile() and not member.name.rpartition("/")[2].startswith("."):
+                    key, ext = split_name(member.name)
                     samples.setdefault(key, {})[ext.lower()] = member
+            tar.fileobj.seek(tar.offset)  # where tarfile stopped: a complete tar ends with zero blocks
+            if tar.fileobj.read(HEADER) != bytes(HEADER):
+                raise tarfile.ReadError(f"no member and no end of the archive at byte {tar.offset:,}")
             labels = [_label(tar, path, key, members, num_classes) for key, members in samples.items()]
+            found = [_image_member(path, key, members) for key, members in samples.items()]
+            for key, member in zip(samples, found):
+                tar.fileobj.seek(member.offset_data - HEADER)
+                if not names_key(tar.fileobj.read(HEADER), encoded_key(key)):
+                    raise FixresError(f"shard {path}, sample {key}: the tar header before its image does not name "
+                                      "it (a tar dialect this reader does not know); write the shard with Python's "
+                                      "tarfile, GNU tar or the webdataset library")
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise FixresError(f"shard {path} cannot be read as a tar file ({type(exc).__name__}: {first_line(exc)}): "
-                          "truncated or damaged; pack it again") from None
-    found = [_image_member(path, key, members) for key, members in samples.items()]
+                          "truncated or damaged; write it again (pack, or copy it whole)") from None
     return ShardIndex(list(samples), np.array([m.offset_data for m in found], np.int64),
                       np.array([m.size for m in found], np.int64), np.array(labels, np.int64))
+
+
+def encoded_key(key: str) -> bytes:
+    """A key as the index stores it (bytes)."""
+    return key.encode(errors="surrogateescape")  # tarfile's decoding of a name that is not UTF-8
+
+
+def names_key(header: bytes, key: bytes) -> bool:
+    """Whether the tar header ``header`` (512 bytes) is of a member of sample ``key``: its name, with a
+    USTAR prefix if any, starts with ``key`` and a dot; a long name (GNU, PAX) has its first 100 bytes
+    there."""
+    name = header[:NAME_FIELD].split(b"\0")[0]
+    if header[257:263] == b"ustar\0" and header[345:346] not in (b"", b"\0"):  # POSIX, not GNU
+        name = header[345:500].split(b"\0")[0] + b"/" + name
+    expected = key + b"."
+    return name.startswith(expected) or (len(name) == NAME_FIELD and expected.startswith(name))
 
 
 def _image_member(path: Path, key: str, members: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo:
@@ -107,13 +152,16 @@ def _image_member(path: Path, key: str, members: dict[str, tarfile.TarInfo]) -> 
     return found[0]
 
 
-def _label(tar: tarfile.TarFile, path: Path, key: str, members: dict[str, tarfile.TarInfo], num_classes: int) -> int:
+def _label(tar: tarfile.TarFile, path: Path, key: str, members: dict[str, tarfile.TarInfo],
+           num_classes: int | None) -> int:
     if "cls" not in members:
         raise FixresError(f"shard {path}, sample {key}: no label (no {key}.cls member)")
     text = tar.extractfile(members["cls"]).read().strip()
-    if not text.isdigit() or int(text) >= num_classes:
+    limit = LABEL_LIMIT if num_classes is None else num_classes
+    if not text.isdigit() or int(text) >= limit:
+        within = f"(0 to {limit - 1})" if num_classes is None else f"of the class list (0 to {limit - 1})"
         raise FixresError(f"shard {path}, sample {key}: label {text.decode(errors='replace')!r} is not a class "
-                          f"number of the class list (0 to {num_classes - 1})")
+                          f"number {within}")
     return int(text)
 
 
@@ -125,12 +173,13 @@ class ShardSplit(Dataset):
     8-bit RGB PIL image (:func:`fixres_dist.data.images.decode_image`). ``classes``, ``class_to_idx``,
     ``targets`` and ``hidden`` (none) as torchvision's ImageFolder has them. Each process (rank,
     loader worker) opens the shards it reads, at most :data:`OPEN_SHARDS` at a time. Reading raises
-    :class:`FixresError` (:meth:`read`) for a shard that is not the one packed.
+    :class:`FixresError` (:meth:`read`) for a shard that is not the one packed or indexed (``made``:
+    :func:`origin`).
     """
 
     def __init__(self, root: Path, split: str, classes: list[str], shard_names: list[str],
-                 index: dict[str, np.ndarray]):
-        self.root, self.split, self.classes = root, split, classes
+                 index: dict[str, np.ndarray], made: tuple[str, str] = PACKED):
+        self.root, self.split, self.classes, self.made = root, split, classes, made
         self.class_to_idx = {name: number for number, name in enumerate(classes)}
         self.shard_paths = [str(root / name) for name in shard_names]
         self.shard, self.offset, self.size = index["shard"], index["offset"], index["size"]
@@ -145,7 +194,7 @@ class ShardSplit(Dataset):
 
     def item_name(self, index: int) -> str:
         """``<shard path>:<key>``: what a message about sample ``index`` names."""
-        return f"{self.shard_paths[self.shard[index]]}:{self.keys[index].decode()}"
+        return f"{self.shard_paths[self.shard[index]]}:{self.keys[index].decode(errors='replace')}"
 
     def read(self, index: int) -> bytes:
         """The image file's bytes of sample ``index``, read with the tar header before them, whose member
@@ -154,14 +203,14 @@ class ShardSplit(Dataset):
         shard ends before the sample does."""
         shard, offset, size = int(self.shard[index]), int(self.offset[index]), int(self.size[index])
         data = os.pread(self._descriptor(shard), size + HEADER, offset - HEADER)
-        key = self.keys[index]
+        made, again = self.made
         if len(data) != size + HEADER:
             raise FixresError(f"{self.item_name(index)}: the shard ends before this sample does (truncated since "
-                              "it was packed); pack the data again")
-        if data[:len(key) + 1] != key + b".":
-            found = data[:100].split(b"\0")[0].decode(errors="replace")
+                              f"it was {made}); {again}")
+        if not names_key(data[:HEADER], self.keys[index]):
+            found = data[:NAME_FIELD].split(b"\0")[0].decode(errors="replace")
             raise FixresError(f"{self.item_name(index)}: the shard holds {found!r} there, not this sample (replaced "
-                              "since it was packed); pack the data again, or run verify")
+                              f"since it was {made}); {again}, or run verify")
         return data[HEADER:]
 
     def __getitem__(self, index: int):
@@ -219,15 +268,16 @@ class PackedData:
     def dataset(self, split: str) -> ShardSplit:
         """Split ``split`` (``train`` or ``val``) as a dataset."""
         names = [shard["name"] for shard in self.manifest["splits"][split]["shards"]]
-        return ShardSplit(self.root, split, self.classes, names, self.indexes[split])
+        return ShardSplit(self.root, split, self.classes, names, self.indexes[split], origin(self.manifest))
 
     def save(self) -> None:
         """Nothing to save: the index is part of the packed data (DataIndex's interface)."""
 
     def describe(self) -> str:
         shards = sum(len(self.manifest["splits"][s]["shards"]) for s in SPLITS)
-        return (f"data: packed: {self.images('train'):,} train and {self.images('val'):,} val images in "
-                f"{len(self.classes):,} classes, {plural(shards, 'shard')} of {self.root} ({MANIFEST}), checked")
+        return (f"data: {origin(self.manifest)[0]}: {self.images('train'):,} train and {self.images('val'):,} val "
+                f"images in {len(self.classes):,} classes, {plural(shards, 'shard')} of {self.root} ({MANIFEST}), "
+                "checked")
 
 
 def is_packed(root: str | Path) -> bool:
@@ -249,7 +299,7 @@ def open_packed(root: str | Path, min_train_images: int = 1) -> PackedData:
     empty = [name for name, count in zip(data.classes, np.bincount(indexes["train"]["label"],
                                                                    minlength=len(data.classes))) if count == 0]
     if empty:
-        raise FixresError(f"{root / MANIFEST}: class {empty[0]!r} has no training images; pack the data again")
+        raise FixresError(f"{root / MANIFEST}: class {empty[0]!r} has no training images; {origin(manifest)[1]}")
     if data.train_images < min_train_images:
         raise FixresError(f"{root} holds {data.train_images} training images, too few for the ranks "
                           f"(at least {min_train_images}: 2 per rank)")
@@ -267,8 +317,8 @@ def read_manifest(root: Path) -> dict:
     path = root / MANIFEST
     if not path.is_file():
         raise FixresError(f"{root} holds tar shards but no {MANIFEST}: a pack that did not finish (run the "
-                          "pack command again: it continues) or shards packed elsewhere; pack them with "
-                          "python -m fixres_dist.data.packing")
+                          "pack command again: it continues) or shards written by another tool; index them with "
+                          f"python -m fixres_dist.data.packing index {root}")
     try:
         manifest = json.loads(path.read_text())
         _require(manifest["format"] == FORMAT, f"format {manifest['format']!r}, not {FORMAT!r}")
@@ -276,10 +326,12 @@ def read_manifest(root: Path) -> dict:
         _require(isinstance(classes, list) and classes and all(isinstance(c, str) and c for c in classes),
                  "the class list is not a list of names")
         _require(len(set(classes)) == len(classes), "a class name appears twice")
+        names = [shard["name"] for split in SPLITS for shard in manifest["splits"][split]["shards"]]
+        _require(len(set(names)) == len(names), "a shard is listed twice")
         for split in SPLITS:
             for shard in manifest["splits"][split]["shards"]:
-                _require(isinstance(shard["name"], str) and SHARD_NAME.fullmatch(shard["name"]),
-                         f"shard name {shard['name']!r} is not <split>-NNNNNN.tar")
+                _require(is_shard_name(shard["name"]),
+                         f"shard name {shard['name']!r} is not a file name ending in .tar")
                 _require(all(isinstance(shard[k], int) and shard[k] >= 0 for k in ("images", "bytes")),
                          f"{shard['name']}: images or bytes is not a count")
                 _require(isinstance(shard["sha256"], str), f"{shard['name']}: no SHA-256")
@@ -290,31 +342,37 @@ def read_manifest(root: Path) -> dict:
     return manifest
 
 
+def is_shard_name(name) -> bool:
+    """Whether ``name`` can be a shard's in ``shards.json``: a file name (no folder) ending in ``.tar``."""
+    return isinstance(name, str) and name.endswith(".tar") and "/" not in name and "\0" not in name
+
+
 def _checked_index(root: Path, split: str, manifest: dict) -> dict[str, np.ndarray]:
     entry = manifest["splits"][split]
+    made, again = origin(manifest)
     for shard in entry["shards"]:
         path = root / shard["name"]
         try:
             size = path.stat().st_size
         except OSError as exc:
-            raise FixresError(f"shard {path} ({split}) is missing ({exc.strerror}): copy the packed folder whole, "
-                              f"or pack the data again") from None
+            raise FixresError(f"shard {path} ({split}) is missing ({exc.strerror}): copy the {made} folder whole, "
+                              f"or {again}") from None
         if size != shard["bytes"]:
             raise FixresError(f"shard {path} is {size:,} bytes, {MANIFEST} says {shard['bytes']:,}: truncated or "
-                              "replaced since it was packed; pack the data again")
+                              f"replaced since it was {made}; {again}")
     path = root / index_name(split)
     try:
         digest = sha256(path)
     except OSError as exc:
-        raise FixresError(f"index {path} is missing ({exc.strerror}): pack the data again") from None
+        raise FixresError(f"index {path} is missing ({exc.strerror}): {again}") from None
     if digest != entry["index_sha256"]:
-        raise FixresError(f"index {path} does not match {MANIFEST} (stale, or changed since packing): pack the "
-                          "data again")
+        raise FixresError(f"index {path} does not match {MANIFEST} (stale, or changed since it was {made}): "
+                          f"{again}")
     with np.load(path) as arrays:
         index = {name: arrays[name] for name in ("shard", "offset", "size", "label", "key")}
     counts = np.bincount(index["shard"], minlength=len(entry["shards"]))
     expected = [shard["images"] for shard in entry["shards"]]
     if counts.tolist() != expected or (index["label"] >= len(manifest["classes"])).any():
         raise FixresError(f"index {path} does not match {MANIFEST} (samples per shard or class numbers differ); "
-                          "pack the data again")
+                          f"{again}")
     return index

@@ -33,6 +33,11 @@ ABSENT_IS_DEFAULT = {"absent_is_default": True}
 # from an older checkpoint means the default, and at the default the field is left out of the
 # derived job id, so that an older job's command still finds (and resumes) its job folder.
 ADDED_LATER = {"absent_is_default": True, "hashed_if_set": True}
+# Field metadata for where the data are: a resumed run may read them from another place (copied to
+# node-local disk, moved by an admin), because the checkpoint records the data's identity and a
+# resume checks that instead (fixres_dist.training.checkpoint.check_same_data); the place still
+# goes into the derived job id, so the same command on other data starts another job.
+DATA_PLACE = {"resumable": True, "in_job_id": True}
 PATH_FIELDS = ("data_path", "weight_path", "resume")  # compared as absolute paths (resolved_path)
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # --interpolation: the resize interpolations (fixres_dist.data.pipeline maps them to torchvision's modes), and
@@ -285,7 +290,7 @@ class TrainerConfig:
 
     # What to train, on what.
     mode: str = attrs.field(default="scratch", validator=_one_of("scratch", "finetune"))
-    data_path: str | None = attrs.field(default=None, converter=resolved_path)
+    data_path: str | None = attrs.field(default=None, converter=resolved_path, metadata=DATA_PLACE)
     architecture: str = "resnet18"
     low_res_stem: bool = False  # torchvision ResNets: 3x3 stride-1 conv1, no max-pool (models.build_model)
     weight_path: str | None = attrs.field(default=None, converter=resolved_path)
@@ -504,7 +509,8 @@ class TrainerConfig:
         ``--resume``) do not change the id, nor do options added later (``ADDED_LATER``) at their default.
         """
         defaults = {f.name: f.default for f in attrs.fields(type(self)) if f.metadata.get("hashed_if_set")}
-        fields = {k: v for k, v in self.to_dict().items() if k not in self.resumable_fields()
+        in_job_id = {f.name for f in attrs.fields(type(self)) if f.metadata.get("in_job_id")}
+        fields = {k: v for k, v in self.to_dict().items() if (k not in self.resumable_fields() or k in in_job_id)
                   and not (k in defaults and v == defaults[k])}
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
         architecture = re.sub(r"[^A-Za-z0-9._-]+", "-", self.architecture).strip("-.")[:64] or "model"

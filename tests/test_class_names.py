@@ -122,3 +122,12 @@ def test_a_resume_on_other_classes_is_refused_at_once(tiny_data, tmp_path, capsy
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert (f"{path} was trained on other classes than {tiny_data} holds now (1 new ({classes[0]}), 1 dropped (hat)): "
             "a resumed run must see the same data") in err
+
+
+def test_data_with_numbered_classes_say_how_to_name_them():
+    """Shards indexed without --classes have classes named by number: refusing named weights says so."""
+    with pytest.raises(FixresError, match=r"or finetune them on these\); the data's classes are numbers only: shards "
+                                          r"indexed without --classes \(python -m fixres_dist.data.packing index "
+                                          r"FOLDER --classes FILE names them\)$"):
+        class_names.check_evaluable(["tops", "trousers"], ["0", "1"], "w.pth")
+    class_names.check_evaluable(["0", "1"], ["1", "0"], "w.pth")

@@ -3,6 +3,7 @@ as parquet, read back sample by sample as the ImageFolder they came from; a run 
 run on the folder; each bad input one line naming the dataset, split and row."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
@@ -19,6 +20,7 @@ from fixres_dist.training import checkpoint
 
 datasets = pytest.importorskip("datasets", reason="the hf extra (scripts/setup.sh installs it)")
 hf_datasets.library()  # offline and quiet, as a run has it
+import pyarrow.parquet  # noqa: E402  (installed with datasets)
 
 
 def as_dataset_dict(root: Path, val_name: str = "validation") -> "datasets.DatasetDict":
@@ -126,10 +128,14 @@ def relabelled(split, classes: list[str], labels=None):
     ("no-val-split", r"has the splits train: a run needs train and one of val, validation, test$"),
     ("one-split-saved", r"holds one saved split \(80 rows\), not a DatasetDict"),
     ("empty-class", r"class '9_ankle_boot' has no training images$"),
-    ("parquet-without-split", r"parquet file .*/images.parquet names no split"),
+    ("parquet-without-split", r"has the splits none \(and parquet files of no split it reads: images.parquet; a split "
+                              r"is named by the folder or the start of the file name"),
+    ("images-moved", r"\[train\]: row 0 keeps its image as a path, and '.*/moved/.*\.png' is no file \(moved or"),
+    ("unwritable-cache", r"cannot make .*/hf_datasets/.* \(Not a directory\): the parquet files of .* are converted"),
     ("damaged-parquet", r"cannot be read \(ArrowInvalid: .*\)$"),
 ])
-def test_bad_input_is_refused_in_one_line_before_any_rank_starts(hf_saved, tmp_path, capsys, problem, message):
+def test_bad_input_is_refused_in_one_line_before_any_rank_starts(tiny_data, hf_saved, hf_parquet, tmp_path, capsys,
+                                                                 problem, message):
     rows = datasets.load_from_disk(str(hf_saved))
     train, val = rows["train"], rows["validation"]
     root = tmp_path / problem
@@ -151,6 +157,16 @@ def test_bad_input_is_refused_in_one_line_before_any_rank_starts(hf_saved, tmp_p
         save({"train": train.select(keep), "validation": val}, root)
     elif problem == "parquet-without-split":
         train.to_parquet(str(root / "images.parquet"))
+    elif problem == "images-moved":  # the images kept as paths (no bytes), then moved away
+        shutil.copytree(tiny_data, tmp_path / "moved")
+        for name, split in as_dataset_dict(tmp_path / "moved").items():  # as made: paths, no bytes yet
+            (root / "data").mkdir(parents=True, exist_ok=True)
+            pyarrow.parquet.write_table(split.data.table, root / "data" / f"{name}-00000-of-00001.parquet")
+        shutil.rmtree(tmp_path / "moved")
+    elif problem == "unwritable-cache":  # the data cache folder is under --shared-folder-path
+        shutil.copytree(hf_parquet, root)
+        (tmp_path / "runs").mkdir()
+        (tmp_path / "runs" / "file_index").write_text("a file where the cache folder goes")
     else:
         (root / "data").mkdir(parents=True)
         (root / "data" / "train-00000-of-00001.parquet").write_bytes(b"PAR1 not a parquet file")
@@ -162,9 +178,42 @@ def test_bad_input_is_refused_in_one_line_before_any_rank_starts(hf_saved, tmp_p
     assert not (tmp_path / "runs" / "j").exists()
 
 
+def test_a_parquet_file_rewritten_with_its_old_modification_time_is_converted_again(hf_parquet, tmp_path):
+    """The conversion is of the files as they are now: a file replaced (cp -p, rsync -a, tar keep the
+    modification time) is converted again, its old conversion removed, and the identity changes."""
+    root = Path(shutil.copytree(hf_parquet, tmp_path / "parquet"))
+    before = hf_datasets.open_hf_dataset(root, tmp_path / "cache")
+    path = root / "data" / "train-00000-of-00001.parquet"
+    kept = path.stat()
+    relabelled_rows = datasets.load_dataset("parquet", data_files=str(path), split="train",
+                                            cache_dir=str(tmp_path / "elsewhere"))
+    relabelled_rows.map(lambda row: {"label": (row["label"] + 1) % 10}).to_parquet(str(tmp_path / "new.parquet"))
+    shutil.move(tmp_path / "new.parquet", path)
+    os.utime(path, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    after = hf_datasets.open_hf_dataset(root, tmp_path / "cache")
+    assert after.dataset("train").targets == [(label + 1) % 10 for label in before.dataset("train").targets]
+    assert after.identity() != before.identity()
+    assert len(list((tmp_path / "cache" / hf_datasets.CACHE).glob("*/*"))) == 1
+
+
+def test_a_stray_parquet_file_leaves_an_image_folder_one_and_other_splits_are_left_out(tiny_data, hf_saved, tmp_path):
+    folder = Path(shutil.copytree(tiny_data, tmp_path / "folder"))
+    rows = datasets.load_from_disk(str(hf_saved))
+    rows["train"].to_parquet(str(folder / "stats.parquet"))
+    assert not hf_datasets.is_hf_dataset(folder)
+    root = tmp_path / "hub"
+    for name, split in (("Train", rows["train"]), ("Validation", rows["validation"]), ("unsupervised", rows["train"])):
+        split.to_parquet(str(root / "data" / f"{name}-00000-of-00001.parquet"))
+    data = hf_datasets.open_hf_dataset(root, tmp_path / "cache")
+    assert data.split_names == {"train": "train", "val": "validation"}
+    assert data.describe().endswith("checked (left out: 1 parquet files of other splits, "
+                                    "unsupervised-00000-of-00001.parquet)")
+
+
 def test_without_the_library_the_error_says_how_to_install_it(hf_saved, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(FixresError, match=r"needs the datasets library: pip install -e '\.\[hf\]'"):
+    with pytest.raises(FixresError, match=r"needs the datasets library, which cannot be imported "
+                                          r"\(ModuleNotFoundError: .*\): pip install -e '\.\[hf\]'"):
         hf_datasets.open_hf_dataset(hf_saved)
 
 

@@ -10,12 +10,14 @@ import shutil
 import tarfile
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import torch
 
 import shown_commands as shown
 from conftest import SCRATCH, evaluation_matches_scratch_job, run_main, run_on_other_data_as_scratch_job, run_script
+from fixres_dist.config import TrainerConfig
 from fixres_dist.data import file_index, packing, pipeline, shards
 from fixres_dist.errors import FixresError
 from fixres_dist.io import temporary_name
@@ -278,3 +280,19 @@ def test_a_resume_on_other_images_is_refused(scratch_job, tiny_data, packed, tmp
     again = packing.pack(tiny_data, tmp_path / "again", SHARD_MIB, progress=False)
     assert shards.open_packed(tmp_path / "again").identity() == shards.open_packed(packed).identity() != saved
     assert again["kept"] == 0
+
+
+def test_a_job_continues_on_its_data_copied_elsewhere(tiny_data, packed, tmp_path):
+    """--data-path may change on a resume (data staged to node-local disk, moved by an admin): the
+    checkpoint's data identity is checked instead, and a copy is the same data; the same command on
+    data elsewhere still derives another job id; an older checkpoint, without an identity, continues
+    only from its own path."""
+    config = TrainerConfig(data_path=str(packed))
+    moved = attrs.evolve(config, data_path=str(copy_of(packed, tmp_path)))
+    assert moved.changed_since(config.to_dict()) == [] and moved.derived_job_id() != config.derived_job_id()
+    identity = shards.open_packed(packed).identity()
+    checkpoint.check_same_data(identity, shards.open_packed(moved.data_path).identity(), "ckpt.pth", moved.data_path)
+    checkpoint.check_same_data(None, identity, "ckpt.pth", packed, str(packed))
+    with pytest.raises(FixresError, match=f"^ckpt.pth was written by an older fixres_dist, which did not record its "
+                                          f"data's identity: it continues only on its own --data-path {packed}$"):
+        checkpoint.check_same_data(None, identity, "ckpt.pth", moved.data_path, str(packed))

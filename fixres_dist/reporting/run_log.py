@@ -36,6 +36,7 @@ class RunLog:
         self.board = None  # rank 0's TensorBoardLog with --tensorboard
         self.board_every = 1  # optimizer steps between two per-step points of the training curves
         self.board_until = 0  # images trained on up to which the event files hold the curves
+        self.profiler = None  # this rank's StepProfiler with --profile (profiling.py), from start()
 
     def log(self, message: str) -> None:
         if self.rank0:
@@ -82,7 +83,8 @@ class RunLog:
 
     def start(self, history: list[dict], board_at: int, resume_at: int, images_per_epoch: int) -> None:
         """Rank 0 writes ``config.json`` and the history of the checkpoint resumed (dropping events
-        it does not know of) to ``metrics.jsonl``; with ``--tensorboard`` it opens the event files.
+        it does not know of) to ``metrics.jsonl``; with ``--tensorboard`` it opens the event files;
+        with ``--profile`` every rank starts its profiler (:mod:`fixres_dist.reporting.profiling`).
 
         ``board_at``: images trained on up to which the job's event files hold the curves
         (:func:`resumed_board_at`). ``resume_at``:
@@ -92,6 +94,10 @@ class RunLog:
         rewritten from it (no duplicate points on a curve, no gap in the per-epoch ones).
         """
         self.history = list(history)
+        if self.config.profile:
+            from fixres_dist.reporting.profiling import FOLDER, StepProfiler
+            self.profiler = StepProfiler(self.config.job_folder / FOLDER, self.config.global_rank, self.config.profile,
+                                         self.config.profile_after, self.config.device, self.log)
         if not self.rank0:
             return
         write_private(self.config.job_folder / CONFIG_FILE, self.config.to_json() + "\n")
@@ -125,6 +131,8 @@ class RunLog:
         device sync on CUDA) and the learning rate at ``images_seen`` images trained on."""
         if self.board is not None and global_step % self.board_every == 0:
             self.board.step_scalars(images_seen, loss.item() / images, lr)
+        if self.profiler is not None:
+            self.profiler.after_step()
 
     def figure(self, tag: str, figure, images_seen: int) -> None:
         if self.board is not None:
@@ -141,6 +149,8 @@ class RunLog:
         if self.board is not None:
             self.board.close()
             self.board = None
+        if self.profiler is not None:
+            self.profiler.close()
 
 
 def resumed_board_at(resume, job_folder: Path, resume_at: int) -> int:

@@ -22,7 +22,7 @@ from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, class_names, lineage, memory_budget, resolutions, weights
 from fixres_dist.models.memory_estimate import MemoryEstimate
-from fixres_dist.reporting import extraction, tensorboard_events
+from fixres_dist.reporting import extraction, profiling, tensorboard_events
 from fixres_dist.training import checkpoint
 
 
@@ -65,6 +65,9 @@ class JobInputs:
         :mod:`fixres_dist.models.class_names`)."""
         root, index, classes = _read_data(config)
         _check_accumulation(config, index)
+        if config.profile:
+            steps = -(-(-(-index.train_images // config.num_tasks)) // (config.batch * config.grad_accum_steps))
+            profiling.check_window(config.profile, config.profile_after, steps * config.epochs)
         _check_job_folder(config)
         path, note = checkpoint.resume_source(config.job_folder, config.resume)
         resume = None

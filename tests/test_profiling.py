@@ -1,0 +1,43 @@
+"""--profile (issue 27, in part): a torch.profiler trace of a window of training steps on every rank,
+readable as a Chrome trace, with each rank's top operators; a window beyond the run refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import shown_commands as shown
+from conftest import run_main, run_script
+from fixres_dist import FixresError, TrainerConfig
+
+
+def test_each_rank_writes_the_trace_of_its_window_and_its_top_operators(tiny_data, tmp_path):
+    """docs/profiling.md's command on tiny_data (10 steps of 8 images on each of 2 ranks): 3 steps after
+    5, as a Chrome trace per rank that json reads (torch.profiler's own format: traceEvents), three
+    ProfilerStep spans in it, and the top operators as text."""
+    shown_command = shown.command("python main_scratch.py --num-tasks 2 --architecture resnet20 --epochs 1 --profile")
+    command = shown.argv(shown_command)
+    result = run_script("scratch", *command[2:], "--data-path", tiny_data, "--shared-folder-path", tmp_path,
+                        "--batch", 4, "--input-size", 32, "--workers", 0, "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "profiled" / "profile"
+    assert f"profile: {folder} (a Chrome trace and the top operators of each rank" in result.stdout
+    for rank in (0, 1):
+        [trace] = folder.glob(f"rank{rank}.*.pt.trace.json")
+        events = json.loads(trace.read_text())["traceEvents"]
+        steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+        assert steps == ["ProfilerStep#5", "ProfilerStep#6", "ProfilerStep#7"], steps
+        assert any(e.get("name") == "aten::convolution" for e in events)
+        table = (folder / f"rank{rank}.txt").read_text()
+        assert "Self CPU" in table and "aten::" in table
+
+
+def test_a_window_beyond_the_run_and_one_without_training_are_refused(tiny_data, tmp_path, capsys):
+    status, err = run_main(capsys, "scratch", "--data-path", tiny_data, "--shared-folder-path", tmp_path,
+                           "--num-tasks", 2, "--batch", 8, "--epochs", 1, "--profile", 3, "--job-id", "j")
+    assert status == 1 and err.count("\n") == 1, err
+    assert ("--profile 3 after --profile-after 5: the window ends at step 8, but this run has 5 optimizer steps; "
+            "lower --profile-after or --profile") in err
+    assert not (tmp_path / "j").exists()
+    with pytest.raises(FixresError, match="--profile records training steps, and --eval-only trains none"):
+        TrainerConfig(mode="finetune", eval_only=True, weight_path=str(tmp_path / "w.pth"), profile=2)

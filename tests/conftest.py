@@ -21,7 +21,8 @@ startup.quiet_native_logs()  # before torch loads, as the scripts do (the jobs' 
 import torch
 
 import launched  # imports torch
-from fixres_dist.data.pipeline import embedded_data_path
+from fixres_dist.data.images import read_image
+from fixres_dist.data.pipeline import ToUint8Tensor, embedded_data_path, image_folder
 from fixres_dist.entry import launch as launcher
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
@@ -103,6 +104,23 @@ def clean_env(**extra) -> dict:
 
 
 FAST = ["--input-size", "32", "--batch", "8", "--epochs", "1", "--workers", "0", "--no-progress"]
+
+
+def as_tensor(image) -> torch.Tensor:
+    """A decoded image (uint8 tensor or PIL image) as a uint8 (3, H, W) tensor, to compare pixels."""
+    return image if isinstance(image, torch.Tensor) else ToUint8Tensor()(image)
+
+
+def assert_holds_the_folder(folder: Path, dataset_of) -> None:
+    """``dataset_of(split)`` (packed shards, a Hugging Face dataset) holds the image folder ``folder``'s
+    samples, split by split, in its order: the same labels and the same decoded pixels."""
+    for split in ("train", "val"):
+        ours, files = dataset_of(split), image_folder(folder, split)
+        assert len(ours) == len(files) and ours.targets == files.targets
+        for index, (path, label) in enumerate(files.samples):
+            image, our_label = ours[index]
+            assert our_label == label
+            assert torch.equal(as_tensor(image), as_tensor(read_image(path))), path
 
 
 def run_on_other_data_as_scratch_job(scratch_job: Path, data: Path, tmp_path: Path, data_line: str) -> None:

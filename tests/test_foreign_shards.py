@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 import shown_commands as shown
+from conftest import as_tensor
 from fixres_dist.data import images, packing, pipeline, shards
 from fixres_dist.data.samplers import SampleKey
 from fixres_dist.errors import FixresError
@@ -111,10 +112,6 @@ def test_shards_written_by_hand_are_indexed_in_place_and_read_back_sample_by_sam
     assert packing.main(["pack", str(tiny_data), str(folder), "--no-progress"]) == 1
     assert capsys.readouterr().err.startswith(f"fixres_dist: {folder} holds files that are not a pack's")
     assert digests(folder) == after
-
-
-def as_tensor(image) -> torch.Tensor:
-    return image if isinstance(image, torch.Tensor) else pipeline.ToUint8Tensor()(image)
 
 
 def test_without_classes_the_labels_numbers_name_the_classes_and_globs_choose_the_shards(tiny_data, tmp_path,

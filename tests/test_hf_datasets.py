@@ -10,10 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import shown_commands as shown
-from conftest import evaluation_matches_scratch_job, run_main, run_on_other_data_as_scratch_job, run_script
+from conftest import (
+    assert_holds_the_folder,
+    evaluation_matches_scratch_job,
+    run_main,
+    run_on_other_data_as_scratch_job,
+    run_script,
+)
 from fixres_dist.data import file_index, hf_datasets, pipeline
 from fixres_dist.errors import FixresError
 from fixres_dist.training import checkpoint
@@ -49,10 +54,6 @@ def hf_parquet(hf_saved, tmp_path_factory) -> Path:
     return out
 
 
-def as_tensor(image) -> torch.Tensor:
-    return image if isinstance(image, torch.Tensor) else pipeline.ToUint8Tensor()(image)
-
-
 @pytest.mark.parametrize("form", ["saved", "parquet"])
 def test_the_dataset_holds_the_folder_sample_by_sample(tiny_data, hf_saved, hf_parquet, tmp_path, form):
     root = {"saved": hf_saved, "parquet": hf_parquet}[form]
@@ -61,13 +62,7 @@ def test_the_dataset_holds_the_folder_sample_by_sample(tiny_data, hf_saved, hf_p
     assert data.classes == pipeline.check_image_folder(tiny_data)
     assert data.describe() == (f"data: Hugging Face dataset ({form}): 80 train and 30 validation images in 10 classes, "
                                f"{root}, checked")
-    for split in hf_datasets.SPLITS:
-        folder, ours = pipeline.image_folder(tiny_data, split), data.dataset(split)
-        assert len(ours) == len(folder) and ours.targets == folder.targets
-        for index, (path, label) in enumerate(folder.samples):
-            image, our_label = ours[index]
-            assert our_label == label
-            assert torch.equal(as_tensor(image), as_tensor(pipeline.images.read_image(path))), path
+    assert_holds_the_folder(tiny_data, data.dataset)
     if form == "parquet":  # converted once, in the data cache folder, and reused
         assert list((tmp_path / hf_datasets.CACHE).iterdir())
 

@@ -13,10 +13,16 @@ from pathlib import Path
 import attrs
 import numpy as np
 import pytest
-import torch
 
 import shown_commands as shown
-from conftest import SCRATCH, evaluation_matches_scratch_job, run_main, run_on_other_data_as_scratch_job, run_script
+from conftest import (
+    SCRATCH,
+    assert_holds_the_folder,
+    evaluation_matches_scratch_job,
+    run_main,
+    run_on_other_data_as_scratch_job,
+    run_script,
+)
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import file_index, packing, pipeline, shards
 from fixres_dist.errors import FixresError
@@ -39,23 +45,13 @@ def copy_of(packed: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(packed, tmp_path / "copy"))
 
 
-def as_tensor(image) -> torch.Tensor:
-    return image if isinstance(image, torch.Tensor) else pipeline.ToUint8Tensor()(image)
-
-
 def test_the_shards_hold_the_folder_sample_by_sample(tiny_data, packed):
     """Every sample, in order: the same label and the same decoded pixels as the ImageFolder's file;
     several train shards; each is a WebDataset tar (key.png + key.cls); verify reads them all."""
     data = shards.open_packed(packed)
     assert data.classes == pipeline.check_image_folder(tiny_data)
     assert len(data.manifest["splits"]["train"]["shards"]) > 2
-    for split in shards.SPLITS:
-        folder, ours = pipeline.image_folder(tiny_data, split), data.dataset(split)
-        assert len(ours) == len(folder) and ours.targets == folder.targets
-        for index, (path, label) in enumerate(folder.samples):
-            image, our_label = ours[index]
-            assert our_label == label
-            assert torch.equal(as_tensor(image), as_tensor(pipeline.images.read_image(path))), path
+    assert_holds_the_folder(tiny_data, data.dataset)
     with tarfile.open(packed / "val-000000.tar") as tar:
         assert tar.getnames()[:2] == ["00000000.png", "00000000.cls"]
     count = sum(len(data.manifest["splits"][split]["shards"]) for split in shards.SPLITS)

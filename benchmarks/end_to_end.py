@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
+from fixres_dist import TrainerConfig
 from fixres_dist.data.samplers import ExactBatchSampler
 from input_pipeline import make_jpeg_folder  # benchmarks/ is this script's folder
 from step_overhead import FixedBatchLoader, RawLoop
@@ -72,7 +73,8 @@ def raw_loop(args, num_classes: int, steps: int) -> float:
     torch.backends.cudnn.benchmark = device.type == "cuda"
     spec = {"architecture": args.architecture, "size": args.size, "channels_last": args.channels_last,
             "compile": args.compile, "amp": args.amp}
-    raw = RawLoop(spec, num_classes, {"lr": 0.1, "momentum": 0.9, "weight_decay": 5e-5}, device, world=1)
+    cfg = TrainerConfig(weight_decay=5e-5)  # SGD, momentum 0.9, as the real run's defaults
+    raw = RawLoop(spec, num_classes, cfg, 0.1, device, world=1)
     images = torch.randint(0, 256, (args.batch, 3, args.size, args.size), dtype=torch.uint8).to(device)
     labels = torch.randint(0, num_classes, (args.batch,)).to(device)
     loader = FixedBatchLoader(images, labels, ExactBatchSampler(args.batch * steps, 1, 0, args.batch, shuffle=False))

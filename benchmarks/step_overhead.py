@@ -77,6 +77,7 @@ from fixres_dist import FixresWarning, Trainer, TrainerConfig
 from fixres_dist.data.pipeline import check_image_folder, embedded_data_path, normalize
 from fixres_dist.data.samplers import ExactBatchSampler
 from fixres_dist.distributed import collectives, placement
+from fixres_dist.training.network import BUFFER_SYNC
 from fixres_dist.training.optim import parameter_groups
 
 TARGET = 0.97
@@ -149,7 +150,7 @@ class RawLoop:
         if world > 1:
             self.model = DistributedDataParallel(self.model,
                                                  device_ids=[device.index] if device.type == "cuda" else None,
-                                                 forward_sync_buffers=False)
+                                                 **{BUFFER_SYNC: False})
         self.forward = torch.compile(self.model, backend=spec["compile"]) if spec["compile"] else self.model
         self.compile_failed = None
         self.amp = AMP_DTYPES[spec["amp"]]

@@ -100,7 +100,7 @@ def test_to_device_normalises_into_channels_last():
 @TWO_GPUS
 def test_nccl_two_ranks_one_gpu_each(tiny_data, tmp_path):
     proc = run_script("scratch", "--num-tasks", 2, "--job-id", "nccl", "--shared-folder-path", tmp_path,
-                      "--data-path", tiny_data, *FAST, *CUDA, "--dist-backend", "nccl", timeout=400)
+                      "--data-path", tiny_data, *FAST, *CUDA, "--dist-backend", "nccl")
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((tmp_path / "nccl" / "config.json").read_text())
     assert config["dist_backend"] == "nccl" and config["device"] == "cuda" and config["num_tasks"] == 2
@@ -143,9 +143,10 @@ def test_fp16_grad_scaler_is_checkpointed_and_restored(tiny_data, tmp_path):
     assert all(0 < e["loss"] < 10 for e in _events(tmp_path / "fp16") if e["event"] == "train")
 
 
+@pytest.mark.timeout(900)  # inductor compiles forward and backward first
 def test_compile_runs_compiled(tiny_data, tmp_path):
     proc = run_script("scratch", "--job-id", "compiled", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
-                      *FAST, *CUDA, "--compile", timeout=600)
+                      *FAST, *CUDA, "--compile")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "uncompiled" not in _output(proc), _output(proc)[-3000:]  # the Trainer's fall-back warning
     assert json.loads((tmp_path / "compiled" / "config.json").read_text())["compile"] == "inductor"
@@ -177,7 +178,7 @@ def test_local_rank_without_a_gpu_is_refused_in_one_line(tiny_data, tmp_path):
                                capture_output=True, text=True, env=env, check=True).stdout)
     proc = run_script("scratch", "--num-tasks", count + 1, "--global-rank", count, "--job-id", "nogpu",
                       "--shared-folder-path", tmp_path, "--data-path", tiny_data, *FAST, *CUDA,
-                      "--dist-timeout", 30, env=env, timeout=120)
+                      "--dist-timeout", 30, env=env)
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -216,7 +217,10 @@ def test_divergence_on_cuda_stops_with_the_last_good_checkpoint(tiny_data, tmp_p
                       "--ckpt-every", "1")
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("fixres_dist: rank 0: non-finite loss (NaN or infinity) at epoch 1, step "), line
+    # the loss at a step is finite when the weights it was computed from were; the update after it may
+    # not be: then the checkpoint's own guard stops the run, naming the weights
+    assert line.startswith(("fixres_dist: rank 0: non-finite loss (NaN or infinity) at epoch 1, step ",
+                            "fixres_dist: rank 0: non-finite weights after epoch 1, step ")), line
     state = load_checkpoint(tmp_path / "nan" / CHECKPOINT_FILE)  # refuses non-finite weights
     assert f"(step {state['global_step']}) is kept" in line
     for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines():

@@ -35,7 +35,7 @@ import torch
 from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.errors import FixresError
 from fixres_dist.io import fsync_folder, safe_load, write_private
-from fixres_dist.training.finite import describe_non_finite, non_finite_tensors
+from fixres_dist.training.finite import NonFiniteWeights, describe_non_finite, non_finite_tensors
 
 CHECKPOINT_FILE = "checkpoint.pth"
 FORMAT_VERSION = 1
@@ -60,15 +60,16 @@ def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int
     Only this job's numbered checkpoints in ``folder`` are deleted to keep ``keep``, never the file
     ``protect`` (the one ``--resume`` named, which this job did not write).
     ``fault_hook(global_step, file)`` is called mid-write (tests). Raises :class:`FixresError` when
-    the write fails (full or read-only disk), and before writing anything when ``state["model"]`` or
-    ``state["optimizer"]`` holds NaN or infinity (weights that diverged are never a checkpoint); the
-    previous checkpoints are left intact.
+    the write fails (full or read-only disk), and :class:`~fixres_dist.training.finite.NonFiniteWeights`
+    before writing anything when ``state["model"]`` or ``state["optimizer"]`` holds NaN or infinity
+    (weights that diverged are never a checkpoint); the previous checkpoints are left intact.
     """
     folder = Path(folder)
     bad, total = non_finite_tensors({key: state.get(key) for key in ("model", "optimizer")})
     if bad:
-        raise FixresError(f"checkpoint of step {global_step} not written: {describe_non_finite(bad, total)} "
-                          "(training diverged); the previous checkpoint is kept")
+        detail = describe_non_finite(bad, total)
+        raise NonFiniteWeights(f"checkpoint of step {global_step} not written: {detail} (training diverged); "
+                               "the previous checkpoint is kept", detail)
     path = folder / f"checkpoint-{global_step:08d}.pth"
 
     def write(f) -> None:

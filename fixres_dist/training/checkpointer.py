@@ -56,7 +56,7 @@ class Checkpointer:
         epoch_sums = collectives.all_reduce_sum(sums).tolist()  # all ranks: a collective
         if not all(map(math.isfinite, epoch_sums)):  # a last guard: the callers agreed on this step first
             raise self.diverged(state, state.global_step)
-        error, shards, digests = None, None, None
+        error, weights, shards, digests = None, None, None, None
         if network.sharded:  # every rank writes its shards first (a collective)
             try:
                 shards, digests = checkpoint_shards.write(
@@ -79,9 +79,13 @@ class Checkpointer:
             try:
                 checkpoint.save_checkpoint(cfg.job_folder, contents.as_dict(), state.global_step, cfg.keep_checkpoints,
                                            self.faults.checkpoint_write, protect=cfg.resume)
+            except finite.NonFiniteWeights as exc:  # the update after a finite loss diverged
+                error, weights = str(exc), exc.detail
             except FixresError as exc:
                 error = str(exc)
-        error = collectives.broadcast_object(error)
+        error, weights = collectives.broadcast_object((error, weights))
+        if weights:
+            raise self.diverged(state, state.global_step, weights)
         if error:
             raise FixresError(error if cfg.global_rank == 0 else f"rank 0 could not write the checkpoint: {error}")
         self.unsaved, self.last_step = False, state.global_step
@@ -117,13 +121,16 @@ class Checkpointer:
             self.run_log.log(f"resumed from {resume.path}: epoch {state.epoch + 1}, image {state.images_in_epoch} of "
                              f"the epoch, step {state.global_step}")
 
-    def diverged(self, state: TrainState, step: int) -> finite.NonFiniteLoss:
-        """Every rank, at a non-finite loss of optimizer step ``step``: records it; returns the error to
-        raise (nothing more is written)."""
+    def diverged(self, state: TrainState, step: int, weights: str | None = None) -> finite.NonFiniteLoss:
+        """Every rank, at a non-finite loss of optimizer step ``step`` (or, with ``weights`` saying which
+        tensors, non-finite weights after it): records it; returns the error to raise (nothing more is
+        written)."""
         cfg = self.config
-        self.run_log.record("diverged", epoch=state.epoch + 1, step=step, reason="non-finite loss")
+        self.run_log.record("diverged", epoch=state.epoch + 1, step=step,
+                            reason="non-finite weights" if weights else "non-finite loss")
         kept = (f"the last good checkpoint (step {self.last_step}) is kept in {cfg.job_folder}"
                 if self.last_step is not None else "no checkpoint was written")
-        return finite.NonFiniteLoss(f"non-finite loss (NaN or infinity) at epoch {state.epoch + 1}, step {step}: "
-                                    f"training stopped on all ranks; {kept}; lower --learning-rate "
+        what = (f"non-finite weights after epoch {state.epoch + 1}, step {step} ({weights})" if weights else
+                f"non-finite loss (NaN or infinity) at epoch {state.epoch + 1}, step {step}")
+        return finite.NonFiniteLoss(f"{what}: training stopped on all ranks; {kept}; lower --learning-rate "
                                     "(or raise --warmup-epochs) and use a new --job-id")

@@ -34,6 +34,15 @@ class NonFiniteLoss(FixresError):
     """Training produced a NaN or infinite loss (or outputs): every rank stops, nothing is written."""
 
 
+class NonFiniteWeights(FixresError):
+    """The weights or optimizer state to checkpoint hold NaN or infinity (an update diverged after a
+    finite loss); ``detail`` says which tensors (:func:`describe_non_finite`)."""
+
+    def __init__(self, message: str, detail: str):
+        super().__init__(message)
+        self.detail = detail
+
+
 class LossWatch:
     """This rank's first optimizer step with a non-finite loss (:attr:`first_bad`, None while all finite)."""
 

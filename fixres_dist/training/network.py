@@ -9,6 +9,7 @@ model itself: :mod:`fixres_dist.distributed.sharding`), the forward that trainin
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -22,6 +23,11 @@ from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, batchnorm, lineage, preprocessing, resolutions, weights
 from fixres_dist.models.ema import ModelEMA
 from fixres_dist.training.engine import AMP_DTYPES
+
+# DDP's switch for re-broadcasting rank 0's buffers at each forward: torch 2.14 renamed it
+# forward_sync_buffers (the old name warns there); torch 2.4-2.13 knows only broadcast_buffers
+BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else "broadcast_buffers")
 
 
 class Network:
@@ -157,7 +163,7 @@ class Network:
             self._shard([model] + ([average] if average is not None else []))
         else:
             self.wrapped = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda"
-                                                   else None, forward_sync_buffers=cfg.dist_bn == "broadcast")
+                                                   else None, **{BUFFER_SYNC: cfg.dist_bn == "broadcast"})
         self.forward = torch.compile(self.wrapped, backend=cfg.compile) if cfg.compile else self.wrapped
         self._compile_checked = not cfg.compile
 

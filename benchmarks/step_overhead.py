@@ -77,6 +77,7 @@ from fixres_dist import FixresWarning, Trainer, TrainerConfig
 from fixres_dist.data.pipeline import check_image_folder, embedded_data_path, normalize
 from fixres_dist.data.samplers import ExactBatchSampler
 from fixres_dist.distributed import collectives, placement
+from fixres_dist.reporting.step_times import StepTimes
 from fixres_dist.training.network import BUFFER_SYNC
 from fixres_dist.training.optim import parameter_groups
 
@@ -222,7 +223,7 @@ def trainer_config(spec: dict, rank: int, world: int, port: int, folder: str) ->
     fields.update({k: v for k, v in speed.items() if k in known})
     if spec.get("recipe_options"):
         fields.update(RECIPE_OPTIONS)
-    return TrainerConfig(**fields)
+    return TrainerConfig(**fields, step_times=spec.get("step_times", True))
 
 
 def run_rank(rank: int, world: int, port: int, spec: dict, folder: str) -> None:
@@ -300,6 +301,21 @@ def run_rank(rank: int, world: int, port: int, spec: dict, folder: str) -> None:
         trainer.close()
 
 
+def marks_cost(device: str, steps: int = 20000) -> float:
+    """Microseconds per step of the step times' own work, timed directly: the five marks and the
+    bucket mark of ``steps`` steps, then the epoch's summary (CUDA events on a GPU)."""
+    times = StepTimes(torch.device(device), rank=0)
+    times.start_epoch()
+    start = time.perf_counter()
+    for _ in range(steps):
+        times.mark("batch")
+        times.bucket_ready()
+        for point in ("backward", "optimizer", "done"):
+            times.mark(point)
+    times.summary()
+    return 1e6 * (time.perf_counter() - start) / steps
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -340,6 +356,10 @@ def main() -> None:
     parser.add_argument("--recipe-options", action="store_true",
                         help="both loops with Nesterov momentum, label smoothing, MixUp/CutMix, "
                              "2 accumulated micro-batches, gradient clipping and an EMA per step")
+    parser.add_argument("--step-times", choices=["on", "off", "both"], default="on",
+                        help="the Trainer's always-on step breakdown (--step-times of the scripts); both: each "
+                             "configuration with and without it, and its overhead = 1 - (Trainer/raw with it) / "
+                             "(Trainer/raw without it), each against its own raw loop run side by side")
     parser.add_argument("--json", metavar="FILE", help="also write the rows here (list of dicts)")
     args = parser.parse_args()
 
@@ -358,6 +378,7 @@ def main() -> None:
         raise SystemExit("step_overhead: --device cuda but no CUDA GPU is visible")
     variants = [None if b.strip() in ("none", "off", "") else b.strip() for b in str(preset["compile"]).split(",")]
     worlds = [int(w) for w in str(preset["world_sizes"]).split(",")]
+    timings = {"on": [True], "off": [False], "both": [True, False]}[args.step_times]
 
     where = (f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()}" if device == "cuda"
              else f"{len(os.sched_getaffinity(0))} cores")
@@ -372,13 +393,14 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as folder:
         for arch, size in parse_configs(preset["configs"]):
-            for backend in variants:
+            for backend, timed in ((b, t) for b in variants for t in timings):
                 for world in worlds:
                     if device == "cuda" and world > torch.cuda.device_count():
                         print(f"| {arch + ' @ ' + str(size):<17} | {world:>5} | "
                               f"skipped: {torch.cuda.device_count()} GPU(s) visible |")
                         continue
-                    spec = {"name": f"{arch}-{size}-{backend or 'off'}-w{world}", "architecture": arch, "size": size,
+                    spec = {"name": f"{arch}-{size}-{backend or 'off'}-w{world}-t{int(timed)}", "architecture": arch,
+                            "size": size, "step_times": timed,
                             "batch": preset["batch"], "steps": preset["steps"], "repeats": preset["repeats"],
                             "device": device, "amp": amp, "channels_last": channels_last, "compile": backend,
                             "recipe_options": args.recipe_options}
@@ -389,7 +411,7 @@ def main() -> None:
                     path = Path(folder) / f"result-{spec['name']}.json"
                     r = json.loads(path.read_text()) if path.exists() else {"error": "no result"}
                     r.update(architecture=arch, size=size, world=world, compile=backend or "off", amp=amp,
-                             channels_last=channels_last, device=device, batch=preset["batch"])
+                             channels_last=channels_last, device=device, batch=preset["batch"], step_times=timed)
                     rows.append(r)
                     if "error" in r:
                         print(f"| {arch + ' @ ' + str(size):<17} | {world:>5} | {backend or 'off':<8} | "
@@ -402,7 +424,21 @@ def main() -> None:
                           f"{r['raw']:>9,.0f} | {r['trainer']:>13,.0f} | {r['ratio']:5.3f} | "
                           f"{r['epoch_ratio']:11.3f} | "
                           f"{mem} |" + ("" if r["ratio"] >= TARGET else " below target")
-                          + (f" ({r['note']})" if r.get("note") else ""), flush=True)
+                          + (f" ({r['note']})" if r.get("note") else "")
+                          + ("" if timed else " (without step times)"), flush=True)
+    for on in (r for r in rows if r["step_times"] and "error" not in r):
+        off = next((r for r in rows if not r["step_times"] and "error" not in r
+                    and all(r[k] == on[k] for k in ("architecture", "size", "world", "compile"))), None)
+        if off is not None:
+            on["step_times_overhead"] = 1 - on["ratio"] / off["ratio"]
+            print(f"step times, {on['architecture']} @ {on['size']}, {on['world']} rank(s), compile {on['compile']}: "
+                  f"Trainer/raw {on['ratio']:.3f} with them, {off['ratio']:.3f} without: overhead "
+                  f"{100 * on['step_times_overhead']:+.1f} % of a step (target <= 1 %)")
+            on["marks_us"] = marks_cost(device)
+            step_us = 1e6 * on["world"] * on["batch"] / on["trainer"]
+            print(f"  timed directly: the marks and the epoch's summary cost {on['marks_us']:.1f} us per step, "
+                  f"{100 * on['marks_us'] / step_us:.3f} % of this {step_us / 1000:.1f} ms step (DDP's Python "
+                  "communication hook not included)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -388,6 +388,8 @@ class TrainerConfig:
     # after --profile-after steps of this process, on every rank.
     profile: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
     profile_after: int = attrs.field(default=5, validator=_non_negative, metadata=RESUMABLE)
+    # Each rank's step breakdown per epoch, stragglers and a loader-bound job (reporting/step_times.py).
+    step_times: bool = attrs.field(default=True, metadata=RESUMABLE)
 
     def __attrs_post_init__(self):
         if self.global_rank >= self.num_tasks:

@@ -118,6 +118,11 @@ def test_bf16_channels_last_run(tiny_data, tmp_path):
     train = [e for e in _events(tmp_path / "bf16") if e["event"] == "train"]
     assert len(train) == 1 and 0 < train[0]["loss"] < 10  # finite, sane
     assert load_checkpoint(tmp_path / "bf16" / CHECKPOINT_FILE)["scaler"] is None  # no GradScaler for bf16
+    [times] = [e for e in _events(tmp_path / "bf16") if e["event"] == "step_times"]  # from CUDA events
+    [rank] = times["ranks"]
+    assert rank["memory"] == "cuda max_memory_allocated" and 0 < rank["peak_memory_gib"] < 4
+    assert rank["ms_per_step"]["collectives"] is None and all(
+        v >= 0 for k, v in rank["ms_per_step"].items() if k != "collectives")
 
 
 def test_fp16_grad_scaler_is_checkpointed_and_restored(tiny_data, tmp_path):

@@ -467,6 +467,10 @@ def _add_speed(p: argparse.ArgumentParser, mode: str) -> None:
     g.add_argument("--profile-after", type=int, metavar="STEPS",
                    help=f"steps of this process before the --profile window, a warm-up "
                         f"({_default_help(mode)('profile_after')})")
+    g.add_argument("--step-times", action=argparse.BooleanOptionalAction, default=None,
+                   help="per epoch and rank: the time of a step waiting for data, in forward and backward, in the "
+                        "gradient all-reduce, in the optimizer; peak memory; stragglers and a loader-bound job "
+                        "warned, docs/profiling.md (default: on)")
 
 
 def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:

@@ -13,6 +13,9 @@ Each step of the window is a ``ProfilerStep#K`` span: the time between two steps
 wait for data shows before the step's forward, backward and optimizer operators. CPU activity is
 recorded always, CUDA activity on a GPU. Nothing is recorded, and nothing costs anything, without
 ``--profile`` (no profiler object exists).
+
+:func:`draw_trace` (``python -m fixres_dist.reporting.profiling TRACE.json PICTURE.png``) draws a
+trace's timeline with matplotlib, for a page or a report where no trace viewer runs.
 """
 from __future__ import annotations
 
@@ -74,3 +77,93 @@ class StepProfiler:
         if not self.stopped:
             self.stopped = True
             self.profiler.stop()
+
+
+def _outermost(events: list[dict]) -> list[dict]:
+    """The events of one thread or stream that no earlier one encloses, by start time."""
+    kept, end = [], float("-inf")
+    for event in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        if event["ts"] >= end:
+            kept.append(event)
+            end = event["ts"] + event["dur"]
+    return kept
+
+
+def _kind(event: dict) -> str:
+    name = event["name"]
+    if "DataLoader" in name:
+        return "waiting for data"
+    if name.startswith("Optimizer."):
+        return "optimizer"
+    if "backward" in name.lower() or "Backward" in name or "autograd" in name:
+        return "backward"
+    if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+        return "GPU kernel"
+    return "forward and other"
+
+
+def draw_trace(trace: Path, picture: Path, title: str = "") -> None:
+    """Draw the Chrome trace ``trace`` (a ``--profile`` file) as a timeline into ``picture`` (PNG): one
+    lane per CPU thread (its outermost operators) and per GPU stream (kernels), the ``ProfilerStep``
+    spans above them; colours by what an operator does (data, forward, backward, optimizer, kernel).
+    Milliseconds from the window's start on the x axis. Raises :class:`FixresError` for a file that
+    is not such a trace."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    try:
+        events = [e for e in json.loads(Path(trace).read_text())["traceEvents"]
+                  if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FixresError(f"{trace}: not a torch.profiler Chrome trace ({type(exc).__name__}: {exc})") from None
+    steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
+    if not steps:
+        raise FixresError(f"{trace}: no ProfilerStep spans: not a --profile trace")
+    start = min(e["ts"] for e in steps)
+    lanes: dict[str, list[dict]] = {}
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation") and not e["name"].startswith("ProfilerStep#"):
+            lanes.setdefault(f"CPU thread {e['tid']}", []).append(e)
+        elif e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            lanes.setdefault(f"GPU stream {e['tid']}", []).append(e)
+    colours = {"waiting for data": "tab:orange", "forward and other": "tab:blue", "backward": "tab:red",
+               "optimizer": "tab:green", "GPU kernel": "tab:purple"}
+    names = sorted(lanes, key=lambda lane: (lane.startswith("GPU"), -len(lanes[lane])))
+    fig, axis = plt.subplots(figsize=(12, 1.2 + 0.6 * len(names)))
+    for row, lane in enumerate(names):
+        for e in _outermost(lanes[lane]) if lane.startswith("CPU") else lanes[lane]:
+            axis.barh(row, e["dur"] / 1000, left=(e["ts"] - start) / 1000, height=0.6, color=colours[_kind(e)],
+                      linewidth=0)
+    for e in steps:
+        axis.barh(len(names), e["dur"] / 1000, left=(e["ts"] - start) / 1000, height=0.5, color="lightgrey",
+                  edgecolor="black", linewidth=0.5)
+        axis.text((e["ts"] - start + e["dur"] / 2) / 1000, len(names), e["name"], ha="center", va="center",
+                  fontsize=7)
+    axis.set_yticks(range(len(names) + 1), [*names, "steps"])
+    axis.invert_yaxis()
+    axis.set_xlabel("milliseconds from the window's start")
+    axis.set_title(title or Path(trace).name, fontsize=9, pad=22)
+    axis.legend(handles=[matplotlib.patches.Patch(color=c, label=k) for k, c in colours.items()], fontsize=7,
+                loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=5, frameon=False)
+    fig.tight_layout()
+    fig.savefig(picture, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from fixres_dist.errors import say
+
+    if len(sys.argv) not in (3, 4):
+        say("usage: python -m fixres_dist.reporting.profiling TRACE.json PICTURE.png [TITLE]")
+        raise SystemExit(2)
+    try:
+        draw_trace(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:])
+    except FixresError as exc:
+        say(f"fixres_dist.reporting.profiling: {exc}")
+        raise SystemExit(1) from None

@@ -17,6 +17,7 @@ from fixres_dist.config import CONFIG_FILE, TrainerConfig
 from fixres_dist.errors import FixresWarning
 from fixres_dist.io import write_private
 from fixres_dist.reporting.metrics import METRICS_FILE, MetricsLog
+from fixres_dist.reporting.step_times import findings as step_times_findings
 
 POINTS_PER_EPOCH = 50  # about this many points of the per-step training curves an epoch
 
@@ -59,9 +60,11 @@ class RunLog:
             self.board.event(entry)
         return entry
 
-    def epoch_trained(self, epoch: int, result, lr: float) -> None:
+    def epoch_trained(self, epoch: int, result, lr: float, step_times: list[dict | None] | None = None) -> None:
         """Epoch ``epoch`` (0-based) trained: its ``train`` event and log line, from its
-        :class:`~fixres_dist.training.engine.EpochResult` and the learning rate at its end."""
+        :class:`~fixres_dist.training.engine.EpochResult` and the learning rate at its end; then, from
+        every rank's step times (:meth:`StepTimes.gather <fixres_dist.reporting.step_times.StepTimes.gather>`),
+        a ``step_times`` event and the warnings of :func:`~fixres_dist.reporting.step_times.findings`."""
         cfg = self.config
         self.record("train", epoch=epoch + 1, loss=result.loss, lr=lr, img_per_s=result.img_per_s,
                     **({"skipped_images": result.skipped} if result.skipped else {}),
@@ -71,6 +74,12 @@ class RunLog:
                  + (f", {result.skipped} unreadable images skipped" if result.skipped else "")
                  + (f", its last {result.left_out} images left out: fewer than 2 per rank after resuming on "
                     f"{cfg.num_tasks} ranks" if result.left_out else ""))
+        if step_times and any(step_times):
+            lines = step_times_findings(step_times, epoch + 1, cfg.workers)
+            self.record("step_times", epoch=epoch + 1, findings=lines,
+                        ranks=[{k: v for k, v in r.items() if k != "busy_ms"} for r in step_times if r is not None])
+            for line in lines:
+                self.warn(line)
 
     def events(self, event: str, **fields) -> list[dict]:
         """The events of kind ``event`` whose ``fields`` have these values, oldest first."""

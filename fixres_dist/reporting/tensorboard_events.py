@@ -107,8 +107,13 @@ def event_scalars(event: dict, images_per_epoch: int) -> tuple[int, list[tuple[s
     trained on; None for an event without scalars (``sweep``, ``input_size``, ...) or without its
     ``epoch``. A value that is missing or null (a non-finite number in ``metrics.jsonl``) is left out."""
     kind, epoch = event.get("event"), event.get("epoch")
-    if epoch is None or kind not in ("train", *EVAL_GROUPS):
+    if epoch is None or kind not in ("train", "step_times", *EVAL_GROUPS):
         return None
+    if kind == "step_times":  # per rank: milliseconds per step of each phase, peak memory
+        scalars = [(f"step_time_ms/{phase}/rank{r['rank']}", float(ms)) for r in event.get("ranks", [])
+                   for phase, ms in r["ms_per_step"].items() if ms is not None]
+        scalars += [(f"peak_memory_gib/rank{r['rank']}", float(r["peak_memory_gib"])) for r in event.get("ranks", [])]
+        return int(epoch) * images_per_epoch, scalars
     if kind == "train":
         fields = [("train/loss", "loss"), ("train/lr", "lr"), ("train/img_per_s", "img_per_s")]
     else:

@@ -51,7 +51,7 @@ def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torc
                label_smoothing: float = 0.0, normalization=IMAGENET_NORMALIZATION, accumulation: int = 1,
                no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
                mix: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-               clip_grad_norm: float | None = None) -> torch.Tensor:
+               clip_grad_norm: float | None = None, times=None) -> torch.Tensor:
     """One optimizer step on this rank's uint8 (B, 3, H, W) share of a global batch.
 
     The loss is the mean over the *global* batch (``global_batch`` images on all ``world`` ranks;
@@ -66,7 +66,8 @@ def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torc
     ``mix(images, labels, micro-batch index)``: MixUp/CutMix (:mod:`fixres_dist.training.mixing`) on the
     normalised float images; returns them and float (b, classes) soft targets.
     ``clip_grad_norm``: clip the global gradient norm (L2 over all parameters, after unscaling
-    fp16) to this before the step (``torch.nn.utils.clip_grad_norm_``).
+    fp16) to this before the step (``torch.nn.utils.clip_grad_norm_``). ``times``: the step's
+    :class:`~fixres_dist.reporting.step_times.StepTimes`, marked after the backward and the optimizer.
     Returns the detached *summed* loss of this rank's images (against the mixed targets if mixing).
     """
     images = to_device(images, device, channels_last, normalization)
@@ -91,12 +92,16 @@ def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torc
             loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum", label_smoothing=label_smoothing)
             scaler.scale(loss_sum * scale).backward()  # fp16: scaled against underflow; otherwise as is
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
+    if times is not None:
+        times.mark("backward")
     if clip_grad_norm is not None:
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]],
                                        clip_grad_norm)
     scaler.step(optimizer)
     scaler.update()
+    if times is not None:
+        times.mark("optimizer")
     return total
 
 
@@ -146,21 +151,26 @@ class EpochResult:
 def train_one_epoch(step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], loader,
                     meter: EpochMeter, *, epoch: int, start_image: int,
                     set_progress: Callable[[float], None], after_step: Callable[[int], None],
-                    progress_bar=None) -> EpochResult:
+                    progress_bar=None, times=None) -> EpochResult:
     """Train over ``loader`` (an ExactBatchSampler loader) from image ``start_image`` of ``epoch``.
 
     Before each step ``set_progress(epochs done, as a float)`` (the LR schedule); ``step(images,
     labels, global batch)`` returns the summed loss; then ``after_step(images done in the epoch)``
     (periodic checkpoints, stop agreement). ``progress_bar``: a :class:`fixres_dist.reporting.progress.Bar`
-    over the epoch's images (all ranks), given each step's summed loss unread. Returns the epoch's
-    totals over all ranks.
+    over the epoch's images (all ranks), given each step's summed loss unread. ``times``: the
+    :class:`~fixres_dist.reporting.step_times.StepTimes` to mark as each batch arrives and each
+    step's work ends. Returns the epoch's totals over all ranks.
     """
     sampler = loader.batch_sampler
     sampler.set_epoch(epoch, skip=start_image)
     global_batches = sampler.global_batch_sizes()
     dataset_size = sampler.dataset_size
     done, left_out = start_image, sampler.left_out
+    mark = times.mark if times is not None else lambda point: None
+    if times is not None:
+        times.start_epoch()
     for index, (images, labels, skipped) in enumerate(loader):
+        mark("batch")
         set_progress(epoch + done / dataset_size)
         loss = step(images, labels, global_batches[index])
         meter.add(loss, labels.numel(), skipped)
@@ -169,6 +179,7 @@ def train_one_epoch(step: Callable[[torch.Tensor, torch.Tensor, int], torch.Tens
             progress_bar.advance(now - done, loss, labels.numel())
         done = now
         after_step(done)
+        mark("done")
     seconds = meter.seconds()
     loss_sum, images, skipped = collectives.all_reduce_sum(meter.totals()).tolist()
     return EpochResult(loss_sum / max(images, 1), int(images), int(skipped), images / max(seconds, 1e-9), left_out)

@@ -6,7 +6,12 @@ Set ``FIXRES_FAULT`` to ``ACTION:rank=R:step=S`` (several separated by ``,``), w
 * ``raise``: the rank raises ``RuntimeError("injected fault")`` after step S (a bug);
 * ``signal``: the rank sends itself the preemption signal after step S (SLURM's warning);
 * ``eval-signal``: the same, during the first evaluation after step S (at its first batch);
-* ``ckpt-write``: the checkpoint write at or after step S fails half-way with ENOSPC (a full disk).
+* ``ckpt-write``: the checkpoint write at or after step S fails half-way with ENOSPC (a full disk);
+* ``slow-step``: from step S on, each optimizer step of the rank takes ``seconds=T`` longer (a
+  slower device: a straggler);
+* ``slow-data``: from step S on, each batch reaches the rank ``seconds=T`` later (a slow loader).
+
+``seconds`` defaults to 0.1.
 
 Unset (the normal case), every hook is a no-op.
 """
@@ -15,13 +20,15 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
+from typing import Callable
 
 import attrs
 
 from fixres_dist.errors import FixresError
 
 ENV = "FIXRES_FAULT"
-ACTIONS = ("kill", "raise", "signal", "eval-signal", "ckpt-write")
+ACTIONS = ("kill", "raise", "signal", "eval-signal", "ckpt-write", "slow-step", "slow-data")
 
 
 @attrs.frozen
@@ -29,6 +36,7 @@ class Fault:
     action: str
     rank: int
     step: int
+    seconds: float = 0.1
 
 
 def planned_faults(environ=None) -> list[Fault]:
@@ -39,9 +47,10 @@ def planned_faults(environ=None) -> list[Fault]:
         try:
             action, *pairs = item.split(":")
             fields = dict(pair.split("=") for pair in pairs)
-            fault = Fault(action, int(fields.get("rank", 0)), int(fields.get("step", 0)))
+            fault = Fault(action, int(fields.get("rank", 0)), int(fields.get("step", 0)),
+                          float(fields.get("seconds", 0.1)))
         except ValueError:
-            raise FixresError(f"{ENV}={text!r}: expected ACTION:rank=R:step=S") from None
+            raise FixresError(f"{ENV}={text!r}: expected ACTION:rank=R:step=S[:seconds=T]") from None
         if fault.action not in ACTIONS:
             raise FixresError(f"{ENV}: unknown action {fault.action!r} (one of {', '.join(ACTIONS)})")
         faults.append(fault)
@@ -65,6 +74,21 @@ class FaultInjector:
                 if fault.action == "signal":
                     os.kill(os.getpid(), self.preempt_signal)
 
+    def slowed(self, step: Callable, loader, state) -> tuple[Callable, object]:
+        """``(step, loader)`` as given, or with ``slow-step`` a step that first sleeps, with
+        ``slow-data`` a loader whose batches come later (``batch_sampler`` and ``len`` kept), each from
+        its fault's step on (``state.global_step``: the steps done)."""
+        slow = {f.action: f for f in self.faults if f.action in ("slow-step", "slow-data")}
+        global_step = lambda: state.global_step  # noqa: E731
+        if "slow-step" in slow:
+            fault, inner = slow["slow-step"], step
+
+            def step(*args):
+                if global_step() + 1 >= fault.step:
+                    time.sleep(fault.seconds)
+                return inner(*args)
+        return step, (SlowLoader(loader, slow["slow-data"], global_step) if "slow-data" in slow else loader)
+
     def during_evaluation(self, global_step: int) -> None:
         for fault in self.faults:
             if fault.action == "eval-signal" and fault.step == global_step:
@@ -77,3 +101,20 @@ class FaultInjector:
         if any(f.action == "ckpt-write" and global_step >= f.step for f in self.faults):
             file.write(b"partial")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class SlowLoader:
+    """``loader``'s batches, each ``fault.seconds`` later from ``fault.step`` on (:meth:`FaultInjector.slowed`)."""
+
+    def __init__(self, loader, fault: Fault, global_step: Callable[[], int]):
+        self.loader, self.fault, self.global_step = loader, fault, global_step
+        self.batch_sampler = loader.batch_sampler
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            if self.global_step() + 1 >= self.fault.step:
+                time.sleep(self.fault.seconds)
+            yield batch

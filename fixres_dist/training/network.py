@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from fixres_dist.config import TrainerConfig
@@ -166,6 +167,20 @@ class Network:
                                                    else None, **{BUFFER_SYNC: cfg.dist_bn == "broadcast"})
         self.forward = torch.compile(self.wrapped, backend=cfg.compile) if cfg.compile else self.wrapped
         self._compile_checked = not cfg.compile
+
+    def time_gradient_reduction(self, bucket_ready: Callable[[], None]) -> bool:
+        """Under DDP: call ``bucket_ready()`` as each gradient bucket is handed to the all-reduce (a
+        communication hook that then runs torch's ``allreduce_hook``: the same averaging). Returns
+        whether it could (not with one rank or a sharded model)."""
+        if not isinstance(self.wrapped, DistributedDataParallel):
+            return False
+
+        def hook(process_group, bucket):
+            bucket_ready()
+            return default_hooks.allreduce_hook(process_group, bucket)
+
+        self.wrapped.register_comm_hook(None, hook)
+        return True
 
     def _shard(self, modules: list[nn.Module]) -> None:
         cfg = self.config

@@ -1,5 +1,6 @@
 """The optimizer step and what it owns: optimizer, learning-rate schedule, fp16 loss scaler,
-MixUp/CutMix, the weights' EMA and the watch for a non-finite loss.
+MixUp/CutMix, the weights' EMA, the watch for a non-finite loss and the step's times
+(:mod:`fixres_dist.reporting.step_times`).
 
 :class:`TrainStep` is what :func:`fixres_dist.training.engine.train_one_epoch` calls per global batch;
 the loop itself and its arithmetic are :mod:`fixres_dist.training.engine`'s, the rates
@@ -16,6 +17,7 @@ from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import sharding
 from fixres_dist.errors import plural
 from fixres_dist.models.ema import ModelEMA
+from fixres_dist.reporting.step_times import StepTimes
 from fixres_dist.training import engine, finite, mixing, optim
 from fixres_dist.training.engine import AMP_DTYPES
 from fixres_dist.training.network import Network
@@ -56,6 +58,9 @@ class TrainStep:
         self.mixing = mixing.BatchMixing(config.mixup_alpha, config.cutmix_alpha, num_classes, config.seed)
         self.ema = ema
         self.watch = watch  # the first step whose loss was not finite, on this rank
+        self.times = StepTimes(network.device, config.global_rank, config.step_times)  # where its time goes
+        if config.step_times:
+            network.time_gradient_reduction(self.times.bucket_ready)
         self.progress = 0.0  # epochs of training done when the current step started (the LR schedule's)
         if self.ema is not None:
             self._check_ema_horizon(steps_per_epoch, warn)
@@ -85,7 +90,7 @@ class TrainStep:
                                  amp=self.amp, channels_last=cfg.channels_last, label_smoothing=cfg.label_smoothing,
                                  normalization=self.network.preprocessing.normalization,
                                  accumulation=cfg.grad_accum_steps, no_sync=self.network.no_sync, mix=mix,
-                                 clip_grad_norm=cfg.clip_grad_norm)
+                                 clip_grad_norm=cfg.clip_grad_norm, times=self.times)
         self.watch.observe(global_step + 1, loss)
         return loss
 

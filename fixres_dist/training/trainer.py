@@ -12,10 +12,9 @@
 * :meth:`Trainer.fit`: run the rest of the plan: epochs (train, average BatchNorm statistics over
   ranks, evaluate exactly, checkpoint), the final sweep, the reports and the features.
 
-Its parts own their state: the step (:mod:`~fixres_dist.training.step`), the checkpoints
-(:mod:`~fixres_dist.training.checkpointer`), the stops (:mod:`~fixres_dist.training.stopping`: a stop
-signal on any rank stops all after the same step, with one checkpoint), the evaluations
-(:mod:`~fixres_dist.training.evaluator`) and the record (:mod:`~fixres_dist.reporting.run_log`).
+Its parts own their state: the step (:mod:`~fixres_dist.training.step`, with its times), the checkpoints
+(:mod:`~fixres_dist.training.checkpointer`), the stops (:mod:`~fixres_dist.training.stopping`: a stop signal
+on any rank stops all after the same step, with one checkpoint), the evaluations and the record.
 """
 from __future__ import annotations
 
@@ -209,15 +208,16 @@ class Trainer:
         bar = progress.Bar(self.data.images_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", enabled=progress.shown(cfg),
                            initial=state.images_in_epoch, postfix=self.remaining.postfix)
         try:
-            result = engine.train_one_epoch(self.train_step, self.data.train_loader, state.meter, epoch=epoch,
-                                            start_image=state.images_in_epoch, set_progress=self.step.set_progress,
-                                            after_step=self._after_step, progress_bar=bar if bar.enabled else None)
+            result = engine.train_one_epoch(*self.faults.slowed(self.train_step, self.data.train_loader, state),
+                                            state.meter, epoch=epoch, start_image=state.images_in_epoch,
+                                            set_progress=self.step.set_progress, after_step=self._after_step,
+                                            progress_bar=bar if bar.enabled else None, times=self.step.times)
         finally:
             bar.close()
         self.clock.add_training(state.images_in_epoch - first_image, time.perf_counter() - started)
         self.stops.stop_if_asked()  # every rank's state after the epoch's last step, not yet agreed on
         state.meter = None
-        self.run_log.epoch_trained(epoch, result, self.step.lr)
+        self.run_log.epoch_trained(epoch, result, self.step.lr, self.step.times.gather(self.session.control_group))
         return result
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor, global_batch: int | None = None) -> torch.Tensor:

@@ -1,0 +1,2 @@
+"""``python -m fixres_dist.bench``: what models cost at each resolution on this device (the command:
+:mod:`fixres_dist.bench.__main__`; one setting's measurement: :mod:`fixres_dist.bench.cost`)."""

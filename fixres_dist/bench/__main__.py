@@ -1,0 +1,221 @@
+"""``python -m fixres_dist.bench``: what models cost at each resolution, on this device.
+
+For every architecture x resolution x batch x AMP x channels-last x compile asked for: forward
+GFLOPs per image, training and inference images per second and peak memory
+(:func:`fixres_dist.bench.cost.measure`), as a table on stdout, ``--json`` and a ``--plot`` of cost
+against resolution; then FixRes' trade for each architecture (Touvron et al. 2019, section 1:
+train at a lower resolution, test at a higher one): the cost of training at the train resolution
+against training at the test resolution. For example::
+
+    python -m fixres_dist.bench --architectures resnet50,vit_b_16 --sizes 128,160,224 --amp bf16 --channels-last on
+
+Bad input (an unknown architecture, a resolution a model cannot take, a folder that cannot be
+written) is one line on stderr before anything is measured: exit status 2 for a usage error, 1
+otherwise. A setting that fails while measuring (out of memory, a compiler error) is a row saying
+why; the others go on. Single device, single process: the peak memory of sharded training is
+``benchmarks/sharding.py``'s and ``python -m fixres_dist.models.memory_table``'s.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import attrs
+
+from fixres_dist.errors import FixresError, say
+from fixres_dist.models.memory_table import OneLineParser, count
+
+MODULE = "fixres_dist.bench"
+PROG = f"python -m {MODULE}"
+COLUMNS = ("architecture", "px", "variant", "GFLOPs/img", "train img/s", "infer img/s", "train GiB", "infer GiB")
+
+
+def _listed(kind):
+    def parse(text: str) -> list:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("an empty list")
+        return [kind(item) for item in items]
+    return parse
+
+
+def _switch(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither on nor off")
+    return text == "on"
+
+
+def _amp(text: str) -> str:
+    if text not in ("off", "bf16", "fp16"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of off, bf16, fp16")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description="What models cost at each resolution on this device: GFLOPs per "
+                      "image, training and inference img/s, peak memory; FixRes' train/test trade (docs/profiling.md).")
+    p.add_argument("--architectures", type=_listed(str), required=True, metavar="A,B",
+                   help="model names, as main_scratch.py's --architecture")
+    p.add_argument("--sizes", type=_listed(count), required=True, metavar="PX,PX", help="resolutions in pixels")
+    p.add_argument("--batch", type=_listed(count), default=[32], metavar="N,N", help="images per step (default: 32)")
+    p.add_argument("--amp", type=_listed(_amp), default=["off"], metavar="off,bf16,fp16",
+                   help="mixed precision settings to try (default: off)")
+    p.add_argument("--channels-last", type=_listed(_switch), default=[False], metavar="off,on",
+                   help="memory formats to try (default: off)")
+    p.add_argument("--compile", type=_listed(str), default=["off"], metavar="off,BACKEND",
+                   help="torch.compile backends to try, off for none (default: off)")
+    p.add_argument("--fixres", metavar="TRAIN:TEST", help="the train and test resolutions of the FixRes trade "
+                   "(default: the smallest and largest of --sizes)")
+    p.add_argument("--steps", type=count, default=10, help="timed steps per setting (default: %(default)s)")
+    p.add_argument("--warmup", type=count, default=3, help="untimed steps before them (default: %(default)s)")
+    p.add_argument("--num-classes", type=count, default=1000, help="classes of the head (default: %(default)s)")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available, else cpu")
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the rows and the trade as JSON")
+    p.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="also plot GFLOPs and training cost against resolution")
+    return p
+
+
+def fixres_pair(args: argparse.Namespace) -> tuple[int, int] | None:
+    """(train, test) resolutions of the trade, from ``--fixres`` or the extremes of ``--sizes``;
+    None with a single size. Raises :class:`FixresError` for a pair not among the sizes."""
+    if args.fixres is None:
+        return (min(args.sizes), max(args.sizes)) if len(set(args.sizes)) > 1 else None
+    try:
+        train, test = (int(v) for v in args.fixres.split(":"))
+    except ValueError:
+        raise FixresError(f"--fixres {args.fixres!r}: expected TRAIN:TEST in pixels, e.g. 128:224") from None
+    if train not in args.sizes or test not in args.sizes:
+        raise FixresError(f"--fixres {train}:{test}: both resolutions must be among --sizes "
+                          f"({','.join(map(str, args.sizes))})")
+    return train, test
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every architecture known and able to train and run at every size, and the output files
+    writable, before anything is measured; raises :class:`FixresError` in one line."""
+    from fixres_dist.models import architectures, resolutions
+
+    for name in args.architectures:
+        architectures.check_architecture(name)
+        for size in args.sizes:
+            architectures.check_resolution(name, size)
+        probe = resolutions.Probe(name, args.num_classes, min(args.sizes) if architectures.DEFAULT_SIZE not in
+                                  args.sizes else architectures.DEFAULT_SIZE, batch=min(args.batch))
+        resolutions.check_sizes(probe, args.sizes, args.sizes)
+    for path in filter(None, (args.json, args.plot)):
+        if path.is_dir() or not path.resolve().parent.is_dir():
+            raise FixresError(f"{path}: not a file in an existing folder")
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as exc:
+            raise FixresError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def settings(args: argparse.Namespace) -> list:
+    from fixres_dist.bench.cost import Setting
+
+    return [Setting(a, s, b, amp, cl, None if c == "off" else c) for a, s, b, amp, cl, c in itertools.product(
+        args.architectures, args.sizes, args.batch, args.amp, args.channels_last, args.compile)]
+
+
+def _figure(value, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def table(costs: list) -> str:
+    """The costs as a Markdown table, one row per setting (a failed one says why)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for c in costs:
+        s = c.setting
+        figures = (["error: " + c.error, "", "", "", ""] if c.error else
+                   [_figure(c.gflops, 2), _figure(c.train), _figure(c.inference), _figure(c.train_peak_gib, 2),
+                    _figure(c.inference_peak_gib, 2)])
+        lines.append("| " + " | ".join([s.architecture, str(s.size), s.variant(), *figures]) + " |")
+    return "\n".join(lines)
+
+
+def trades(costs: list, pair: tuple[int, int] | None) -> list[str]:
+    """FixRes' trade per architecture and variant: training at the train resolution against at the
+    test resolution, in time per image and in GFLOPs; and the inference speed at the test resolution."""
+    if pair is None:
+        return []
+    train, test = pair
+    found = {(c.setting.architecture, c.setting.variant(), c.setting.size): c for c in costs if not c.error}
+    lines = []
+    for (name, variant, size), low in found.items():
+        high = found.get((name, variant, test))
+        if size != train or high is None:
+            continue
+        lines.append(f"FixRes, {name} {variant}: training at {train} px costs {high.train / low.train:.2f} of "
+                     f"training at {test} px per image ({low.train:,.0f} against {high.train:,.0f} img/s; "
+                     f"{low.gflops:.2f} against {high.gflops:.2f} GFLOPs), then testing at {test} px runs at "
+                     f"{high.inference:,.0f} img/s")
+    return lines
+
+
+def plot(costs: list, path: Path, device: str) -> None:
+    """GFLOPs per image and training milliseconds per image against resolution, a line per
+    architecture and variant, into ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (flops, time) = plt.subplots(1, 2, figsize=(10, 4))
+    lines: dict[str, list] = {}
+    for c in costs:
+        if not c.error:
+            lines.setdefault(f"{c.setting.architecture} {c.setting.variant()}", []).append(c)
+    for label, points in lines.items():
+        points.sort(key=lambda c: c.setting.size)
+        sizes = [c.setting.size for c in points]
+        flops.plot(sizes, [c.gflops for c in points], marker="o", label=label)
+        time.plot(sizes, [1000 / c.train for c in points], marker="o", label=label)
+    flops.set(xlabel="resolution (px)", ylabel="forward GFLOPs per image", title="compute")
+    time.set(xlabel="resolution (px)", ylabel="training ms per image", title=f"training cost on {device}")
+    for axis in (flops, time):
+        axis.grid(alpha=0.3)
+    time.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list:
+    """Parse, check, measure every setting, print the table and the trade, write ``--json`` and
+    ``--plot``; returns the costs. Bad input: one line on stderr, exit status 2 or 1."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        pair = fixres_pair(args)
+        check(args)
+    except FixresError as exc:
+        say(f"{PROG}: {exc}")
+        raise SystemExit(1) from None
+    import torch
+
+    from fixres_dist.bench.cost import measure
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"{PROG}: {len(settings(args))} settings on {where}, {args.steps} timed steps after {args.warmup}; "
+          f"memory: {'CUDA max_memory_allocated' if device.type == 'cuda' else 'peak resident set of the process'}",
+          flush=True)
+    costs = [measure(s, device, args.num_classes, args.steps, args.warmup) for s in settings(args)]
+    lines = trades(costs, pair)
+    print(table(costs) + "".join(f"\n{line}" for line in lines), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"device": where, "steps": args.steps, "warmup": args.warmup,
+                                         "rows": [dict(attrs.asdict(c, recurse=False), setting=attrs.asdict(c.setting))
+                                                  for c in costs], "fixres": lines}, indent=1) + "\n")
+    if args.plot:
+        plot(costs, args.plot, where)
+    return costs
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ import pytest
 import shown_commands as shown
 from conftest import run_main, run_script
 from fixres_dist import FixresError, TrainerConfig
+from fixres_dist.reporting import profiling
 
 
 def test_each_rank_writes_the_trace_of_its_window_and_its_top_operators(tiny_data, tmp_path):
@@ -30,6 +31,10 @@ def test_each_rank_writes_the_trace_of_its_window_and_its_top_operators(tiny_dat
         assert any(e.get("name") == "aten::convolution" for e in events)
         table = (folder / f"rank{rank}.txt").read_text()
         assert "Self CPU" in table and "aten::" in table
+    profiling.draw_trace(trace, tmp_path / "timeline.png", "rank 1")  # docs/profiling.md's picture, of this trace
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(FixresError, match="not a torch.profiler Chrome trace"):
+        profiling.draw_trace(folder / "rank1.txt", tmp_path / "no.png")
 
 
 def test_a_window_beyond_the_run_and_one_without_training_are_refused(tiny_data, tmp_path, capsys):
@@ -39,5 +44,13 @@ def test_a_window_beyond_the_run_and_one_without_training_are_refused(tiny_data,
     assert ("--profile 3 after --profile-after 5: the window ends at step 8, but this run has 5 optimizer steps; "
             "lower --profile-after or --profile") in err
     assert not (tmp_path / "j").exists()
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / "profile").write_text("a file where the traces would go")
+    status, err = run_main(capsys, "scratch", "--data-path", tiny_data, "--shared-folder-path", tmp_path,
+                           "--num-tasks", 2, "--batch", 8, "--epochs", 1, "--profile", 1, "--profile-after", 0,
+                           "--job-id", "blocked")
+    assert status == 1 and err.count("\n") == 1, err
+    assert f"--profile: cannot write the traces into {tmp_path / 'blocked' / 'profile'}: not a folder" in err
+    assert (tmp_path / "blocked" / "profile").read_text() == "a file where the traces would go"
     with pytest.raises(FixresError, match="--profile records training steps, and --eval-only trains none"):
         TrainerConfig(mode="finetune", eval_only=True, weight_path=str(tmp_path / "w.pth"), profile=2)

@@ -19,6 +19,7 @@ trace's timeline with matplotlib, for a page or a report where no trace viewer r
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +38,16 @@ def check_window(steps: int, after: int, run_steps: int) -> None:
     if after + steps > run_steps:
         raise FixresError(f"--profile {steps} after --profile-after {after}: the window ends at step {after + steps}, "
                           f"but this run has {run_steps} optimizer steps; lower --profile-after or --profile")
+
+
+def check_folder(folder: Path) -> None:
+    """Refuse a trace folder that cannot be written: a file in its place, or an existing folder
+    without write permission (a new one is made under the job folder, checked before). Raises
+    :class:`FixresError` in one line."""
+    if folder.exists() and (not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK)):
+        raise FixresError(f"--profile: cannot write the traces into {folder}: "
+                          f"{'not a folder' if not folder.is_dir() else 'not writable'}; remove it or use another "
+                          "--job-id")
 
 
 class StepProfiler:

@@ -69,6 +69,8 @@ class JobInputs:
             steps = -(-(-(-index.train_images // config.num_tasks)) // (config.batch * config.grad_accum_steps))
             profiling.check_window(config.profile, config.profile_after, steps * config.epochs)
         _check_job_folder(config)
+        if config.profile:
+            profiling.check_folder(config.job_folder / profiling.FOLDER)
         path, note = checkpoint.resume_source(config.job_folder, config.resume)
         resume = None
         if path is not None:

@@ -194,6 +194,11 @@ def test_ranks_started_in_shells_on_two_nodes_train_like_the_same_job_on_one_hos
     shared = tmp_path / "shared"
     shared.mkdir()
     procs = start_ranks("two-nodes", flags(tiny_data, shared), tmp_path)
+    port = wait_for(lambda: re.search(r"met at the store 10\.78\.0\.1:(\d+)", (tmp_path / "rank0.log").read_text()),
+                    240, "the ranks to meet").group(1)
+    listening = subprocess.run(["ip", "netns", "exec", "fxnode1", "ss", "-Hltn", f"sport = :{port}"],
+                               capture_output=True, text=True, check=True).stdout.split()
+    assert listening[3] == f"10.78.0.1:{port}", listening  # issue 30: the bridge address only, not every interface
     codes = [p.wait(timeout=300) for p in procs]
     logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(4)]
     assert codes == [0, 0, 0, 0], logs

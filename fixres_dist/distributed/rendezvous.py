@@ -2,10 +2,15 @@
 
 ``tcp://HOST:PORT`` and ``env://`` are the usual TCPStore rendezvous (rank 0 hosts the store).
 ``file://PATH`` (the default, ``<shared>/<job-id>/rendezvous.json``) is a *published* TCPStore:
-rank 0 opens a store on a free port and atomically writes its candidate addresses
-(:func:`fixres_dist.distributed.network.store_candidates`: never only the ``127.0.1.1`` its host name may
-resolve to), the port and a random nonce to PATH; the other ranks poll PATH, try the addresses in
-turn (loopback first when on rank 0's host), connect, and check the nonce. Ranks can therefore start in any order,
+rank 0 opens a store on a free port of the one address it needs (:func:`bind_address`: loopback when
+every rank is known to run on its host, else the routed interface's address, never the ``127.0.1.1``
+its host name may resolve to) and atomically writes that address, the port and a random nonce to
+PATH, an owner-only file; the other ranks poll PATH, connect, and check that the store knows the
+nonce. Neither side sends the nonce itself: rank 0 sets a key named by an HMAC of it
+(:func:`proof`), and a joining rank arrives under a key named by an HMAC of the nonce and its rank,
+so a client of the store that did not read the file cannot pass for a rank or learn the nonce
+(TCPStore itself has no authentication: what such a client can still do is in docs/trust.md).
+Ranks can therefore start in any order,
 seconds apart, from different shells or nodes that share the folder. A file left behind by a
 crashed run is harmless: its address refuses connections (or carries the wrong nonce), so joiners
 keep polling until the new rank 0 overwrites it (an address that refuses connections is probed with a
@@ -28,6 +33,9 @@ killed or cut off the network.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import ipaddress
 import json
 import os
 import re
@@ -41,7 +49,7 @@ from urllib.parse import urlparse
 import attrs
 import torch.distributed as dist
 
-from fixres_dist.distributed import network
+from fixres_dist.distributed import network, store_clients
 from fixres_dist.errors import FixresError, first_line
 from fixres_dist.io import write_private
 
@@ -96,28 +104,78 @@ def _never() -> bool:
     return False
 
 
-def _tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: float) -> dist.TCPStore:
+ONE_HOST = "FIXRES_RANKS_ON_ONE_HOST"  # set to 1 by the launcher for the ranks it spawns on its host
+
+
+def ranks_on_one_host(environ=None) -> bool:
+    """Whether every rank of this job is known to run on this host before any has met: ranks the
+    launcher spawned here (:data:`ONE_HOST`), or a SLURM allocation (submitit's too) of one node."""
+    environ = os.environ if environ is None else environ
+    return environ.get(ONE_HOST) == "1" or environ.get("SLURM_JOB_NUM_NODES", environ.get("SLURM_NNODES")) == "1"
+
+
+def bind_address(one_host: bool, wanted: str | None = None) -> str:
+    """The IPv4 address rank 0's store listens on. All ranks on this host: ``127.0.0.1``. Else
+    ``wanted`` (``--dist-url tcp://HOST``'s or ``MASTER_ADDR``'s host, resolved) as given, unless it
+    resolves to a loopback address while the ranks may be elsewhere (the ``127.0.1.1`` trap: other
+    hosts resolve the name to another address) or to none of this host's (a service or NAT address
+    that forwards here): then every interface (``0.0.0.0``), as torch's own store would; without
+    one, the first of :func:`~fixres_dist.distributed.network.store_candidates` that is an address of
+    this host (the routed interface's), or loopback on a host with no other."""
+    if one_host:
+        return "127.0.0.1"
+    if wanted:
+        try:
+            address = socket.gethostbyname(wanted)
+        except OSError:
+            raise FixresError(f"the rendezvous store's host {wanted!r} does not resolve to an IPv4 address") from None
+        loopback = ipaddress.ip_address(address).is_loopback
+        if loopback and wanted not in (address, "localhost") or not loopback and address != "0.0.0.0" \
+                and address not in network.own_addresses():
+            return "0.0.0.0"
+        return address
+    own = set(network.own_addresses())
+    return next((a for a in network.store_candidates() if a in own), "127.0.0.1")
+
+
+def _tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: float,
+               listen: str | None = None) -> dist.TCPStore:
+    """A TCPStore client of ``host:port``, or with ``is_master`` its server, listening on ``listen``
+    (an IPv4 address; ``0.0.0.0``: every interface) through a socket bound here and handed over."""
+    fd = None
+    if is_master and listen is not None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((listen, port))
+            sock.listen(1024)
+        except OSError as exc:
+            sock.close()
+            raise FixresError(f"cannot open the rendezvous store on {listen}:{port}: {exc.strerror or exc}") from None
+        port, fd = sock.getsockname()[1], sock.detach()  # the store owns the socket from now on
     return dist.TCPStore(host, port, world_size, is_master, datetime.timedelta(seconds=timeout),
-                         wait_for_workers=False)
+                         wait_for_workers=False, **({"master_listen_fd": fd} if fd is not None else {}))
 
 
 def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop) -> tuple[dist.TCPStore, str]:
-    """Rank 0 of a file rendezvous: host a store (on every interface), publish the addresses it
-    may be reached at, wait for every other rank. Returns the store and its ``HOST:PORT``."""
-    hosts = list(dict.fromkeys([*filter(None, [os.environ.get("MASTER_ADDR")]), *network.store_candidates()]))
-    store = _tcp_store(hosts[0], 0, world_size, True, timeout)
+    """Rank 0 of a file rendezvous: host a store on the address of :func:`bind_address`, publish it,
+    wait for every other rank. Returns the store and its ``HOST:PORT``."""
+    address = bind_address(ranks_on_one_host(), os.environ.get("MASTER_ADDR"))
+    hosts = [address] if address != "0.0.0.0" else \
+        [h for h in dict.fromkeys([os.environ.get("MASTER_ADDR", ""), *network.store_candidates()]) if h]
+    store = _tcp_store(hosts[0], 0, world_size, True, timeout, listen=address)
     nonce = secrets.token_hex(16)
-    store.set("fixres/nonce", nonce)
+    store.set(f"fixres/store/{proof(nonce, 'store')}", "1")
     write_private(path, json.dumps({"hosts": hosts, "port": store.port, "nonce": nonce, "pid": os.getpid(),
                                     "hostname": socket.gethostname(), "time": time.time()}))
-    expected = [f"fixres/arrived/{r}" for r in range(1, world_size)]
+    expected = [_arrival(nonce, r) for r in range(1, world_size)]
     deadline = time.monotonic() + timeout
     while not store.check(expected):
         if should_stop():
             path.unlink(missing_ok=True)
             raise RendezvousInterrupted(f"stopped by a signal while waiting at {path}")
         if time.monotonic() > deadline:
-            missing = [k.rsplit("/", 1)[1] for k in expected if not store.check([k])]
+            missing = [str(r) for r, k in enumerate(expected, 1) if not store.check([k])]
             raise FixresError(f"rank(s) {', '.join(missing)} of {world_size} never arrived at {path} "
                               f"within {timeout:g} s (same --job-id and --shared-folder-path?)")
         time.sleep(0.05)
@@ -150,9 +208,20 @@ def _probe_store(host: str, port: int, world_size: int) -> dist.TCPStore | None:
     return _within(PROBE_SECONDS + 1.0, lambda: _tcp_store(host, port, world_size, False, PROBE_SECONDS))
 
 
-def _arrive(store: dist.Store, rank: int, world_size: int) -> None:
+def proof(nonce: str, what: str) -> str:
+    """Hex HMAC-SHA256 of ``what`` keyed by the rendezvous ``nonce``: what only a reader of the
+    rendezvous file can compute, and from which the nonce cannot be recovered."""
+    return hmac.new(nonce.encode(), what.encode(), hashlib.sha256).hexdigest()
+
+
+def _arrival(nonce: str, rank: int) -> str:
+    """The store key under which ``rank`` arrives: named by its proof of the nonce."""
+    return f"fixres/arrived/{rank}/{proof(nonce, f'rank {rank}')}"
+
+
+def _arrive(store: dist.Store, nonce: str, rank: int, world_size: int) -> None:
     """Record this rank's arrival; FixresError if another process already arrived as this rank."""
-    if store.add(f"fixres/arrived/{rank}", 1) > 1:
+    if store.add(_arrival(nonce, rank), 1) > 1:
         raise FixresError(f"another process already joined this job as rank {rank} of {world_size}: "
                           "is this rank (or the whole job) started twice?")
 
@@ -191,10 +260,9 @@ def _join_published(path: Path, rank: int, world_size: int, timeout: float, shou
                 tried = key  # something answers: if it is not our store, the file is stale
                 try:
                     store = _probe_store(host, port, world_size)
-                    if store is not None and store.check(["fixres/nonce"]) \
-                            and store.get("fixres/nonce").decode() == nonce:
+                    if store is not None and store.check([f"fixres/store/{proof(nonce, 'store')}"]):
                         store.set_timeout(datetime.timedelta(seconds=timeout))
-                        _arrive(store, rank, world_size)
+                        _arrive(store, nonce, rank, world_size)
                         return store, f"{host}:{port}"
                 except (RuntimeError, OSError):
                     pass  # a stale file from an earlier run: wait for the new rank 0 to replace it
@@ -236,7 +304,7 @@ def _tcp_rendezvous(host: str, port: int, rank: int, world_size: int, timeout: f
     if rank != 0:
         return _connect(host, port, world_size, timeout, should_stop, "rank 0's store"), f"{host}:{port}"
     try:
-        return _tcp_store(host, port, world_size, True, timeout), f"{host}:{port}"
+        return _tcp_store(host, port, world_size, True, timeout, listen=bind_address(False, host)), f"{host}:{port}"
     except (RuntimeError, OSError) as exc:
         raise FixresError(f"cannot open the rendezvous store at {host}:{port}: {first_line(exc)}") from None
 
@@ -347,6 +415,15 @@ class Rendezvous:
         self.address, self.hosts, self.link = address, hosts, link  # address: the store's HOST:PORT
         self.links: dict[int, str] = {}  # rank -> "interface address", after register()
         self._beating = threading.Event()
+        self.clients = None  # rank 0's ClientWatch of the store it hosts, from watch_clients()
+
+    def watch_clients(self, warn) -> None:
+        """Rank 0 hosting the store (not torchrun's agent): name each of its clients that is none of
+        the ranks, once, through ``warn(line)`` (:mod:`fixres_dist.distributed.store_clients`)."""
+        if self.rank == 0 and isinstance(self.store, dist.TCPStore):
+            self.clients = store_clients.ClientWatch(int(self.address.rsplit(":", 1)[1]), self.hosts, warn)
+            self.clients.check()
+            self.clients.start()
 
     def register(self) -> None:
         """Every rank, once the process group exists: publish this rank's link, read everyone's."""
@@ -384,6 +461,8 @@ class Rendezvous:
 
     def stop_heartbeat(self) -> None:
         self._beating.set()
+        if self.clients is not None:
+            self.clients.stop()
 
     def announce_failure(self, reason: str) -> None:
         """Tell the other ranks, through the store, why this rank is about to stop (best effort,

@@ -93,6 +93,7 @@ class RankSession:
             joblock.record_met(cfg.job_folder)
             if self.rendezvous is not None:
                 self.log(self.rendezvous.describe())
+                self.rendezvous.watch_clients(lambda line: self.log(f"warning: {line}"))
         elif self.announce:
             print(f"fixres_dist: rank {cfg.global_rank} of {cfg.num_tasks} met its peers (job {cfg.job_id}); "
                   "rank 0 logs the run", flush=True)

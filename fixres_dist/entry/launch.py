@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from fixres_dist import io
 from fixres_dist.config import TrainerConfig
-from fixres_dist.distributed import collectives, joblock, placement
+from fixres_dist.distributed import collectives, joblock, placement, rendezvous
 from fixres_dist.distributed.preemption import (
     INTERRUPTED_EXIT_STATUS,
     PREEMPTED_EXIT_STATUS,
@@ -144,6 +144,7 @@ def _spawned_rank(index: int, config: TrainerConfig, lock: PassedFd, index_note:
                   launcher: LauncherContext) -> None:
     launcher.adopt()
     stop_with_launcher()
+    os.environ[rendezvous.ONE_HOST] = "1"  # rank 0's store listens on loopback only
     run_rank(attrs.evolve(config, global_rank=index, local_rank=index), locked=True, index_note=index_note)
 
 

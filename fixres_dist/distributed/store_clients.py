@@ -1,0 +1,94 @@
+"""Who is connected to the job's rendezvous store: rank 0 names every client that is none of the ranks.
+
+TCPStore accepts any TCP client and has no authentication, so a process that reaches the store's
+port can connect, list and read its keys, and write some (docs/trust.md). The store listens only
+where it must (:func:`fixres_dist.distributed.rendezvous.bind_address`) and a rank proves it read the
+owner-only rendezvous file before it counts (:func:`fixres_dist.distributed.rendezvous.proof`); what
+is left is to see who else came. Rank 0, which hosts the store, looks at its connections every
+:data:`EVERY_S` seconds from a daemon thread: a connection is a rank's when the process at the other
+end is one of the ranks (same host: its process id, where this user may see it) or comes from an
+address of a rank's host; every other one is logged once, with its address and, where visible, its
+process. The job goes on: such a client was never counted as a rank.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Callable
+
+import psutil
+
+EVERY_S = 2.0  # seconds between two looks at the store's connections
+
+
+def _local_addresses() -> set[str]:
+    return {a.address for addresses in psutil.net_if_addrs().values() for a in addresses if a.family == socket.AF_INET}
+
+
+def _ip(address: str) -> str:
+    """An IPv4 address as itself, also when a dual-stack socket shows it as ``::ffff:a.b.c.d``."""
+    return address.removeprefix("::ffff:")
+
+
+def foreign_clients(port: int, hosts: dict) -> list[str]:
+    """The store clients at this process' ``port`` that are none of the ranks (``hosts``: global rank
+    -> :class:`~fixres_dist.distributed.rendezvous.Host`), each as ``"ADDRESS:PORT (pid P, NAME)"``."""
+    try:
+        connections = psutil.net_connections(kind="tcp")
+    except (psutil.AccessDenied, OSError):
+        return []
+    here, me = socket.gethostname(), os.getpid()
+    served = [c for c in connections if c.pid == me and c.laddr and c.laddr.port == port and c.raddr
+              and c.status == psutil.CONN_ESTABLISHED]
+    by_local = {(_ip(c.laddr.ip), c.laddr.port): c for c in connections if c.laddr}
+    rank_pids = {h.pid for h in hosts.values() if h.name == here}
+    rank_addresses = {a for h in hosts.values() if h.name != here for a in h.addresses}
+    local = _local_addresses()
+    found = []
+    for server_side in served:
+        remote = (_ip(server_side.raddr.ip), server_side.raddr.port)
+        client = by_local.get(remote) if remote[0] in local else None
+        if client is not None and client.pid in rank_pids or remote[0] not in local and remote[0] in rank_addresses:
+            continue
+        what = f"{remote[0]}:{remote[1]}"
+        if client is not None and client.pid is not None:
+            try:
+                what += f" (pid {client.pid}, {psutil.Process(client.pid).name()})"
+            except psutil.Error:
+                what += f" (pid {client.pid})"
+        found.append(what)
+    return found
+
+
+class ClientWatch:
+    """Rank 0's look at the store's clients (module docstring): :meth:`start` a daemon thread that
+    calls ``warn(line)`` once per foreign client; :meth:`stop` ends it."""
+
+    def __init__(self, port: int, hosts: dict, warn: Callable[[str], None], every: float = EVERY_S):
+        self.port, self.hosts, self.warn, self.every = port, hosts, warn, every
+        self.seen: set[str] = set()
+        self._stopped = threading.Event()
+
+    def check(self) -> list[str]:
+        """Look once; warn about, and return, the foreign clients not seen before."""
+        new = [c for c in foreign_clients(self.port, self.hosts) if c.split(" ")[0] not in self.seen]
+        for client in new:
+            self.seen.add(client.split(" ")[0])
+            self.warn(f"rendezvous store: a client at {client} is none of this job's ranks (it did not prove the "
+                      "rendezvous nonce): it counts as no rank and the job goes on; who can reach the store: "
+                      "docs/trust.md")
+        return new
+
+    def start(self) -> None:
+        def watch():
+            while not self._stopped.wait(self.every):
+                try:
+                    self.check()
+                except Exception:  # a look that fails (a process gone meanwhile) is skipped
+                    pass
+
+        threading.Thread(target=watch, daemon=True, name="fixres-store-clients").start()
+
+    def stop(self) -> None:
+        self._stopped.set()

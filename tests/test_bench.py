@@ -17,7 +17,7 @@ def test_the_table_of_two_architectures_at_three_resolutions(tmp_path, capsys):
     """docs/profiling.md's command, shrunk to CIFAR-sized models and images for 2 CPU cores."""
     command = shown.argv(shown.command("python -m fixres_dist.bench --architectures"))
     assert command[3:7] == ["--architectures", "resnet50,vit_b_16", "--sizes", "128,160,224"]
-    costs = bench.main(["--architectures", "resnet20,resnet18", "--sizes", "32,48,64", "--batch", "4", "--steps", "1",
+    costs = bench.main(["--architectures", "resnet20,resnet18", "--sizes", "32,48,64", "--batch", "4", "--steps", "3",
                         "--warmup", "1", "--num-classes", "10", "--json", str(tmp_path / "cost.json"),
                         "--plot", str(tmp_path / "cost.png")])
     out = capsys.readouterr().out.splitlines()
@@ -50,7 +50,13 @@ def test_the_table_of_two_architectures_at_three_resolutions(tmp_path, capsys):
     (["--architectures", "resnet20", "--sizes", "32,0"], 2, "--sizes: must be >= 1"),
     (["--architectures", "resnet20", "--sizes", "32", "--amp", "fp8"], 2, "'fp8' is not one of off, bf16, fp16"),
     (["--architectures", "resnet20", "--sizes", "32,64", "--fixres", "48:64"], 1, "must be among --sizes"),
-    (["--architectures", "resnet20", "--sizes", "32", "--json", "/proc/cost.json"], 1, "cannot write /proc/cost.json"),
+    (["--architectures", "resnet20", "--sizes", "32,64", "--fixres", "64:32"], 1, "TRAIN < TEST"),
+    (["--architectures", "resnet20", "--sizes", "32,5000"], 1, "--sizes 5000: at most 4096 px"),
+    (["--architectures", "resnet20", "--sizes", "32", "--compile", "bogus"], 1, "--compile bogus: not a torch.compile"),
+    (["--architectures", "resnet20", "--sizes", "32", "--amp", "fp16", "--device", "cpu"], 1, "--amp fp16 needs a GPU"),
+    (["--architectures", "resnet20", "--sizes", "32", "--plot", "cost.txt"], 1, "name a .png, .pdf, .svg, .jpg file"),
+    (["--architectures", "resnet20", "--sizes", "32", "--json", "/proc/cost.json"], 1,
+     "--json /proc/cost.json: cannot write there"),
 ])
 def test_bad_input_is_one_line(args, status, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

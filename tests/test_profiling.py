@@ -3,11 +3,12 @@ readable as a Chrome trace, with each rank's top operators; a window beyond the 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 import shown_commands as shown
-from conftest import run_main, run_script
+from conftest import SCRATCH, run_main, run_script
 from fixres_dist import FixresError, TrainerConfig
 from fixres_dist.reporting import profiling
 
@@ -35,6 +36,16 @@ def test_each_rank_writes_the_trace_of_its_window_and_its_top_operators(tiny_dat
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(FixresError, match="not a torch.profiler Chrome trace"):
         profiling.draw_trace(folder / "rank1.txt", tmp_path / "no.png")
+
+
+def test_a_resumed_run_counts_the_steps_it_has_left(scratch_job, tiny_data, tmp_path, capsys):
+    """The shared 2-epoch job (10 steps, finished) run again: no step left, not 10."""
+    shutil.copytree(scratch_job, tmp_path / "straight")
+    status, err = run_main(capsys, "scratch", "--num-tasks", 2, "--job-id", "straight", "--shared-folder-path",
+                           tmp_path, "--data-path", tiny_data, *SCRATCH, "--profile", 1, "--profile-after", 0)
+    assert status == 1 and err.count("\n") == 1, err
+    assert ("the window ends at step 1, but this run has 0 optimizer steps left (10 were done before this resume)"
+            in err), err
 
 
 def test_a_window_beyond_the_run_and_one_without_training_are_refused(tiny_data, tmp_path, capsys):

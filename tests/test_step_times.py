@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from conftest import job_events, run_script
-from fixres_dist import TrainerConfig
+from fixres_dist import FixresError, TrainerConfig
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.reporting import step_times
 from fixres_dist.reporting.tensorboard_events import event_scalars
+from fixres_dist.training import faults
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_the_slowed_rank_is_named_with_where_its_time_went(slowed_job):
     assert len(warned) == 2, result.stdout
     device, loader = warned
     assert device.startswith("warning: straggler: rank 2 (") and " ms per step in forward and backward" in device
-    assert "the others waited" in device and "gradient all-reduce" in device
+    assert "the other ranks waited a median " in device and "gradient all-reduce" in device
     assert loader.startswith("warning: straggler: rank 3 (") and " ms per step waiting for data" in loader
     assert "its loader is the bottleneck: about --workers " in loader and "(now 0)" in loader
     [event] = [e for e in job_events(folder) if e["event"] == "step_times"]
@@ -74,17 +75,27 @@ def _summary(data_s: float, compute_s: float, steps: int = 5) -> dict:
 
 
 def test_a_loader_bound_job_says_how_many_workers_would_keep_up():
-    ranks = [dict(_summary(0.03, 0.01), rank=r) for r in range(2)]
+    measured = _summary(0.03, 0.01)
+    ranks = [dict(measured, rank=r) for r in range(2)]  # alike: no straggler, both waiting for data
     assert ranks[0]["ms_per_step"]["collectives"] is None  # no DDP hook: not measured
     assert 30 <= ranks[0]["ms_per_step"]["data"] < 60 and 10 <= ranks[0]["ms_per_step"]["compute"] < 40
     [line] = step_times.findings(ranks, epoch=3, workers=2)
-    assert line.startswith("loader-bound: in epoch 3 the ranks waited ") and "for data" in line
+    assert line.startswith("loader-bound: in epoch 3 the ranks waited ") and "the loaders are the bottleneck" in line
     # 2 workers deliver a batch every data + other ms, so one batch takes a worker 2 x (data + other)
     times = ranks[0]["ms_per_step"]
     other = times["compute"] + times["optimizer"] + times["after_step"]
     need = step_times.workers_to_keep_up(times["data"], other, 2)
     assert need == max(3, -(-2 * (times["data"] + other) // other)) and f"about --workers {need} per rank" in line
-    assert step_times.findings([dict(_summary(0.0, 0.01), rank=r) for r in range(2)], 1, 2) == []
+    busy = _summary(0.0, 0.01)
+    assert step_times.findings([dict(busy, rank=r) for r in range(2)], 1, 2) == []
+
+
+@pytest.mark.parametrize("value", ["slow-step:rank=0:seconds=-1", "slow-data:rank=0:seconds=nan",
+                                   "slow-step:rank=0:seconds=inf", "slow-step:rank=0:secs=1",
+                                   "slow-step:rank=0:step=-5"])
+def test_a_malformed_slowing_fault_is_one_line(value):
+    with pytest.raises(FixresError, match=r"FIXRES_FAULT=.*: expected ACTION:rank=R:step=S\[:seconds=T\]"):
+        faults.planned_faults({"FIXRES_FAULT": value})
 
 
 def test_no_step_times_records_nothing():

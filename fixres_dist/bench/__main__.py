@@ -9,11 +9,13 @@ against training at the test resolution. For example::
 
     python -m fixres_dist.bench --architectures resnet50,vit_b_16 --sizes 128,160,224 --amp bf16 --channels-last on
 
-Bad input (an unknown architecture, a resolution a model cannot take, a folder that cannot be
-written) is one line on stderr before anything is measured: exit status 2 for a usage error, 1
-otherwise. A setting that fails while measuring (out of memory, a compiler error) is a row saying
-why; the others go on. Single device, single process: the peak memory of sharded training is
-``benchmarks/sharding.py``'s and ``python -m fixres_dist.models.memory_table``'s.
+Bad input (an unknown architecture or compile backend, a resolution a model cannot take, a file
+that cannot be written, fp16 without a GPU) is one line on stderr before anything is measured:
+exit status 2 for a usage error, 1 otherwise. A setting that fails while measuring (out of memory,
+a compiler error) is a row saying why; the others go on (exit status 1 if none could be measured).
+Ctrl-C stops it with nothing written (exit status 130). Single device, single process: the peak
+memory of sharded training is ``benchmarks/sharding.py``'s and ``python -m
+fixres_dist.models.memory_table``'s.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from fixres_dist.models.memory_table import OneLineParser, count
 
 MODULE = "fixres_dist.bench"
 PROG = f"python -m {MODULE}"
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg")
 COLUMNS = ("architecture", "px", "variant", "GFLOPs/img", "train img/s", "infer img/s", "train GiB", "infer GiB")
 
 
@@ -37,7 +40,7 @@ def _listed(kind):
         items = [item.strip() for item in text.split(",") if item.strip()]
         if not items:
             raise argparse.ArgumentTypeError("an empty list")
-        return [kind(item) for item in items]
+        return list(dict.fromkeys(kind(item) for item in items))  # each once, in the order given
     return parse
 
 
@@ -90,14 +93,50 @@ def fixres_pair(args: argparse.Namespace) -> tuple[int, int] | None:
     if train not in args.sizes or test not in args.sizes:
         raise FixresError(f"--fixres {train}:{test}: both resolutions must be among --sizes "
                           f"({','.join(map(str, args.sizes))})")
+    if train >= test:
+        raise FixresError(f"--fixres {train}:{test}: FixRes trains below the test resolution (TRAIN < TEST)")
     return train, test
 
 
-def check(args: argparse.Namespace) -> None:
-    """Every architecture known and able to train and run at every size, and the output files
-    writable, before anything is measured; raises :class:`FixresError` in one line."""
+def check_files(args: argparse.Namespace) -> None:
+    """``--json`` and ``--plot`` writable (checked before torch is imported); raises
+    :class:`FixresError` in one line naming the flag."""
+    if args.json and args.plot and args.json.resolve() == args.plot.resolve():
+        raise FixresError(f"--json and --plot both name {args.json}")
+    if args.plot and args.plot.suffix.lower() not in PLOT_FORMATS:
+        raise FixresError(f"--plot {args.plot}: name a {', '.join(PLOT_FORMATS)} file")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is None:
+            continue
+        if path.is_dir() or not path.resolve().parent.is_dir():
+            raise FixresError(f"{flag} {path}: not a file in an existing folder")
+        existed = path.exists()
+        try:
+            with open(path, "a"):  # an existing file is left as it is until the figures are written
+                pass
+        except OSError as exc:
+            raise FixresError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+        if not existed:
+            path.unlink()
+
+
+def check(args: argparse.Namespace, device: str) -> None:
+    """Every architecture known and able to train and run at every size on ``device`` (``fp16``
+    only on a GPU, as the scripts), before anything is measured; raises :class:`FixresError` in one
+    line."""
+    import torch
+
     from fixres_dist.models import architectures, resolutions
 
+    if "fp16" in args.amp and device != "cuda":
+        raise FixresError("--amp fp16 needs a GPU (its GradScaler is CUDA-only, as main_scratch.py's); "
+                          "on CPU use bf16 or off")
+    unknown = [c for c in args.compile if c != "off" and c not in torch.compiler.list_backends(exclude_tags=())]
+    if unknown:
+        raise FixresError(f"--compile {unknown[0]}: not a torch.compile backend (these are: "
+                          f"{', '.join(torch.compiler.list_backends())})")
+    if max(args.sizes) > resolutions.MAX_RESOLUTION:
+        raise FixresError(f"--sizes {max(args.sizes)}: at most {resolutions.MAX_RESOLUTION} px")
     for name in args.architectures:
         architectures.check_architecture(name)
         for size in args.sizes:
@@ -105,14 +144,6 @@ def check(args: argparse.Namespace) -> None:
         probe = resolutions.Probe(name, args.num_classes, min(args.sizes) if architectures.DEFAULT_SIZE not in
                                   args.sizes else architectures.DEFAULT_SIZE, batch=min(args.batch))
         resolutions.check_sizes(probe, args.sizes, args.sizes)
-    for path in filter(None, (args.json, args.plot)):
-        if path.is_dir() or not path.resolve().parent.is_dir():
-            raise FixresError(f"{path}: not a file in an existing folder")
-        try:
-            with open(path, "a"):
-                pass
-        except OSError as exc:
-            raise FixresError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def settings(args: argparse.Namespace) -> list:
@@ -150,10 +181,12 @@ def trades(costs: list, pair: tuple[int, int] | None) -> list[str]:
         high = found.get((name, variant, test))
         if size != train or high is None:
             continue
-        lines.append(f"FixRes, {name} {variant}: training at {train} px costs {high.train / low.train:.2f} of "
-                     f"training at {test} px per image ({low.train:,.0f} against {high.train:,.0f} img/s; "
-                     f"{low.gflops:.2f} against {high.gflops:.2f} GFLOPs), then testing at {test} px runs at "
-                     f"{high.inference:,.0f} img/s")
+        ratio, flops = high.train / low.train, low.gflops / high.gflops
+        lines.append(f"FixRes, {name} {variant}: training at {train} px costs {ratio:.2f} of training at {test} px "
+                     f"per image ({low.train:,.0f} against {high.train:,.0f} img/s; {low.gflops:.2f} against "
+                     f"{high.gflops:.2f} GFLOPs, {flops:.2f}), then testing at {test} px runs at "
+                     f"{high.inference:,.0f} img/s"
+                     + (" (the times contradict the GFLOPs: noise; raise --steps)" if ratio > 1 >= flops else ""))
     return lines
 
 
@@ -192,29 +225,51 @@ def main(argv: list[str] | None = None) -> list:
     args = parser.parse_args(argv)
     try:
         pair = fixres_pair(args)
-        check(args)
+        check_files(args)
+        import torch
+
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise FixresError("--device cuda: torch sees no CUDA GPU here")
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        check(args, device.type)
     except FixresError as exc:
         say(f"{PROG}: {exc}")
         raise SystemExit(1) from None
-    import torch
-
     from fixres_dist.bench.cost import measure
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"{PROG}: {len(settings(args))} settings on {where}, {args.steps} timed steps after {args.warmup}; "
           f"memory: {'CUDA max_memory_allocated' if device.type == 'cuda' else 'peak resident set of the process'}",
           flush=True)
-    costs = [measure(s, device, args.num_classes, args.steps, args.warmup) for s in settings(args)]
+    if args.steps < 3:
+        print(f"{PROG}: warning: --steps {args.steps}: too few timed steps for steady figures (the median of 3 or "
+              "more is)", flush=True)
+    try:
+        costs = [measure(s, device, args.num_classes, args.steps, args.warmup) for s in settings(args)]
+    except KeyboardInterrupt:
+        say(f"{PROG}: interrupted; nothing written")
+        raise SystemExit(130) from None
     lines = trades(costs, pair)
     print(table(costs) + "".join(f"\n{line}" for line in lines), flush=True)
+    try:
+        write_outputs(args, costs, lines, where)
+    except OSError as exc:
+        say(f"{PROG}: cannot write the results: {exc.strerror or exc} ({exc.filename})")
+        raise SystemExit(1) from None
+    if all(c.error for c in costs):
+        say(f"{PROG}: no setting could be measured (each row says why)")
+        raise SystemExit(1)
+    return costs
+
+
+def write_outputs(args: argparse.Namespace, costs: list, lines: list[str], where: str) -> None:
+    """``--json`` and ``--plot``, where asked."""
     if args.json:
         args.json.write_text(json.dumps({"device": where, "steps": args.steps, "warmup": args.warmup,
                                          "rows": [dict(attrs.asdict(c, recurse=False), setting=attrs.asdict(c.setting))
                                                   for c in costs], "fixres": lines}, indent=1) + "\n")
     if args.plot:
         plot(costs, args.plot, where)
-    return costs
 
 
 if __name__ == "__main__":

@@ -6,13 +6,15 @@ inference images per second, and peak memory.
 Training runs the project's own step (:func:`fixres_dist.training.engine.train_step`: uint8 images
 normalised on the device, autocast, channels-last, fp16 loss scaling; SGD with momentum) on one
 random batch, inference the model in eval mode under ``torch.no_grad``; each after warm-up steps
-(allocations, cuDNN's search, compilation), timed between device synchronisations. Peak memory:
+(allocations, cuDNN's search, compilation), each step timed between device synchronisations, the
+median taken. Inference is measured first. Peak memory:
 CUDA ``max_memory_allocated`` of each phase on a GPU; on the CPU the process' peak resident set
 (``VmHWM``, reset before each phase where Linux allows), which includes the interpreter and
 libraries.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import attrs
@@ -85,17 +87,20 @@ class _Peak:
 
 
 def _timed(run, steps: int, warmup: int, device: torch.device) -> float:
-    """Seconds of ``steps`` calls of ``run()`` after ``warmup`` untimed ones."""
+    """Seconds per call of ``run()``: the median of ``steps`` timed calls (each between device
+    synchronisations) after ``warmup`` untimed ones; a median resists a burst of other work."""
     for _ in range(warmup):
         run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    seconds = []
     for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
         run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def measure(setting: Setting, device: torch.device, num_classes: int = 1000, steps: int = 10,
@@ -126,16 +131,15 @@ def measure(setting: Setting, device: torch.device, num_classes: int = 1000, ste
             with torch.no_grad(), engine.autocast(device, amp):
                 forward(to_device(images, device, setting.channels_last))
 
+        model.eval()  # inference first: a CPU's resident set does not shrink after training
+        peak.reset()
+        infer_seconds = _timed(infer, steps, warmup, device)
+        infer_peak = peak.gib()
         model.train()
         peak.reset()
         train_seconds = _timed(train, steps, warmup, device)
-        train_peak = peak.gib()
-        optimizer.zero_grad(set_to_none=True)
-        model.eval()
-        peak.reset()
-        infer_seconds = _timed(infer, steps, warmup, device)
-        return Cost(setting, gflops, setting.batch * steps / train_seconds, setting.batch * steps / infer_seconds,
-                    train_peak, peak.gib())
+        return Cost(setting, gflops, setting.batch / train_seconds, setting.batch / infer_seconds, peak.gib(),
+                    infer_peak)
     except (RuntimeError, ValueError, AssertionError, TypeError, NotImplementedError) as exc:
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -4,7 +4,7 @@ The window: ``--profile N`` steps after ``--profile-after W`` steps of this proc
 the first steps pay for allocations, cuDNN's search and compilation). Each rank writes, into
 ``<job folder>/profile/``:
 
-* ``rank<R>.<host>.<pid>.<ms>.pt.trace.json``: the Chrome trace (``torch.profiler.tensorboard_trace_handler``),
+* ``rank<R>.<timestamp>.pt.trace.json``: the Chrome trace (``torch.profiler.tensorboard_trace_handler``),
   which Chrome's and Perfetto's trace viewers open, and TensorBoard's profiler plugin reads from the
   folder (``tensorboard --logdir <job folder>/profile``);
 * ``rank<R>.txt``: the top operators by self time (CPU, and CUDA on a GPU): ``key_averages().table``.
@@ -32,12 +32,15 @@ FOLDER = "profile"
 TOP_OPERATORS = 25
 
 
-def check_window(steps: int, after: int, run_steps: int) -> None:
-    """Refuse a window that the run cannot reach: ``after + steps`` optimizer steps of ``run_steps``.
-    Raises :class:`FixresError` in one line saying how many steps the run has."""
+def check_window(steps: int, after: int, run_steps: int, done: int = 0) -> None:
+    """Refuse a window that the run cannot reach: ``after + steps`` optimizer steps of the
+    ``run_steps`` this process has left (``done`` before it, by a run it resumes). Raises
+    :class:`FixresError` in one line saying how many steps the run has."""
     if after + steps > run_steps:
+        left = f" left ({done} were done before this resume)" if done else ""
         raise FixresError(f"--profile {steps} after --profile-after {after}: the window ends at step {after + steps}, "
-                          f"but this run has {run_steps} optimizer steps; lower --profile-after or --profile")
+                          f"but this run has {max(run_steps, 0)} optimizer steps{left}; lower --profile-after or "
+                          "--profile")
 
 
 def check_folder(folder: Path) -> None:
@@ -60,7 +63,7 @@ class StepProfiler:
     def __init__(self, folder: Path, rank: int, steps: int, after: int, device: str,
                  log: Callable[[str], None]):
         self.folder, self.rank, self.log = Path(folder), rank, log
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # inside the owner-only job folder
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         warmup = 1 if after else 0  # the profiler's own warm-up step, taken from the steps before the window
         self.profiler = profile(activities=activities, record_shapes=False,
@@ -78,7 +81,7 @@ class StepProfiler:
         tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}")(done)
         sort = "self_cuda_time_total" if ProfilerActivity.CUDA in done.activities else "self_cpu_time_total"
         table = done.key_averages().table(sort_by=sort, row_limit=TOP_OPERATORS)
-        io.write_private(self.folder / f"rank{self.rank}.txt", table.encode(), mode=0o644)
+        io.write_private(self.folder / f"rank{self.rank}.txt", table.encode())
         self.running = False
         self.log(f"profile: {self.folder} (a Chrome trace and the top operators of each rank; "
                  f"tensorboard --logdir {self.folder})")
@@ -126,10 +129,17 @@ def draw_trace(trace: Path, picture: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not Path(trace).is_file():
+        raise FixresError(f"{trace}: no such file")
+    if Path(picture).is_dir() or not Path(picture).resolve().parent.is_dir():
+        raise FixresError(f"{picture}: not a file in an existing folder")
+    if Path(picture).suffix.lower() not in (".png", ".pdf", ".svg", ".jpg"):
+        raise FixresError(f"{picture}: name a .png, .pdf, .svg or .jpg file")
     try:
         events = [e for e in json.loads(Path(trace).read_text())["traceEvents"]
-                  if e.get("ph") == "X" and "dur" in e and "ts" in e]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+                  if isinstance(e, dict) and e.get("ph") == "X" and isinstance(e.get("dur"), (int, float))
+                  and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("name"), str) and "tid" in e]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FixresError(f"{trace}: not a torch.profiler Chrome trace ({type(exc).__name__}: {exc})") from None
     steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
     if not steps:
@@ -161,8 +171,12 @@ def draw_trace(trace: Path, picture: Path, title: str = "") -> None:
     axis.legend(handles=[matplotlib.patches.Patch(color=c, label=k) for k, c in colours.items()], fontsize=7,
                 loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=5, frameon=False)
     fig.tight_layout()
-    fig.savefig(picture, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(picture, dpi=110)
+    except (OSError, ValueError) as exc:
+        raise FixresError(f"cannot write {picture}: {getattr(exc, 'strerror', None) or exc}") from None
+    finally:
+        plt.close(fig)
 
 
 if __name__ == "__main__":
@@ -170,8 +184,12 @@ if __name__ == "__main__":
 
     from fixres_dist.errors import say
 
+    usage = "usage: python -m fixres_dist.reporting.profiling TRACE.json PICTURE.png [TITLE]"
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(f"{usage}\n\nDraw a --profile Chrome trace's timeline (CPU threads, GPU streams, the steps) as a PNG.")
+        raise SystemExit(0)
     if len(sys.argv) not in (3, 4):
-        say("usage: python -m fixres_dist.reporting.profiling TRACE.json PICTURE.png [TITLE]")
+        say(usage)
         raise SystemExit(2)
     try:
         draw_trace(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:])

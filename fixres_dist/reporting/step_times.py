@@ -188,10 +188,10 @@ def findings(ranks: list[dict], epoch: int, workers: int) -> list[str]:
             line = (f"straggler: rank {rank['rank']} ({rank['host']}) was {ratio:.1f}x slower than the median of the "
                     f"other ranks, in {slower} of {steps} steps of epoch {epoch}: +{excess[phase]:.0f} ms per step "
                     f"{WORDS[phase]}"
-                    + (f"; the others waited {statistics.median(waits):.0f} ms per step for it in the gradient "
-                       "all-reduce" if waits else ""))
+                    + (f"; the other ranks waited a median {statistics.median(waits):.0f} ms per step in the "
+                       "gradient all-reduce" if waits else ""))
             if phase == "data":
-                line += "; " + _loader_advice(rank, workers)
+                line += "; its loader is the bottleneck: " + _loader_advice(rank, workers)
             lines.append(line)
     fast = [r for r in ranks if r["rank"] not in slow] or ranks
     if fast:
@@ -200,8 +200,8 @@ def findings(ranks: list[dict], epoch: int, workers: int) -> list[str]:
         if median["steps"] >= MIN_STEPS and median["ms_per_step"]["data"] >= LOADER_BOUND * step_ms:
             lines.append(f"loader-bound: in epoch {epoch} the ranks waited {median['ms_per_step']['data']:.0f} ms of "
                          f"each {step_ms:.0f} ms step for data "
-                         f"({100 * median['ms_per_step']['data'] / step_ms:.0f} %, median rank); "
-                         + _loader_advice(median, workers))
+                         f"({100 * median['ms_per_step']['data'] / step_ms:.0f} %, median rank); the loaders are the "
+                         "bottleneck: " + _loader_advice(median, workers))
     return lines
 
 
@@ -209,5 +209,4 @@ def _loader_advice(rank: dict, workers: int) -> str:
     times = rank["ms_per_step"]
     other = sum(v for p, v in times.items() if v is not None and p != "data")
     need = workers_to_keep_up(times["data"], other, workers)
-    return (f"its loader is the bottleneck: about --workers {need} per rank would keep up (now {workers}), "
-            "given the cores to run them")
+    return f"about --workers {need} per rank would keep up (now {workers}), given the cores to run them"

@@ -9,7 +9,8 @@ Set ``FIXRES_FAULT`` to ``ACTION:rank=R:step=S`` (several separated by ``,``), w
 * ``ckpt-write``: the checkpoint write at or after step S fails half-way with ENOSPC (a full disk);
 * ``slow-step``: from step S on, each optimizer step of the rank takes ``seconds=T`` longer (a
   slower device: a straggler);
-* ``slow-data``: from step S on, each batch reaches the rank ``seconds=T`` later (a slow loader).
+* ``slow-data``: from step S on, each batch reaches the rank ``seconds=T`` later (a slow loader;
+  the delay is in the training process, so more ``--workers`` do not remove it).
 
 ``seconds`` defaults to 0.1.
 
@@ -49,8 +50,12 @@ def planned_faults(environ=None) -> list[Fault]:
             fields = dict(pair.split("=") for pair in pairs)
             fault = Fault(action, int(fields.get("rank", 0)), int(fields.get("step", 0)),
                           float(fields.get("seconds", 0.1)))
+            if set(fields) - {"rank", "step", "seconds"} or fault.rank < 0 or fault.step < 0 \
+                    or not 0 <= fault.seconds < 3600:
+                raise ValueError
         except ValueError:
-            raise FixresError(f"{ENV}={text!r}: expected ACTION:rank=R:step=S[:seconds=T]") from None
+            raise FixresError(f"{ENV}={text!r}: expected ACTION:rank=R:step=S[:seconds=T] (R, S >= 0; "
+                              "0 <= T < 3600)") from None
         if fault.action not in ACTIONS:
             raise FixresError(f"{ENV}: unknown action {fault.action!r} (one of {', '.join(ACTIONS)})")
         faults.append(fault)

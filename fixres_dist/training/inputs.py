@@ -65,9 +65,6 @@ class JobInputs:
         :mod:`fixres_dist.models.class_names`)."""
         root, index, classes = _read_data(config)
         _check_accumulation(config, index)
-        if config.profile:
-            steps = -(-(-(-index.train_images // config.num_tasks)) // (config.batch * config.grad_accum_steps))
-            profiling.check_window(config.profile, config.profile_after, steps * config.epochs)
         _check_job_folder(config)
         if config.profile:
             profiling.check_folder(config.job_folder / profiling.FOLDER)
@@ -80,6 +77,13 @@ class JobInputs:
             checkpoint.check_same_data(state.get("data"), index.identity(), path, root,
                                        state["config"].get("data_path") or str(pipeline.embedded_data_path()))
             resume = Resume(path, note, checkpoint.Contents.from_dict(state))
+        if config.profile:  # the window counts this process' steps: a resumed run has fewer left
+            steps = -(-(-(-index.train_images // config.num_tasks)) // (config.batch * config.grad_accum_steps))
+            left, done = steps * config.epochs, 0
+            if resume is not None:  # from where it stopped, on this run's world size
+                c, per_step = resume.contents, config.batch * config.num_tasks * config.grad_accum_steps
+                left, done = (config.epochs - c.epoch) * steps - -(-c.images_in_epoch // per_step), c.global_step
+            profiling.check_window(config.profile, config.profile_after, left, done)
         if config.extract_features:
             extraction.check_destination(config.extract_features, config.overwrite)
         found = weights.read_weight_file(config.weight_path, config.weight_key) if config.weight_path else None

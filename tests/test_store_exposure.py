@@ -1,6 +1,7 @@
 """Who can reach a job (issue 30): a 2-rank job on one host listens on loopback only (its rendezvous
 store and gloo), a client of the store that did not read the rendezvous file learns no nonce, counts
-as no rank, changes nothing and is named in rank 0's log; the addresses rank 0's store binds."""
+as no rank, is disconnected and named in rank 0's log, and the job goes on; the addresses rank 0's
+store binds."""
 from __future__ import annotations
 
 import datetime
@@ -48,13 +49,16 @@ def test_a_spawned_job_listens_on_loopback_and_names_a_foreign_store_client(tiny
         assert not any("nonce" in key for key in keys), keys  # only HMACs of it: see rendezvous.proof
         foreign.set("fixres/arrived/1", "1")  # an arrival without the proof counts for nothing
         foreign.set("fixres/junk", "x")
+        wait_for(lambda: "warning: rendezvous store: refused a client at " in job.stdout, 60, "the refusal")
+        with pytest.raises((RuntimeError, dist.DistError)):  # rank 0 ended its connection
+            foreign.list_keys()
         assert job.wait(240) == 0, job.stderr[-3000:]
     finally:
         if job.returncode is None:
             job.kill()
-    named = [line for line in job.stdout.splitlines() if line.startswith("warning: rendezvous store: a client at ")]
-    assert any(f"a client at 127.0.0.1:{p}" in line for p in mine for line in named), (mine, named)
-    assert all("is none of this job's ranks" in line for line in named) and len(named) == len(mine)
+    named = [line for line in job.stdout.splitlines() if line.startswith("warning: rendezvous store: refused a ")]
+    assert any(f"a client at 127.0.0.1:{p} (pid " in line for p in mine for line in named), (mine, named)
+    assert all("none of this job's ranks" in line for line in named) and len(named) == len(mine)
     assert "eval @32px" in job.stdout
 
 

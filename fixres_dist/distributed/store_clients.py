@@ -7,8 +7,10 @@ owner-only rendezvous file before it counts (:func:`fixres_dist.distributed.rend
 is left is to see who else came. Rank 0, which hosts the store, looks at its connections every
 :data:`EVERY_S` seconds from a daemon thread: a connection is a rank's when the process at the other
 end is one of the ranks (same host: its process id, where this user may see it) or comes from an
-address of a rank's host; every other one is logged once, with its address and, where visible, its
-process. The job goes on: such a client was never counted as a rank.
+address of a rank's host; every other one is ended from the store's side (:func:`refuse`: its next
+request fails) and logged once, with its address and, where visible, its process. The job goes on:
+such a client was never counted as a rank. What it did before it was seen (up to :data:`EVERY_S`
+seconds, or before the ranks met) is not undone.
 """
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ def _ip(address: str) -> str:
     return address.removeprefix("::ffff:")
 
 
-def foreign_clients(port: int, hosts: dict) -> list[str]:
+def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int]]:
     """The store clients at this process' ``port`` that are none of the ranks (``hosts``: global rank
-    -> :class:`~fixres_dist.distributed.rendezvous.Host`), each as ``"ADDRESS:PORT (pid P, NAME)"``."""
+    -> :class:`~fixres_dist.distributed.rendezvous.Host`): ``("ADDRESS:PORT (pid P, NAME)", fd)``
+    each, ``fd`` this process' end of the connection."""
     try:
         connections = psutil.net_connections(kind="tcp")
     except (psutil.AccessDenied, OSError):
@@ -57,8 +60,18 @@ def foreign_clients(port: int, hosts: dict) -> list[str]:
                 what += f" (pid {client.pid}, {psutil.Process(client.pid).name()})"
             except psutil.Error:
                 what += f" (pid {client.pid})"
-        found.append(what)
+        found.append((what, server_side.fd))
     return found
+
+
+def refuse(fd: int) -> None:
+    """End the connection on this process' socket ``fd`` (both directions): the store's event loop
+    sees the client leave; the client's next request fails."""
+    with socket.socket(fileno=os.dup(fd)) as end:
+        try:
+            end.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already gone
+            pass
 
 
 class ClientWatch:
@@ -71,13 +84,16 @@ class ClientWatch:
         self._stopped = threading.Event()
 
     def check(self) -> list[str]:
-        """Look once; warn about, and return, the foreign clients not seen before."""
-        new = [c for c in foreign_clients(self.port, self.hosts) if c.split(" ")[0] not in self.seen]
-        for client in new:
-            self.seen.add(client.split(" ")[0])
-            self.warn(f"rendezvous store: a client at {client} is none of this job's ranks (it did not prove the "
-                      "rendezvous nonce): it counts as no rank and the job goes on; who can reach the store: "
-                      "docs/trust.md")
+        """Look once: refuse (disconnect) every foreign client, warn about those not seen before, and
+        return them."""
+        new = []
+        for client, fd in foreign_clients(self.port, self.hosts):
+            refuse(fd)
+            if client.split(" ")[0] not in self.seen:
+                self.seen.add(client.split(" ")[0])
+                new.append(client)
+                self.warn(f"rendezvous store: refused a client at {client}: none of this job's ranks (it did not "
+                          "prove the rendezvous nonce); the job goes on; who can reach the store: docs/trust.md")
         return new
 
     def start(self) -> None:

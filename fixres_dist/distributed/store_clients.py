@@ -7,9 +7,11 @@ owner-only rendezvous file before it counts (:func:`fixres_dist.distributed.rend
 is left is to see who else came. Rank 0, which hosts the store, looks at its connections every
 :data:`EVERY_S` seconds from a daemon thread: a connection is a rank's when the process at the other
 end is one of the ranks (same host: its process id, where this user may see it) or comes from an
-address of a rank's host; every other one is ended from the store's side (:func:`refuse`: its next
-request fails) and logged once, with its address and, where visible, its process. The job goes on:
-such a client was never counted as a rank. What it did before it was seen (up to :data:`EVERY_S`
+address of a rank's host; every other one is logged once, with its address and, where visible, its
+process, and one on this host is also ended from the store's side (:func:`refuse`: its next
+request fails). One from another host is left connected: an address translation (NAT) between the
+hosts would make a rank's connection look foreign, and ending it would end the job. The job goes
+on: such a client was never counted as a rank. What it did before it was seen (up to :data:`EVERY_S`
 seconds, or before the ranks met) is not undone.
 """
 from __future__ import annotations
@@ -33,10 +35,11 @@ def _ip(address: str) -> str:
     return address.removeprefix("::ffff:")
 
 
-def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int]]:
+def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int, bool]]:
     """The store clients at this process' ``port`` that are none of the ranks (``hosts``: global rank
-    -> :class:`~fixres_dist.distributed.rendezvous.Host`): ``("ADDRESS:PORT (pid P, NAME)", fd)``
-    each, ``fd`` this process' end of the connection."""
+    -> :class:`~fixres_dist.distributed.rendezvous.Host`): ``("ADDRESS:PORT (pid P, NAME)", fd,
+    local)`` each, ``fd`` this process' end of the connection, ``local`` whether the client runs on
+    this host (then certainly not a rank: the ranks here are this user's processes, all visible)."""
     try:
         connections = psutil.net_connections(kind="tcp")
     except (psutil.AccessDenied, OSError):
@@ -60,7 +63,7 @@ def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int]]:
                 what += f" (pid {client.pid}, {psutil.Process(client.pid).name()})"
             except psutil.Error:
                 what += f" (pid {client.pid})"
-        found.append((what, server_side.fd))
+        found.append((what, server_side.fd, remote[0] in local))
     return found
 
 
@@ -87,13 +90,15 @@ class ClientWatch:
         """Look once: refuse (disconnect) every foreign client, warn about those not seen before, and
         return them."""
         new = []
-        for client, fd in foreign_clients(self.port, self.hosts):
-            refuse(fd)
+        for client, fd, local in foreign_clients(self.port, self.hosts):
+            if local:
+                refuse(fd)
             if client.split(" ")[0] not in self.seen:
                 self.seen.add(client.split(" ")[0])
                 new.append(client)
-                self.warn(f"rendezvous store: refused a client at {client}: none of this job's ranks (it did not "
-                          "prove the rendezvous nonce); the job goes on; who can reach the store: docs/trust.md")
+                what = "refused a client" if local else "a client from another host, left connected,"
+                self.warn(f"rendezvous store: {what} at {client}: none of this job's ranks (it did not prove the "
+                          "rendezvous nonce); the job goes on; who can reach the store: docs/trust.md")
         return new
 
     def start(self) -> None:

@@ -116,13 +116,25 @@ def _kind(event: dict) -> str:
     return "forward and other"
 
 
+def _spans(trace: Path) -> list[dict]:
+    """The complete events (``"ph": "X"``, with a name, a start, a duration and a thread) of a Chrome
+    trace; :class:`FixresError` for a file that is not one."""
+    import json
+
+    try:
+        return [e for e in json.loads(Path(trace).read_text())["traceEvents"]
+                if isinstance(e, dict) and e.get("ph") == "X" and isinstance(e.get("dur"), (int, float))
+                and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("name"), str) and "tid" in e]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise FixresError(f"{trace}: not a torch.profiler Chrome trace ({type(exc).__name__}: {exc})") from None
+
+
 def draw_trace(trace: Path, picture: Path, title: str = "") -> None:
     """Draw the Chrome trace ``trace`` (a ``--profile`` file) as a timeline into ``picture`` (PNG): one
     lane per CPU thread (its outermost operators) and per GPU stream (kernels), the ``ProfilerStep``
     spans above them; colours by what an operator does (data, forward, backward, optimizer, kernel).
     Milliseconds from the window's start on the x axis. Raises :class:`FixresError` for a file that
     is not such a trace."""
-    import json
 
     import matplotlib
 
@@ -135,12 +147,7 @@ def draw_trace(trace: Path, picture: Path, title: str = "") -> None:
         raise FixresError(f"{picture}: not a file in an existing folder")
     if Path(picture).suffix.lower() not in (".png", ".pdf", ".svg", ".jpg"):
         raise FixresError(f"{picture}: name a .png, .pdf, .svg or .jpg file")
-    try:
-        events = [e for e in json.loads(Path(trace).read_text())["traceEvents"]
-                  if isinstance(e, dict) and e.get("ph") == "X" and isinstance(e.get("dur"), (int, float))
-                  and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("name"), str) and "tid" in e]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise FixresError(f"{trace}: not a torch.profiler Chrome trace ({type(exc).__name__}: {exc})") from None
+    events = _spans(trace)
     steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")]
     if not steps:
         raise FixresError(f"{trace}: no ProfilerStep spans: not a --profile trace")

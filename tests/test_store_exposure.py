@@ -80,5 +80,9 @@ def test_the_store_binds_only_what_it_needs(monkeypatch):
         with pytest.raises(FixresError, match=f"^cannot open the rendezvous store on 127.0.0.1:{port}: "):
             rendezvous.make_store(f"tcp://127.0.0.1:{port}", 0, 2, 5)
     assert rendezvous.proof("a" * 32, "rank 1") != rendezvous.proof("b" * 32, "rank 1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "abc")
+    with pytest.raises(FixresError, match=r"^MASTER_PORT='abc': not a port number \(1-65535\)$"):
+        rendezvous.make_store("env://", 0, 2, 5)
     monkeypatch.setattr(rendezvous.socket, "gethostbyname", lambda name: "127.0.1.1")  # the Debian trap
     assert rendezvous.bind_address(False, "myhost") == "0.0.0.0"  # other hosts resolve it elsewhere

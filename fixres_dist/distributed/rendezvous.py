@@ -153,6 +153,7 @@ def _tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: 
             sock.close()
             raise FixresError(f"cannot open the rendezvous store on {listen}:{port}: {exc.strerror or exc}") from None
         port, fd = sock.getsockname()[1], sock.detach()  # the store owns the socket from now on
+        host = listen if listen != "0.0.0.0" else "127.0.0.1"  # the server's own client: where it listens
     return dist.TCPStore(host, port, world_size, is_master, datetime.timedelta(seconds=timeout),
                          wait_for_workers=False, **({"master_listen_fd": fd} if fd is not None else {}))
 
@@ -163,7 +164,10 @@ def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop) 
     address = bind_address(ranks_on_one_host(), os.environ.get("MASTER_ADDR"))
     hosts = [address] if address != "0.0.0.0" else \
         [h for h in dict.fromkeys([os.environ.get("MASTER_ADDR", ""), *network.store_candidates()]) if h]
-    store = _tcp_store(hosts[0], 0, world_size, True, timeout, listen=address)
+    try:
+        store = _tcp_store(hosts[0], 0, world_size, True, timeout, listen=address)
+    except (RuntimeError, OSError) as exc:
+        raise FixresError(f"cannot open the rendezvous store on {address}: {first_line(exc)}") from None
     nonce = secrets.token_hex(16)
     store.set(f"fixres/store/{proof(nonce, 'store')}", "1")
     write_private(path, json.dumps({"hosts": hosts, "port": store.port, "nonce": nonce, "pid": os.getpid(),
@@ -333,6 +337,8 @@ def make_store(dist_url: str, rank: int, world_size: int, timeout: float, should
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         raise FixresError("--dist-url env:// needs MASTER_ADDR and MASTER_PORT in the environment")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise FixresError(f"MASTER_PORT={port!r}: not a port number (1-65535)")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts the store
         store = _connect(addr, int(port), world_size, timeout, should_stop, "torchrun's store")
         # as torch.distributed's env:// does: keys of an earlier attempt (--max-restarts) are not seen

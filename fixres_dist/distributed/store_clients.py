@@ -35,6 +35,16 @@ def _ip(address: str) -> str:
     return address.removeprefix("::ffff:")
 
 
+def _of_ranks(pid: int | None, rank_pids: set[int]) -> bool:
+    """Whether process ``pid`` is a rank or a child of one (a loader worker shares its sockets)."""
+    if pid is None:
+        return False
+    try:
+        return pid in rank_pids or any(p.pid in rank_pids for p in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
+
+
 def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int, bool]]:
     """The store clients at this process' ``port`` that are none of the ranks (``hosts``: global rank
     -> :class:`~fixres_dist.distributed.rendezvous.Host`): ``("ADDRESS:PORT (pid P, NAME)", fd,
@@ -44,8 +54,9 @@ def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int, bool]]:
         connections = psutil.net_connections(kind="tcp")
     except (psutil.AccessDenied, OSError):
         return []
-    here, me = socket.gethostname(), os.getpid()
-    served = [c for c in connections if c.pid == me and c.laddr and c.laddr.port == port and c.raddr
+    here, me = socket.gethostname(), psutil.Process()
+    family = {me.pid, *(p.pid for p in me.children(recursive=True))}  # loader workers inherit its sockets
+    served = [c for c in connections if c.pid in family and c.laddr and c.laddr.port == port and c.raddr
               and c.status == psutil.CONN_ESTABLISHED]
     by_local = {(_ip(c.laddr.ip), c.laddr.port): c for c in connections if c.laddr}
     rank_pids = {h.pid for h in hosts.values() if h.name == here}
@@ -55,7 +66,8 @@ def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int, bool]]:
     for server_side in served:
         remote = (_ip(server_side.raddr.ip), server_side.raddr.port)
         client = by_local.get(remote) if remote[0] in local else None
-        if client is not None and client.pid in rank_pids or remote[0] not in local and remote[0] in rank_addresses:
+        if client is not None and _of_ranks(client.pid, rank_pids) or remote[0] not in local and remote[0] in \
+                rank_addresses:
             continue
         what = f"{remote[0]}:{remote[1]}"
         if client is not None and client.pid is not None:
@@ -87,14 +99,15 @@ class ClientWatch:
         self._stopped = threading.Event()
 
     def check(self) -> list[str]:
-        """Look once: refuse (disconnect) every foreign client, warn about those not seen before, and
-        return them."""
+        """Look once: refuse (disconnect) every foreign client on this host, warn about each process (or
+        remote host) not seen before, and return those clients."""
         new = []
         for client, fd, local in foreign_clients(self.port, self.hosts):
             if local:
                 refuse(fd)
-            if client.split(" ")[0] not in self.seen:
-                self.seen.add(client.split(" ")[0])
+            who = client.split(":")[0] + (client.split(" (")[1] if " (" in client else "")  # its host and process
+            if who not in self.seen:  # once per process (or remote host), however often it reconnects
+                self.seen.add(who)
                 new.append(client)
                 what = "refused a client" if local else "a client from another host, left connected,"
                 self.warn(f"rendezvous store: {what} at {client}: none of this job's ranks (it did not prove the "

@@ -85,8 +85,8 @@ def test_evaluations_and_sweeps_show_progress_on_stderr_and_a_log_file_gets_none
     assert "eval 16 px" not in shown.stdout and "img/s]" not in shown.stdout  # bars stay on stderr
     # log lines stay whole: each starts a line of its own
     lines = [line for line in shown.stdout.splitlines() if line]
-    expected = ("job ", "data:", "input ", "sgd lr ", "epoch 1/1: train loss", "eval", "|", "top-1", "best", "network",
-                "train resolution", "plot", "warning: ")
+    expected = ("job ", "data:", "input ", "sgd lr ", "epoch 1/1: train loss", "  step times (", "eval", "|", "top-1",
+                "best", "network", "train resolution", "plot", "warning: ")
     assert lines and all(line.startswith(expected) for line in lines)
     quiet = run_script("scratch", "--job-id", "quiet", "--shared-folder-path", tmp_path, "--data-path", few_data,
                        *RUN)  # stderr is a file here, as a log file under SLURM: no bars by default

@@ -38,6 +38,7 @@ def test_the_slowed_rank_is_named_with_where_its_time_went(slowed_job):
     assert "the other ranks waited a median " in device and "gradient all-reduce" in device
     assert loader.startswith("warning: straggler: rank 3 (") and " ms per step waiting for data" in loader
     assert "its loader is the bottleneck: about --workers " in loader and "(now 0)" in loader
+    assert "\n  step times (ms per step, median of 4 ranks): data " in result.stdout  # after the epoch's line
     [event] = [e for e in job_events(folder) if e["event"] == "step_times"]
     assert event["epoch"] == 1 and event["findings"] == [line.removeprefix("warning: ") for line in warned]
     ranks = event["ranks"]

@@ -18,6 +18,7 @@ from fixres_dist.errors import FixresWarning
 from fixres_dist.io import write_private
 from fixres_dist.reporting.metrics import METRICS_FILE, MetricsLog
 from fixres_dist.reporting.step_times import findings as step_times_findings
+from fixres_dist.reporting.step_times import line as step_times_line
 
 POINTS_PER_EPOCH = 50  # about this many points of the per-step training curves an epoch
 
@@ -78,6 +79,7 @@ class RunLog:
             lines = step_times_findings(step_times, epoch + 1, cfg.workers)
             self.record("step_times", epoch=epoch + 1, findings=lines,
                         ranks=[{k: v for k, v in r.items() if k != "busy_ms"} for r in step_times if r is not None])
+            self.log(step_times_line([r for r in step_times if r is not None]))
             for line in lines:
                 self.warn(line)
 

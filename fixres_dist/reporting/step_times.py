@@ -205,6 +205,18 @@ def findings(ranks: list[dict], epoch: int, workers: int) -> list[str]:
     return lines
 
 
+def line(ranks: list[dict]) -> str:
+    """The epoch's step times in one log line: each phase's median over ``ranks`` (their
+    :meth:`StepTimes.summary`) in ms per step, and the largest peak memory."""
+    names = {"data": "data", "compute": "compute", "collectives": "all-reduce", "optimizer": "optimizer",
+             "after_step": "after"}
+    parts = [f"{names[p]} {statistics.median(values):.1f}" for p in PHASES
+             if (values := [r["ms_per_step"][p] for r in ranks if r["ms_per_step"][p] is not None])]
+    peak = max(ranks, key=lambda r: r["peak_memory_gib"])
+    return (f"  step times (ms per step, median of {len(ranks)} rank{'s' if len(ranks) > 1 else ''}): "
+            f"{', '.join(parts)}; peak memory {peak['peak_memory_gib']:.2f} GiB (rank {peak['rank']})")
+
+
 def _loader_advice(rank: dict, workers: int) -> str:
     times = rank["ms_per_step"]
     other = sum(v for p, v in times.items() if v is not None and p != "data")

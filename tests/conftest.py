@@ -186,6 +186,66 @@ def start_script(script: str, *args, env: dict | None = None, new_session: bool 
     return launched.start(script, *args, env=env, new_session=new_session)
 
 
+SLOWED_S = 0.4  # how much slower rank 2's steps and rank 3's batches are in slowed_job (seconds)
+
+
+@pytest.fixture(scope="session")
+def slowed_job(tiny_data, tmp_path_factory):
+    """One 4-rank job shared by the tests of step times and of who can reach a job: spawned by the
+    launcher (``--num-tasks 4``, all ranks on this host) on :func:`tiny_data`, 10 steps of 2 images
+    per rank, rank 2's steps :data:`SLOWED_S` slower (a slow device) and rank 3's batches as much later
+    (a slow loader). While it trains, its processes' listening sockets are read, and a foreign client
+    connects to its rendezvous store, lists the keys, writes a fake arrival and junk, waits for rank
+    0's refusal and tries once more. Returns a SimpleNamespace: ``folder``, ``stdout``, ``stderr``,
+    ``store`` (``(host, port)``), ``listening`` (``{(address, port)}``), ``foreign_ports`` (the
+    client's own ports), ``keys`` (what it listed), ``refused`` (whether its request after the refusal
+    failed)."""
+    import datetime
+    import re
+    import types
+
+    import psutil
+    import torch.distributed as dist
+
+    folder = tmp_path_factory.mktemp("slowed")
+    job = start_script("scratch", "--num-tasks", 4, "--job-id", "slowed", "--shared-folder-path", folder,
+                       "--data-path", tiny_data, "--architecture", "resnet20", "--input-size", 32, "--batch", 2,
+                       "--epochs", 1, "--workers", 0, "--no-progress",
+                       env=clean_env(FIXRES_FAULT=f"slow-step:rank=2:seconds={SLOWED_S},"
+                                                  f"slow-data:rank=3:seconds={SLOWED_S}"))
+
+    def output() -> str:
+        try:
+            return job.stdout
+        except FileNotFoundError:  # not begun yet
+            return ""
+
+    try:
+        met = wait_for(lambda: re.search(r"4 ranks met at the store ([\d.]+):(\d+)", output()), 120, "the ranks")
+        host, port = met.group(1), int(met.group(2))
+        ranks = psutil.Process(job.pid).children(recursive=True)
+        listening = wait_for(lambda: {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port) for p in ranks
+                                      for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN},
+                             30, "the listening sockets")
+        foreign = dist.TCPStore(host, port, 2, False, datetime.timedelta(seconds=10))
+        ports = [c.laddr.port for c in psutil.Process().net_connections(kind="tcp") if c.raddr and c.raddr.port == port]
+        keys = foreign.list_keys()
+        foreign.set("fixres/arrived/1", "1")  # an arrival without the proof counts for nothing
+        foreign.set("fixres/junk", "x")
+        wait_for(lambda: "warning: rendezvous store: refused a client at " in output(), 60, "the refusal")
+        try:
+            foreign.list_keys()
+            refused = False
+        except (RuntimeError, dist.DistError):  # rank 0 ended its connection
+            refused = True
+        assert job.wait(240) == 0, job.stderr[-3000:]
+    finally:
+        if job.returncode is None:
+            job.kill()
+    return types.SimpleNamespace(folder=folder / "slowed", stdout=job.stdout, stderr=job.stderr, store=(host, port),
+                                 listening=listening, foreign_ports=ports, keys=keys, refused=refused)
+
+
 def run_two_ranks_and_one(script: str, *args):
     """Run ``main_<script>.py`` as 2 ranks x 8 images per step (job ``two``) and as 1 process x 16
     (job ``one``), same other ``args``; both must succeed. Returns ``(two, one)`` (:class:`launched.Finished`)."""

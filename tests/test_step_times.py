@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import job_events, run_script
+from conftest import job_events
 from fixres_dist import FixresError, TrainerConfig
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.reporting import step_times
@@ -16,21 +16,9 @@ from fixres_dist.reporting.tensorboard_events import event_scalars
 from fixres_dist.training import faults
 
 
-@pytest.fixture(scope="module")
-def slowed_job(tiny_data, tmp_path_factory):
-    """4 gloo ranks, 10 steps of 2 images each: rank 2's steps 0.1 s slower (a slow device), rank 3's
-    batches 0.1 s later (a slow loader), from the first step on."""
-    folder = tmp_path_factory.mktemp("slowed")
-    result = run_script("scratch", "--num-tasks", 4, "--job-id", "slowed", "--shared-folder-path", folder,
-                        "--data-path", tiny_data, "--architecture", "resnet20", "--input-size", 32, "--batch", 2,
-                        "--epochs", 1, "--workers", 0, "--no-progress",
-                        env={"FIXRES_FAULT": "slow-step:rank=2:seconds=0.1,slow-data:rank=3:seconds=0.1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return folder / "slowed", result
-
-
 def test_the_slowed_rank_is_named_with_where_its_time_went(slowed_job):
-    folder, result = slowed_job
+    """conftest.slowed_job: 4 ranks, rank 2's steps and rank 3's batches 0.4 s slower."""
+    folder, result = slowed_job.folder, slowed_job
     warned = [line for line in result.stdout.splitlines() if line.startswith("warning: straggler:")]
     assert len(warned) == 2, result.stdout
     device, loader = warned
@@ -52,7 +40,7 @@ def test_the_slowed_rank_is_named_with_where_its_time_went(slowed_job):
 
 
 def test_the_breakdown_is_tensorboard_scalars(slowed_job):
-    folder, _ = slowed_job
+    folder = slowed_job.folder
     [event] = [e for e in job_events(folder) if e["event"] == "step_times"]
     step, scalars = event_scalars(event, images_per_epoch=80)
     tags = dict(scalars)

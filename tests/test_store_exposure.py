@@ -1,65 +1,31 @@
-"""Who can reach a job (issue 30): a 2-rank job on one host listens on loopback only (its rendezvous
-store and gloo), a client of the store that did not read the rendezvous file learns no nonce, counts
-as no rank, is disconnected and named in rank 0's log, and the job goes on; the addresses rank 0's
-store binds."""
+"""Who can reach a job (issue 30): a spawned job listens on loopback only (its rendezvous store and
+gloo), a client of the store that did not read the rendezvous file learns no nonce, counts as no
+rank, is disconnected and named in rank 0's log, and the job goes on; the addresses rank 0's store
+binds."""
 from __future__ import annotations
 
-import datetime
-import re
 import socket
 
-import psutil
 import pytest
-import torch.distributed as dist
 
-from conftest import clean_env, start_script, wait_for
 from fixres_dist import FixresError
 from fixres_dist.distributed import network, rendezvous
 
 
-def _ip(address: str) -> str:
-    return address.removeprefix("::ffff:")
-
-
-def _output(job) -> str:
-    try:
-        return job.stdout
-    except FileNotFoundError:  # not begun yet
-        return ""
-
-
-def test_a_spawned_job_listens_on_loopback_and_names_a_foreign_store_client(tiny_data, tmp_path):
-    job = start_script("scratch", "--num-tasks", 2, "--job-id", "exposed", "--shared-folder-path", tmp_path,
-                       "--data-path", tiny_data, "--architecture", "resnet20", "--input-size", 32, "--batch", 4,
-                       "--epochs", 1, "--workers", 0, "--no-progress",
-                       env=clean_env(FIXRES_FAULT="slow-step:rank=0:seconds=0.5"))  # 10 steps: 5 s at least
-    try:
-        met = wait_for(lambda: re.search(r"2 ranks met at the store ([\d.]+):(\d+)", _output(job)), 120, "the ranks")
-        host, port = met.group(1), int(met.group(2))
-        assert host == "127.0.0.1"
-        ranks = psutil.Process(job.pid).children(recursive=True)
-        listening = wait_for(lambda: [c for p in ranks for c in p.net_connections(kind="tcp")
-                                      if c.status == psutil.CONN_LISTEN], 30, "the listening sockets")
-        assert port in {c.laddr.port for c in listening}  # the store, and gloo's sockets
-        assert {_ip(c.laddr.ip) for c in listening} == {"127.0.0.1"}, listening
-        foreign = dist.TCPStore(host, port, 2, False, datetime.timedelta(seconds=10))
-        mine = [c.laddr.port for c in psutil.Process().net_connections(kind="tcp")
-                if c.raddr and c.raddr.port == port]
-        keys = foreign.list_keys()
-        assert not any("nonce" in key for key in keys), keys  # only HMACs of it: see rendezvous.proof
-        foreign.set("fixres/arrived/1", "1")  # an arrival without the proof counts for nothing
-        foreign.set("fixres/junk", "x")
-        wait_for(lambda: "warning: rendezvous store: refused a client at " in job.stdout, 60, "the refusal")
-        with pytest.raises((RuntimeError, dist.DistError)):  # rank 0 ended its connection
-            foreign.list_keys()
-        assert job.wait(240) == 0, job.stderr[-3000:]
-    finally:
-        if job.returncode is None:
-            job.kill()
-    named = [line for line in job.stdout.splitlines() if line.startswith("warning: rendezvous store: refused a ")]
-    assert any(f"a client at 127.0.0.1:{p} (pid " in line for p in mine for line in named), (mine, named)
-    assert all("none of this job's ranks" in line for line in named) and len(named) == len(mine)
-    assert "eval @32px" in job.stdout
+def test_a_spawned_job_listens_on_loopback_and_refuses_a_foreign_store_client(slowed_job):
+    """conftest.slowed_job: 4 spawned ranks, watched while they train."""
+    host, port = slowed_job.store
+    assert host == "127.0.0.1"
+    assert port in {p for _, p in slowed_job.listening}  # the store, and gloo's sockets
+    assert {address for address, _ in slowed_job.listening} == {"127.0.0.1"}, slowed_job.listening
+    assert slowed_job.keys and not any("nonce" in key for key in slowed_job.keys), slowed_job.keys
+    assert slowed_job.refused  # its request after rank 0's warning failed
+    named = [line for line in slowed_job.stdout.splitlines()
+             if line.startswith("warning: rendezvous store: refused a ")]
+    assert any(f"a client at 127.0.0.1:{p} (pid " in line for p in slowed_job.foreign_ports for line in named), \
+        (slowed_job.foreign_ports, named)
+    assert len(named) == 1 and "none of this job's ranks" in named[0]  # once per process
+    assert "eval @32px" in slowed_job.stdout  # the job went on to its end
 
 
 def test_the_store_binds_only_what_it_needs(monkeypatch):

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fixres_dist.data.pipeline import to_device
 from fixres_dist.errors import first_line
 from fixres_dist.models import architectures
-from fixres_dist.reporting.step_times import peak_resident_set, reset_peak_resident_set
+from fixres_dist.reporting.step_times import peak_memory, reset_peak_memory
 from fixres_dist.training import engine
 
 
@@ -69,23 +69,6 @@ def forward_gflops(model: torch.nn.Module, size: int, device: torch.device) -> f
     return counter.get_total_flops() / 2 / 1e9
 
 
-class _Peak:
-    """Peak memory of a phase on ``device`` in GiB (module docstring)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            reset_peak_resident_set()
-
-    def gib(self) -> float:
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak_resident_set()
-        return peak / 2**30
-
-
 def _timed(run, steps: int, warmup: int, device: torch.device) -> float:
     """Seconds per call of ``run()``: the median of ``steps`` timed calls (each between device
     synchronisations) after ``warmup`` untimed ones; a median resists a burst of other work."""
@@ -121,7 +104,6 @@ def measure(setting: Setting, device: torch.device, num_classes: int = 1000, ste
         labels = torch.randint(0, num_classes, (setting.batch,), generator=generator).to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         scaler = torch.amp.GradScaler(device.type, enabled=setting.amp == "fp16")
-        peak = _Peak(device)
 
         def train():
             engine.train_step(forward, optimizer, scaler, images, labels, device=device, world=1, amp=amp,
@@ -132,14 +114,14 @@ def measure(setting: Setting, device: torch.device, num_classes: int = 1000, ste
                 forward(to_device(images, device, setting.channels_last))
 
         model.eval()  # inference first: a CPU's resident set does not shrink after training
-        peak.reset()
+        reset_peak_memory(device)
         infer_seconds = _timed(infer, steps, warmup, device)
-        infer_peak = peak.gib()
+        infer_peak = peak_memory(device)[0] / 2**30
         model.train()
-        peak.reset()
+        reset_peak_memory(device)
         train_seconds = _timed(train, steps, warmup, device)
-        return Cost(setting, gflops, setting.batch / train_seconds, setting.batch / infer_seconds, peak.gib(),
-                    infer_peak)
+        return Cost(setting, gflops, setting.batch / train_seconds, setting.batch / infer_seconds,
+                    peak_memory(device)[0] / 2**30, infer_peak)
     except (RuntimeError, ValueError, AssertionError, TypeError, NotImplementedError) as exc:
         if device.type == "cuda":
             torch.cuda.empty_cache()

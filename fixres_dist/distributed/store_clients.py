@@ -23,11 +23,9 @@ from typing import Callable
 
 import psutil
 
+from fixres_dist.distributed import network
+
 EVERY_S = 2.0  # seconds between two looks at the store's connections
-
-
-def _local_addresses() -> set[str]:
-    return {a.address for addresses in psutil.net_if_addrs().values() for a in addresses if a.family == socket.AF_INET}
 
 
 def _ip(address: str) -> str:
@@ -61,7 +59,7 @@ def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int, bool]]:
     by_local = {(_ip(c.laddr.ip), c.laddr.port): c for c in connections if c.laddr}
     rank_pids = {h.pid for h in hosts.values() if h.name == here}
     rank_addresses = {a for h in hosts.values() if h.name != here for a in h.addresses}
-    local = _local_addresses()
+    local = {address for _, address in network.interface_addresses()}
     found = []
     for server_side in served:
         remote = (_ip(server_side.raddr.ip), server_side.raddr.port)

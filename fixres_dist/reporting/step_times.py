@@ -70,10 +70,7 @@ class StepTimes:
         if not self.enabled:
             return
         self.steps, self.begun = [], self._now()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            reset_peak_resident_set()
+        reset_peak_memory(self.device)
 
     def mark(self, point: str) -> None:
         """``point`` (one of :data:`MARKS`) of the current step is reached; ``batch`` opens a step.
@@ -118,8 +115,7 @@ class StepTimes:
             busy.append(sum(phases.values()) - phases["collectives"])
             before = step["done"]
         self.steps, self.begun = [], None
-        peak, memory = (torch.cuda.max_memory_allocated(self.device), "cuda max_memory_allocated") if self.cuda \
-            else (peak_resident_set(), "peak resident set (VmHWM)")
+        peak, memory = peak_memory(self.device)
         return {"rank": self.rank, "host": socket.gethostname(), "steps": len(steps),
                 "ms_per_step": {p: (None if p == "collectives" and not hooked else round(totals[p] / len(steps), 3))
                                 for p in PHASES},
@@ -132,6 +128,23 @@ class StepTimes:
         if not self.enabled:
             return None
         return collectives.gather_object(self.summary(), group)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak memory of ``device`` afresh: CUDA's allocator statistics on a GPU, else this
+    process' peak resident set (:func:`reset_peak_resident_set`)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_resident_set()
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """``(bytes, what was measured)``: CUDA ``max_memory_allocated`` on a GPU, else this process' peak
+    resident set (:func:`peak_resident_set`), each since :func:`reset_peak_memory`."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
+    return peak_resident_set(), "peak resident set (VmHWM)"
 
 
 def reset_peak_resident_set() -> None:

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from conftest import run_script
+from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.errors import FixresError
 from fixres_dist.models import architectures, weights
 from fixres_dist.reporting.metrics import MetricsLog
 from fixres_dist.training import finite
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
+from fixres_dist.training.finite import NonFiniteWeights
 
 DIVERGE = ["--learning-rate", "1e6", "--warmup-epochs", "0", "--architecture", "resnet20", "--input-size", "16",
            "--batch", "8", "--epochs", "2", "--workers", "0", "--no-progress"]
@@ -124,3 +126,18 @@ def test_metrics_are_strict_json_even_for_non_finite_numbers(tmp_path):
     events = strict_events(tmp_path / "metrics.jsonl")
     assert events[0] == {"event": "train", "loss": None} and events[1]["loss"] == 0.25
     assert events[2]["loss"] == pytest.approx(math.pi)
+
+
+def test_the_shard_writer_refuses_non_finite_weights_as_the_one_file_writer_does(tmp_path):
+    """Both raise NonFiniteWeights (which the Checkpointer turns into a divergence naming the kept
+    checkpoint), and write nothing."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteWeights, match=r"^checkpoint of step 3 not written: a rank's weights or optimizer "
+                                                 r"state hold NaN or infinity \(model/weight\); the previous "
+                                                 r"checkpoint is kept$") as raised:
+        checkpoint_shards.write(tmp_path, 3, model, optimizer, None, 0)
+    assert raised.value.detail == "a rank's weights or optimizer state hold NaN or infinity (model/weight)"
+    assert list(tmp_path.iterdir()) == []

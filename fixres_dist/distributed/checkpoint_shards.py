@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from fixres_dist.distributed import collectives
 from fixres_dist.errors import FixresError, first_line
 from fixres_dist.io import fsync_folder, private_folder
-from fixres_dist.training.finite import non_finite_tensors
+from fixres_dist.training.finite import NonFiniteWeights, non_finite_tensors
 
 SUFFIX = ".shards"
 PARTIAL = ".partial"
@@ -66,7 +66,9 @@ def write(job_folder: Path, global_step: int, model: nn.Module, optimizer: torch
     ``global_step``; rank 0 then moves the complete folder into place (owner-only). Returns the
     folder's name and, on rank 0, the SHA-256 of each of its files (DCP keeps no checksums: a damaged
     shard of the right length would load; rank 0 reads every shard once to hash it). Raises
-    :class:`FixresError` when it cannot (disk full, read-only), on every rank when a rank's write failed."""
+    :class:`FixresError` when it cannot (disk full, read-only), on every rank when a rank's write failed,
+    and :class:`~fixres_dist.training.finite.NonFiniteWeights` on every rank, before writing, when a
+    rank's weights or optimizer state hold NaN or infinity."""
     name = folder_name(global_step)
     if collectives.broadcast_object(rank == 0 and _complete(job_folder / name)):
         # this step's shards are on disk already (a resume re-saving it): the same tensors
@@ -75,8 +77,9 @@ def write(job_folder: Path, global_step: int, model: nn.Module, optimizer: torch
     state = _state(model, optimizer, average)
     bad = _non_finite(state)
     if _on_any_rank(bool(bad), model):
-        raise FixresError(f"checkpoint of step {global_step} not written: a rank's weights or optimizer state hold "
-                          f"NaN or infinity{f' ({bad[0]})' if bad else ''}; the previous checkpoint is kept")
+        detail = f"a rank's weights or optimizer state hold NaN or infinity{f' ({bad[0]})' if bad else ''}"
+        raise NonFiniteWeights(f"checkpoint of step {global_step} not written: {detail}; the previous checkpoint is "
+                               "kept", detail)
     try:
         dcp.save(state, checkpoint_id=partial)  # a collective; .metadata last
     except CheckpointException as exc:  # on every rank: DCP gathers the failures

@@ -62,6 +62,8 @@ class Checkpointer:
                 shards, digests = checkpoint_shards.write(
                     cfg.job_folder, state.global_step, network.model, step.optimizer,
                     step.ema.module if step.ema is not None else None, cfg.global_rank)
+            except finite.NonFiniteWeights as exc:  # the update after a finite loss diverged, on some rank
+                error, weights = str(exc), exc.detail
             except FixresError as exc:
                 error = str(exc)
         if cfg.global_rank == 0 and error is None:

@@ -49,7 +49,7 @@ from urllib.parse import urlparse
 import attrs
 import torch.distributed as dist
 
-from fixres_dist.distributed import network, store_clients
+from fixres_dist.distributed import network, store_clients, store_threads
 from fixres_dist.errors import FixresError, first_line
 from fixres_dist.io import write_private
 
@@ -290,8 +290,7 @@ def _connect(host: str, port: int, world_size: int, timeout: float, should_stop,
         except (RuntimeError, OSError) as exc:
             errors.append(exc)
 
-    thread = threading.Thread(target=connect, daemon=True, name="fixres-store-connect")
-    thread.start()
+    thread = store_threads.start(connect, "fixres-store-connect")
     deadline = time.monotonic() + timeout
     while thread.is_alive() and time.monotonic() < deadline:
         thread.join(POLL_S)
@@ -463,7 +462,7 @@ class Rendezvous:
             except Exception:  # the store is gone or unreachable: lost_peers will say so
                 pass
 
-        threading.Thread(target=beat, daemon=True, name="fixres-heartbeat").start()
+        store_threads.start(beat, "fixres-heartbeat")
 
     def stop_heartbeat(self) -> None:
         self._beating.set()
@@ -570,7 +569,6 @@ def _within(seconds: float, call):
         except Exception:
             pass
 
-    thread = threading.Thread(target=run, daemon=True, name="fixres-store-query")
-    thread.start()
+    thread = store_threads.start(run, "fixres-store-query")
     thread.join(seconds)
     return box[0] if box else None

@@ -44,6 +44,13 @@ def forkserver():
         multiprocessing.forkserver.ensure_running()
 
 
+def pytest_unconfigure(config):
+    """pytest's own process also ends only once no daemon thread of an in-process test is inside a
+    store call (it would abort the interpreter's finalization: fixres_dist.distributed.store_threads)."""
+    from fixres_dist.distributed import store_threads
+    store_threads.settle(10.0)
+
+
 @pytest.fixture(autouse=True)
 def clean_rank_env(monkeypatch):
     """Tests run outside any launcher: no torchrun or SLURM variables leak in."""

@@ -194,6 +194,9 @@ def load_into(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
     """All ranks: load the shards in ``folder`` into ``model`` (sharded or plain), ``optimizer`` and the
     EMA's ``average``, whatever world size and strategy wrote them."""
     state = _state(model, optimizer, average)
+    # each group's parameter names are this rank's own: the checkpoint holds one rank's lists (a pipeline
+    # stage's, or the whole model's), which name other parameters than this rank's stage has
+    own = [group["params"] for group in state["optimizer"]["param_groups"]]
     try:
         with warnings.catch_warnings():  # one rank without a process group: "a single process", as meant
             warnings.simplefilter("ignore", UserWarning)
@@ -204,6 +207,8 @@ def load_into(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
     if _on_any_rank(bool(bad), model):
         raise FixresError(f"sharded checkpoint {folder} cannot be resumed: its weights hold NaN or infinity"
                           f"{f' ({bad[0]})' if bad else ''}; use an earlier checkpoint-*.pth of the job")
+    for group, names in zip(state["optimizer"]["param_groups"], own):
+        group["params"] = names
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if average is not None:

@@ -1,0 +1,211 @@
+"""Pipeline parallelism (fixres_dist.distributed.pipeline): the pieces and stages of each family in
+this process, then real gloo ranks: 2 stages x 2 data-parallel ranks (1F1B), 4 stages (GPipe),
+interleaved 1F1B and a BatchNorm ResNet, each equal to the unsplit model's steps; a split run's
+sharded checkpoint read whole, and resumed on another split."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torchvision.models.vision_transformer import VisionTransformer
+
+from conftest import free_port
+from fixres_dist.distributed import checkpoint_shards, collectives
+from fixres_dist.distributed import pipeline as pp
+from fixres_dist.entry.launch import start_method
+from fixres_dist.errors import FixresError
+from fixres_dist.models.architectures import build_model
+
+VIT = "timm/test_vit"  # LayerNorm only: micro-batches change nothing but the rounding
+BATCH, STEPS, LR, MOMENTUM = 8, 3, 0.1, 0.9  # SGD with momentum: a resume must carry its state
+
+
+def small_torchvision_vit() -> nn.Module:
+    torch.manual_seed(0)
+    return VisionTransformer(image_size=32, patch_size=8, num_layers=3, num_heads=2, hidden_dim=16, mlp_dim=32,
+                             num_classes=10)
+
+
+def model_of(architecture: str) -> nn.Module:
+    torch.manual_seed(0)
+    return build_model(architecture, 10, image_size=32)
+
+
+@pytest.mark.parametrize("architecture", [VIT, "resnet20", "resnet18", "torchvision_vit"])
+def test_stages_in_a_row_are_the_model(architecture):
+    """Every family: its pieces cover every parameter and buffer, stages of any cut hold disjoint
+    parts of the whole model's state_dict under the whole model's names, and run in a row they give
+    the model's logits."""
+    model = small_torchvision_vit() if architecture == "torchvision_vit" else model_of(architecture)
+    model.eval()
+    every = pp.pieces(model, architecture)
+    assert every[0].name == "stem" and every[-1].name == "head" and len(every) >= 5
+    starts = pp.balanced_split(pp.piece_costs(model, every, 32), 3)
+    bounds = [*starts, len(every)]
+    stages = [pp.Stage(model, every, range(a, b)).eval() for a, b in zip(bounds, bounds[1:])]
+    keys = [set(stage.state_dict()) for stage in stages]
+    assert set().union(*keys) == set(model.state_dict()) and sum(map(len, keys)) == len(model.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        y = x
+        for stage in stages:
+            y = stage(y)
+        torch.testing.assert_close(y, model(x))
+
+
+def test_the_split_balances_forward_flops():
+    """The exact minimum of the largest stage's cost, contiguous stages; a given cost list."""
+    assert pp.balanced_split([1, 1, 1, 1], 2) == [0, 2]
+    assert pp.balanced_split([5, 1, 1, 1, 1, 1], 2) == [0, 1]
+    assert pp.balanced_split([1, 2, 3, 4, 5], 3) == [0, 3, 4]
+    with pytest.raises(FixresError, match="only 3 pieces"):
+        pp.balanced_split([1, 1, 1], 4)
+    model = model_of("resnet20")  # 9 blocks of 3 widths: the later blocks cost the same, the first more
+    costs = pp.piece_costs(model, pp.pieces(model), 32)
+    starts = pp.balanced_split(costs, 2)
+    halves = sum(costs[:starts[1]]), sum(costs[starts[1]:])
+    assert max(halves) <= 0.6 * sum(costs), halves
+
+
+def test_what_cannot_be_split_is_refused():
+    with pytest.raises(FixresError, match="mobilenet_v3_small cannot be split into stages"):
+        pp.pieces(build_model("mobilenet_v3_small", 10), "mobilenet_v3_small")
+    model = model_of(VIT)
+    model.extra = nn.Linear(2, 2)  # a parameter none of the pieces runs
+    with pytest.raises(FixresError, match="no piece runs extra.weight"):
+        pp.pieces(model, VIT)
+    for schedule, virtual, microbatches, match in (("zigzag", 1, 2, "choose one of gpipe, 1f1b"),
+                                                   ("1f1b", 2, 4, "only it does"),
+                                                   ("interleaved-1f1b", 1, 4, "only it does"),
+                                                   ("1f1b", 1, 1, "at least one per stage"),
+                                                   ("interleaved-1f1b", 2, 3, "a multiple of 2")):
+        with pytest.raises(FixresError, match=match):
+            pp.check_schedule(schedule, virtual, microbatches, 2)
+
+
+# ------------------------------------------------------------------ real ranks
+def batch(step: int):
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 3, 32, 32, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator)
+
+
+def unsplit_steps(architecture: str, steps: range, microbatches: int = 1):
+    """The whole model's SGD steps on the whole batch, its gradient accumulated over ``microbatches``
+    equal micro-batches (as a pipeline runs them: BatchNorm sees micro-batches); losses, model, optimizer."""
+    model = model_of(architecture)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for step in steps:
+        images, labels = batch(step)
+        total = 0.0
+        for x, y in zip(images.chunk(microbatches), labels.chunk(microbatches)):
+            loss = nn.functional.cross_entropy(model(x), y) / microbatches
+            loss.backward()
+            total += loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, model, optimizer
+
+
+# (architecture, stages per pipeline, schedule, virtual stages per rank, micro-batches)
+SPLITS = {"2x2-1f1b": (VIT, 2, "1f1b", 1, 2), "4-gpipe": (VIT, 4, "gpipe", 1, 4),
+          "interleaved": (VIT, 2, "interleaved-1f1b", 2, 4), "resnet20-1f1b": ("resnet20", 4, "1f1b", 1, 4)}
+
+
+def run_split(name: str, folder, steps: range, resume=None):
+    """This rank's part of split ``name``'s SGD steps; the last stage's ranks record their losses; the
+    shards checkpoint written to ``folder`` (after loading ``resume``'s first, when given)."""
+    architecture, stages, schedule, virtual, microbatches = SPLITS[name]
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    mesh = pp.pipeline_mesh(torch.device("cpu"), world, stages)
+    pipe = pp.Pipeline(model_of(architecture), mesh, size=32, schedule=schedule, virtual=virtual,
+                       microbatches=microbatches, architecture=architecture)
+    optimizer = torch.optim.SGD(pipe.module.parameters(), lr=LR, momentum=MOMENTUM)
+    if resume is not None:
+        checkpoint_shards.load_into(resume, pipe.module, optimizer, None)
+    share, index = BATCH // mesh.size(0), mesh.get_local_rank("data")
+    losses = []
+    for step in steps:
+        images, labels = batch(step)
+        loss = pipe.train_step(images[index * share:(index + 1) * share], labels[index * share:(index + 1) * share])
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    checkpoint_shards.write(folder, steps.stop, pipe.module, optimizer, None, rank)
+    (folder / f"{name}-rank{rank}.json").write_text(json.dumps({"losses": losses, "describe": pipe.describe()}))
+
+
+def _ranks(rank: int, world: int, port: int, folder) -> None:
+    torch.set_num_threads(1)
+    collectives.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world, 120)
+    for name in SPLITS:
+        (folder / name).mkdir(exist_ok=True)
+        run_split(name, folder / name, range(STEPS))
+    # the 2x2 run's checkpoint resumed on 4 stages x 1 (another split, another data-parallel size)
+    (folder / "resumed").mkdir(exist_ok=True)
+    run_split("4-gpipe", folder / "resumed", range(STEPS, STEPS + 1),
+              resume=folder / "2x2-1f1b" / checkpoint_shards.folder_name(STEPS))
+    # the unsplit model's checkpoint (written by the test, one process) resumed on 2 stages x 2
+    (folder / "from-unsplit").mkdir(exist_ok=True)
+    run_split("2x2-1f1b", folder / "from-unsplit", range(STEPS, STEPS + 1),
+              resume=folder / "unsplit" / checkpoint_shards.folder_name(STEPS))
+    collectives.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory):
+    """Every split of :data:`SPLITS` and two resumes on 4 real gloo ranks, one start (the unsplit
+    checkpoint they resume from written here first, in one process)."""
+    folder = tmp_path_factory.mktemp("pipeline")
+    (folder / "unsplit").mkdir()
+    _, model, optimizer = unsplit_steps(VIT, range(STEPS))
+    checkpoint_shards.write(folder / "unsplit", STEPS, model, optimizer, None, 0)  # one process: world size 1
+    mp.start_processes(_ranks, args=(4, free_port(), folder), nprocs=4, start_method=start_method())
+    return folder
+
+
+def recorded(folder, name):
+    """The losses of the last stages' ranks (one list per data-parallel rank) and rank 0's description."""
+    runs = [json.loads(path.read_text()) for path in sorted((folder / name).glob("*-rank*.json"))]
+    return [run["losses"] for run in runs if run["losses"][0] is not None], runs[0]["describe"]
+
+
+def whole(folder, name, step=STEPS):
+    return checkpoint_shards.read_full(folder / name / checkpoint_shards.folder_name(step))["model"]
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_a_split_model_steps_as_the_unsplit_one(split_runs, name):
+    """Same weights, same batches: the mean loss of the last stages' ranks is the unsplit step's, and
+    the stages' checkpoint, read whole, holds the unsplit model's weights after the steps."""
+    architecture, stages, _, virtual, microbatches = SPLITS[name]
+    data = 4 // stages
+    losses, describe = recorded(split_runs, name)
+    assert len(losses) == data and describe.startswith(f"pipeline: {stages * virtual} stages")
+    # BatchNorm sees micro-batches: the reference accumulates over the same ones
+    reference, model, _ = unsplit_steps(architecture, range(STEPS), microbatches * data if architecture == "resnet20"
+                                     else 1)
+    for step in range(STEPS):
+        assert sum(run[step] for run in losses) / data == pytest.approx(reference[step], rel=1e-5)
+    weights = whole(split_runs, name)
+    for key, value in model.state_dict().items():
+        if "running" in key or "num_batches" in key:
+            continue  # BatchNorm statistics: each data-parallel rank's own (averaged by the Trainer per epoch)
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("resumed", ["resumed", "from-unsplit"])
+def test_a_checkpoint_resumes_on_another_split(split_runs, resumed):
+    """2 stages x 2 data-parallel ranks, 3 steps, checkpointed, resumed as 4 stages x 1; and the unsplit
+    model's checkpoint after 3 steps resumed as 2 stages x 2: the 4th step equals the unsplit model's
+    4th (loss and weights). The split run's checkpoint read whole: the test above."""
+    losses, _ = recorded(split_runs, resumed)
+    reference, model, _ = unsplit_steps(VIT, range(STEPS + 1))
+    assert sum(run[0] for run in losses) / len(losses) == pytest.approx(reference[-1], rel=1e-5)
+    weights = whole(split_runs, resumed, STEPS + 1)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)

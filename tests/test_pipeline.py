@@ -136,7 +136,11 @@ def run_split(name: str, folder, steps: range, resume=None):
         optimizer.zero_grad()
         losses.append(None if loss is None else loss.item())
     checkpoint_shards.write(folder, steps.stop, pipe.module, optimizer, None, rank)
-    (folder / f"{name}-rank{rank}.json").write_text(json.dumps({"losses": losses, "describe": pipe.describe()}))
+    pipe.module.eval()
+    images, labels = batch(99)
+    logits = pipe.forward(images[index * share:(index + 1) * share], labels[index * share:(index + 1) * share])
+    (folder / f"{name}-rank{rank}.json").write_text(json.dumps({
+        "losses": losses, "describe": pipe.describe(), "logits": None if logits is None else logits.tolist()}))
 
 
 def _ranks(rank: int, world: int, port: int, folder) -> None:
@@ -180,8 +184,9 @@ def whole(folder, name, step=STEPS):
 
 @pytest.mark.parametrize("name", list(SPLITS))
 def test_a_split_model_steps_as_the_unsplit_one(split_runs, name):
-    """Same weights, same batches: the mean loss of the last stages' ranks is the unsplit step's, and
-    the stages' checkpoint, read whole, holds the unsplit model's weights after the steps."""
+    """Same weights, same batches: the mean loss of the last stages' ranks is the unsplit step's, the
+    stages' checkpoint, read whole, holds the unsplit model's weights after the steps, and the logits
+    evaluated through the pipeline (each data-parallel rank its share) are the unsplit model's."""
     architecture, stages, _, virtual, microbatches = SPLITS[name]
     data = 4 // stages
     losses, describe = recorded(split_runs, name)
@@ -191,6 +196,11 @@ def test_a_split_model_steps_as_the_unsplit_one(split_runs, name):
                                      else 1)
     for step in range(STEPS):
         assert sum(run[step] for run in losses) / data == pytest.approx(reference[step], rel=1e-5)
+    if architecture == VIT:  # evaluated through the pipeline: the unsplit model's logits
+        runs = [json.loads(p.read_text()) for p in sorted((split_runs / name).glob("*-rank*.json"))]
+        logits = torch.cat([torch.tensor(run["logits"]) for run in runs if run["logits"] is not None])
+        with torch.no_grad():
+            torch.testing.assert_close(logits, model.eval()(batch(99)[0]), rtol=1e-4, atol=1e-5)
     weights = whole(split_runs, name)
     for key, value in model.state_dict().items():
         if "running" in key or "num_batches" in key:

@@ -296,12 +296,13 @@ class Pipeline:
         return torch.stack(losses).mean().detach() if self.is_last else None
 
     @torch.no_grad()
-    def forward(self, images: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """Logits (B, classes) of ``images`` (B, 3, H, W) on the last stage's ranks, None on the others
-        (evaluation: no backward, the same micro-batches)."""
+        (evaluation: the same micro-batches, no backward; ``labels`` (B,), which the schedule's loss
+        reads on the last stage)."""
         self._check_batch(images.shape[0])
         args = (images,) if self.is_first else ()
-        return self.schedule.eval(*args)
+        return self.schedule.eval(*args, target=labels if self.is_last else None)
 
     def _check_batch(self, size: int) -> None:
         if size % self.microbatches:

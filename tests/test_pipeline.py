@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
-from torchvision.models.vision_transformer import VisionTransformer
 
 from conftest import free_port
 from fixres_dist.distributed import checkpoint_shards, collectives
@@ -18,29 +17,17 @@ from fixres_dist.distributed import pipeline as pp
 from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
 from fixres_dist.models.architectures import build_model
+from split_models import LR, MOMENTUM, TORCHVISION_VIT, VIT, batch, model_of, share, unsplit_steps
 
-VIT = "timm/test_vit"  # LayerNorm only: micro-batches change nothing but the rounding
-BATCH, STEPS, LR, MOMENTUM = 8, 3, 0.1, 0.9  # SGD with momentum: a resume must carry its state
-
-
-def small_torchvision_vit() -> nn.Module:
-    torch.manual_seed(0)
-    return VisionTransformer(image_size=32, patch_size=8, num_layers=3, num_heads=2, hidden_dim=16, mlp_dim=32,
-                             num_classes=10)
+STEPS = 3
 
 
-def model_of(architecture: str) -> nn.Module:
-    torch.manual_seed(0)
-    return build_model(architecture, 10, image_size=32)
-
-
-@pytest.mark.parametrize("architecture", [VIT, "resnet20", "resnet18", "torchvision_vit"])
+@pytest.mark.parametrize("architecture", [VIT, "resnet20", "resnet18", TORCHVISION_VIT])
 def test_stages_in_a_row_are_the_model(architecture):
     """Every family: its pieces cover every parameter and buffer, stages of any cut hold disjoint
     parts of the whole model's state_dict under the whole model's names, and run in a row they give
     the model's logits."""
-    model = small_torchvision_vit() if architecture == "torchvision_vit" else model_of(architecture)
-    model.eval()
+    model = model_of(architecture).eval()
     every = pp.pieces(model, architecture)
     assert every[0].name == "stem" and every[-1].name == "head" and len(every) >= 5
     starts = pp.balanced_split(pp.piece_costs(model, every, 32), 3)
@@ -87,30 +74,6 @@ def test_what_cannot_be_split_is_refused():
 
 
 # ------------------------------------------------------------------ real ranks
-def batch(step: int):
-    generator = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, 3, 32, 32, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator)
-
-
-def unsplit_steps(architecture: str, steps: range, microbatches: int = 1):
-    """The whole model's SGD steps on the whole batch, its gradient accumulated over ``microbatches``
-    equal micro-batches (as a pipeline runs them: BatchNorm sees micro-batches); losses, model, optimizer."""
-    model = model_of(architecture)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    losses = []
-    for step in steps:
-        images, labels = batch(step)
-        total = 0.0
-        for x, y in zip(images.chunk(microbatches), labels.chunk(microbatches)):
-            loss = nn.functional.cross_entropy(model(x), y) / microbatches
-            loss.backward()
-            total += loss.item()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total)
-    return losses, model, optimizer
-
-
 # (architecture, stages per pipeline, schedule, virtual stages per rank, micro-batches)
 SPLITS = {"2x2-1f1b": (VIT, 2, "1f1b", 1, 2), "4-gpipe": (VIT, 4, "gpipe", 1, 4),
           "interleaved": (VIT, 2, "interleaved-1f1b", 2, 4), "resnet20-1f1b": ("resnet20", 4, "1f1b", 1, 4)}
@@ -127,18 +90,18 @@ def run_split(name: str, folder, steps: range, resume=None):
     optimizer = torch.optim.SGD(pipe.module.parameters(), lr=LR, momentum=MOMENTUM)
     if resume is not None:
         checkpoint_shards.load_into(resume, pipe.module, optimizer, None)
-    share, index = BATCH // mesh.size(0), mesh.get_local_rank("data")
+    index, count = mesh.get_local_rank("data"), mesh.size(0)
     losses = []
     for step in steps:
         images, labels = batch(step)
-        loss = pipe.train_step(images[index * share:(index + 1) * share], labels[index * share:(index + 1) * share])
+        loss = pipe.train_step(share(images, index, count), share(labels, index, count))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(None if loss is None else loss.item())
     checkpoint_shards.write(folder, steps.stop, pipe.module, optimizer, None, rank)
     pipe.module.eval()
     images, labels = batch(99)
-    logits = pipe.forward(images[index * share:(index + 1) * share], labels[index * share:(index + 1) * share])
+    logits = pipe.forward(share(images, index, count), share(labels, index, count))
     (folder / f"{name}-rank{rank}.json").write_text(json.dumps({
         "losses": losses, "describe": pipe.describe(), "logits": None if logits is None else logits.tolist()}))
 

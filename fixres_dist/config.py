@@ -371,6 +371,9 @@ class TrainerConfig:
     reshard_after_forward: bool = attrs.field(default=True, metadata=RESUMABLE)
     cpu_offload: bool = attrs.field(default=False, metadata=RESUMABLE)
     activation_checkpointing: bool = attrs.field(default=False, metadata=RESUMABLE)
+    # Ranks per tensor group (fixres_dist.distributed.tensor_parallel): each ViT block's matrices split over
+    # that many consecutive ranks, which see the same images; the groups are data-parallel to each other.
+    tensor_parallel: int = attrs.field(default=1, validator=_positive, metadata=RESUMABLE)
     # GiB a rank may use at its peak (the preflight's estimate: fixres_dist.models.memory_budget); None: the
     # GPU's memory on CUDA, no limit on the CPU.
     memory_budget: float | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
@@ -421,6 +424,7 @@ class TrainerConfig:
         if self.mode == "finetune" and not self.eval_only:
             self._check_finetune_regularisation()
         self._check_sharding()
+        self._check_tensor_parallel()
         if self.input_size == "auto":
             if self.mode != "finetune" or self.eval_only:
                 raise FixresError("--input-size auto only applies to main_finetune.py (finetune at the best "
@@ -448,6 +452,42 @@ class TrainerConfig:
                               "resolutions (it copies the model to resize the position embedding): use a timm ViT "
                               f"(e.g. {TIMM_PREFIX}vit_base_patch16_224), which resamples it in place, or --sharding "
                               "ddp")
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism needs, and what it does not compose with yet (refused before start)."""
+        ranks = self.tensor_parallel  # its division of the world size: the preflight's (fixres_dist.training.inputs)
+        if ranks == 1:
+            return
+        refused = [flag for flag, on in (("--sharding " + self.sharding, self.sharding != "ddp"),
+                                         ("--model-ema", self.model_ema), ("--compile", bool(self.compile)),
+                                         ("--amp fp16", self.amp == "fp16"),
+                                         ("--activation-checkpointing", self.activation_checkpointing),
+                                         ("--dist-bn broadcast", self.dist_bn == "broadcast")) if on]
+        if refused:
+            raise FixresError(f"--tensor-parallel {ranks} does not go with {refused[0]} yet (docs/sharding.md: "
+                              "split rather than shard)")
+        if self.architecture.startswith("vit_"):
+            raise FixresError(f"--tensor-parallel cannot run torchvision's {self.architecture}: its attention cannot "
+                              "be split and it copies the model to change resolution; use a timm ViT (e.g. "
+                              f"{TIMM_PREFIX}vit_base_patch16_224)")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks see different images: ``num_tasks`` / ``tensor_parallel`` (the ranks of a tensor
+        group see the same). Batch arithmetic (the global batch, the linear scaling rule) counts these."""
+        return self.num_tasks // self.tensor_parallel
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the data this rank reads: its tensor group's index, ``global_rank`` //
+        ``tensor_parallel`` (0 .. :attr:`data_parallel_size` - 1)."""
+        return self.global_rank // self.tensor_parallel
+
+    @property
+    def counts_metrics(self) -> bool:
+        """Whether this rank's sums (losses, hits, images) count in the job's totals: the first rank of
+        its tensor group (the others computed the same on the same images)."""
+        return self.global_rank % self.tensor_parallel == 0
 
     def _check_finetune_regularisation(self) -> None:
         """The FixRes finetune adapts the classifier and the last normalisation to the statistics of

@@ -1,12 +1,18 @@
-"""What the tests of a split model (pipeline stages, tensor parallelism) share: the small models, the
-batches, and the unsplit model's steps to compare with."""
+"""What the tests of a split or sharded model share: the small models, the batches, the unsplit
+model's steps to compare with, and two jobs' metrics and weights compared."""
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
 
 import torch
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
+from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.models.architectures import build_model
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 VIT = "timm/test_vit"  # LayerNorm only: micro-batches and data-parallel shares change nothing but the rounding
 TORCHVISION_VIT = "torchvision_vit"  # a 3-block torchvision ViT (nn.MultiheadAttention), 4 heads
@@ -54,3 +60,32 @@ def share(tensor: torch.Tensor, index: int, count: int) -> torch.Tensor:
     """Data-parallel rank ``index``'s share of ``count`` equal shares of a batch."""
     size = tensor.shape[0] // count
     return tensor[index * size:(index + 1) * size]
+
+
+# ------------------------------------------------------------------ two jobs compared
+def events(job_folder: Path, kind: str) -> list[dict]:
+    """The ``kind`` events of a job's metrics.jsonl, in order."""
+    return [e for e in map(json.loads, (job_folder / "metrics.jsonl").read_text().splitlines()) if e["event"] == kind]
+
+
+def full(path: Path) -> dict:
+    """A checkpoint with its tensors, also those of a sharded one (in the shards folder beside it)."""
+    return checkpoint_shards.with_full_tensors(path, load_checkpoint(path))
+
+
+def assert_same_run(a: Path, b: Path, rel: float = 1e-4, ema: bool = True) -> None:
+    """Two jobs' train and eval events (loss, top-1, and the EMA's with ``ema``) and final weights equal
+    to float rounding."""
+    kinds = [("train", ("loss", "lr")), ("eval", ("top1", "loss", "images"))] + \
+        ([("ema_eval", ("top1", "loss"))] if ema else [])
+    for kind, fields in kinds:
+        ours, theirs = events(a, kind), events(b, kind)
+        assert len(ours) == len(theirs) > 0, kind
+        for x, y in zip(ours, theirs):
+            for field in fields:
+                assert math.isclose(x[field], y[field], rel_tol=rel, abs_tol=1e-6), (kind, field, x, y)
+    weights_a, weights_b = (full(f / CHECKPOINT_FILE) for f in (a, b))
+    for entry in ("model", "model_ema") if ema else ("model",):
+        assert weights_a[entry].keys() == weights_b[entry].keys()
+        for key, value in weights_a[entry].items():
+            torch.testing.assert_close(value, weights_b[entry][key], rtol=1e-4, atol=1e-5, msg=f"{entry}.{key}")

@@ -11,11 +11,11 @@ import torch
 
 import shown_commands as shown
 from conftest import make_subset, run_main, run_script
-from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.models.architectures import build_model
 from fixres_dist.models.blocks import blocks
 from fixres_dist.training import export
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from split_models import assert_same_run, events, full
 
 # A LayerNorm ViT (timm's 6-block test model, 0.3 M parameters): no BatchNorm, so the gradient of a
 # global batch is the same however the ranks split it, and runs on other world sizes compare too.
@@ -28,31 +28,6 @@ def run(folder, data, job, *extra, world=2, fault=None):
     result = run_script("scratch", "--num-tasks", world, "--job-id", job, "--shared-folder-path", folder,
                         "--data-path", data, *VIT, *extra, env={"FIXRES_FAULT": fault} if fault else None)
     return result
-
-
-def events(job_folder, kind):
-    return [e for e in map(json.loads, (job_folder / "metrics.jsonl").read_text().splitlines()) if e["event"] == kind]
-
-
-def assert_same_run(a, b, rel=1e-4):
-    """Two jobs' train and eval events (loss, top-1, EMA) and final weights equal to float rounding."""
-    for kind, fields in (("train", ("loss", "lr")), ("eval", ("top1", "loss", "images")),
-                         ("ema_eval", ("top1", "loss"))):
-        ours, theirs = events(a, kind), events(b, kind)
-        assert len(ours) == len(theirs) > 0, kind
-        for x, y in zip(ours, theirs):
-            for field in fields:
-                assert math.isclose(x[field], y[field], rel_tol=rel, abs_tol=1e-6), (kind, field, x, y)
-    weights_a, weights_b = (full(f / CHECKPOINT_FILE) for f in (a, b))
-    for entry in ("model", "model_ema"):
-        assert weights_a[entry].keys() == weights_b[entry].keys()
-        for key, value in weights_a[entry].items():
-            torch.testing.assert_close(value, weights_b[entry][key], rtol=1e-4, atol=1e-5, msg=f"{entry}.{key}")
-
-
-def full(path):
-    """A checkpoint with its tensors, also those of a sharded one (in the shards folder beside it)."""
-    return checkpoint_shards.with_full_tensors(path, load_checkpoint(path))
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Tensor parallelism (fixres_dist.distributed.tensor_parallel) on 4 real gloo ranks, one start:
 a timm ViT split by heads and MLP units over 2 ranks x 2 data-parallel groups, a torchvision ViT's
 MLPs over 4 ranks, each equal to the unsplit model's clipped SGD steps; the unsplit model's
-weights resumed split; what cannot be split, refused."""
+weights resumed split; what cannot be split, refused. Then the scripts' ``--tensor-parallel``: a job
+equal to DDP's, stopped and resumed unsplit (and back), a FixRes finetune split, and bad input."""
 from __future__ import annotations
 
 import json
@@ -12,12 +13,25 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from conftest import free_port
+import shown_commands as shown
+from conftest import free_port, run_main, run_script
 from fixres_dist.distributed import collectives
 from fixres_dist.distributed import tensor_parallel as tp
 from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
-from split_models import LR, MOMENTUM, TORCHVISION_VIT, VIT, batch, model_of, share, unsplit_steps
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE
+from split_models import (
+    LR,
+    MOMENTUM,
+    TORCHVISION_VIT,
+    VIT,
+    assert_same_run,
+    batch,
+    events,
+    model_of,
+    share,
+    unsplit_steps,
+)
 
 STEPS, CLIP = 3, 0.5  # a norm the ViT's gradients exceed: clipping acts in every step
 # name: (architecture, ranks per tensor group, resumed from the unsplit model after STEPS steps)
@@ -119,3 +133,97 @@ def test_what_cannot_be_split_is_refused(tensor_runs):
     assert heads == "--tensor-parallel 4: blocks.0 has 2 attention heads, not a multiple of 4"
     assert three == "--tensor-parallel 3 must divide the number of ranks (4)"
     assert zero == "--tensor-parallel 0 must divide the number of ranks (4)"
+
+
+# ------------------------------------------------------------------ the scripts
+# LayerNorm ViT, clipped: 2 data-parallel ranks of 8 images, whether each is one rank (DDP) or a tensor group of 2
+JOB = ["--architecture", VIT, "--input-size", "32", "--batch", "8", "--epochs", "2", "--warmup-epochs", "0",
+       "--workers", "0", "--no-progress", "--clip-grad-norm", "0.5"]
+
+
+def job(folder, data, name, *extra, world=2, fault=None, script="scratch"):
+    return run_script(script, "--num-tasks", world, "--job-id", name, "--shared-folder-path", folder,
+                      "--data-path", data, *JOB, *extra, env={"FIXRES_FAULT": fault} if fault else None)
+
+
+@pytest.fixture(scope="module")
+def split_jobs(tiny_data, tmp_path_factory):
+    """The same job under DDP on 2 ranks (``ddp``) and on 2 tensor groups of 2 ranks (``tp``)."""
+    folder = tmp_path_factory.mktemp("tp_jobs")
+    for name, extra, world in (("ddp", (), 2), ("tp", ("--tensor-parallel", 2), 4)):
+        result = job(folder, tiny_data, name, *extra, world=world)
+        assert result.returncode == 0, result.stderr[-3000:]
+        (folder / f"{name}.out").write_text(result.stdout)
+    return folder
+
+
+def test_a_tensor_parallel_job_trains_as_ddp(split_jobs):
+    """Same seed, same 16-image global batches: losses, learning rates, top-1 (30 images counted once,
+    not once per rank of a tensor group) and the final weights, gathered whole into checkpoint.pth."""
+    assert_same_run(split_jobs / "tp", split_jobs / "ddp", ema=False)
+    out = (split_jobs / "tp.out").read_text()
+    assert "--tensor-parallel 2: 6 MLPs and 6 attentions (by heads) split over tensor groups of 2 ranks, 2 " \
+           "data-parallel group(s)" in out
+    assert "lr 0.00625 = 0.1 x 8 x 2 / 256" in out  # the linear scaling rule counts data-parallel ranks
+
+
+def test_a_tensor_parallel_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data, tmp_path):
+    """Stopped after step 3 on 2 tensor groups of 2, resumed on 2 plain DDP ranks: it ends as the
+    uninterrupted job (its checkpoint is the unsplit model's)."""
+    stopped = job(tmp_path, tiny_data, "s", "--tensor-parallel", 2, world=4, fault="signal:rank=1:step=2")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    resumed = job(tmp_path, tiny_data, "s")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step 3" in resumed.stdout, resumed.stdout[-2000:]
+    assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
+
+
+@pytest.mark.slow
+def test_a_ddp_job_stopped_mid_epoch_resumes_tensor_parallel(split_jobs, tiny_data, tmp_path):
+    """And back: stopped on 2 DDP ranks, resumed on 2 tensor groups of 2: the same end."""
+    stopped = job(tmp_path, tiny_data, "s", fault="signal:rank=0:step=2")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    resumed = job(tmp_path, tiny_data, "s", "--tensor-parallel", 2, world=4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
+
+
+@pytest.mark.slow
+def test_fixres_finetune_of_a_tensor_parallel_model(split_jobs, tiny_data, tmp_path):
+    """main_finetune.py on the DDP job's weights at 48 px: split over 2 tensor groups of 2, the same
+    finetune as on 2 DDP ranks (head and last norm trained, the rest frozen and split)."""
+    for name, extra, world in (("ft-ddp", (), 2), ("ft-tp", ("--tensor-parallel", 2), 4)):
+        result = job(tmp_path, tiny_data, name, "--weight-path", split_jobs / "ddp" / CHECKPOINT_FILE,
+                     "--input-size", 48, "--epochs", 1, *extra, world=world, script="finetune")
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(tmp_path / "ft-tp", tmp_path / "ft-ddp", ema=False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--num-tasks", 4, "--tensor-parallel", 3), "--tensor-parallel 3 must divide the number of ranks (4)"),
+    (("--num-tasks", 2, "--tensor-parallel", 2, "--architecture", "resnet20"),
+     "--tensor-parallel: resnet20 has no transformer block to split"),
+    (("--num-tasks", 2, "--tensor-parallel", 2, "--model-ema"), "--tensor-parallel 2 does not go with --model-ema"),
+    (("--num-tasks", 2, "--tensor-parallel", 2, "--sharding", "full"),
+     "--tensor-parallel 2 does not go with --sharding full"),
+    (("--num-tasks", 2, "--tensor-parallel", 2, "--architecture", "vit_b_16", "--input-size", 224),
+     "--tensor-parallel cannot run torchvision's vit_b_16"),
+])
+def test_bad_tensor_parallel_input_is_one_line_before_any_rank_starts(capsys, tiny_data, tmp_path, args, message):
+    status, err = run_main(capsys, "scratch", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+                           "--architecture", VIT, "--input-size", 32, *args)
+    assert status == 1 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "local").exists()
+
+
+@pytest.mark.slow
+def test_the_tensor_parallel_command_shown(tmp_path):
+    """docs/sharding.md's command: 4 ranks, 2 tensor groups of 2, the embedded data for an epoch (4,000
+    training images), each of the 1,000 validation images counted once."""
+    argv = shown.argv(shown.command("python main_scratch.py --num-tasks 4 --tensor-parallel 2"),
+                      **{"/tmp/runs": tmp_path})
+    result = run_script("scratch", *argv[2:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--tensor-parallel 2: 6 MLPs and 6 attentions (by heads) split over tensor groups of 2 ranks, 2 " \
+           "data-parallel group(s); 176,714 of 300,746 parameters on this rank" in result.stdout
+    assert events(tmp_path / "vit-tp", "eval")[-1]["images"] == 1000

@@ -36,8 +36,9 @@ class JobData:
             shown = ", ".join(os.path.relpath(p, root) for p in hidden[:3]) + (", ..." if len(hidden) > 3 else "")
             log(f"data: skipped {len(hidden)} hidden files and folders ({shown}); hidden names are never "
                 "classes or images")
-        if len(self.train_set) < 2 * config.num_tasks:
-            raise FixresError(f"{len(self.train_set)} training images are too few for {config.num_tasks} ranks")
+        if len(self.train_set) < 2 * config.data_parallel_size:
+            raise FixresError(f"{len(self.train_set)} training images are too few for {config.data_parallel_size} "
+                              "data-parallel ranks")
         self.train_loader = train_loader
         self.val_loaders: dict[int, object] = {}
 
@@ -52,8 +53,8 @@ class JobData:
         cfg = self.config
         return pipeline.make_loader(dataset, transform,
                                     batch_size=cfg.batch * (cfg.grad_accum_steps if training else 1),
-                                    reps=cfg.ra_reps if training else 1, world_size=cfg.num_tasks,
-                                    rank=cfg.global_rank, shuffle=training, seed=cfg.seed, workers=cfg.workers,
+                                    reps=cfg.ra_reps if training else 1, world_size=cfg.data_parallel_size,
+                                    rank=cfg.data_parallel_rank, shuffle=training, seed=cfg.seed, workers=cfg.workers,
                                     pin_memory=self.device.type == "cuda", skip_bad_images=cfg.skip_bad_images,
                                     training=training, ignored_signals=stop_signals(cfg.preempt_signal))
 

@@ -41,11 +41,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-            set_model_state_dict,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fixres_dist.config import TrainerConfig
@@ -109,7 +112,7 @@ def shard(modules: list[nn.Module], mesh: DeviceMesh, config: TrainerConfig, amp
         del options["offload_policy"]
     count = 0
     for module in modules:
-        _start_from_rank0(module)
+        start_from_rank0(module)
         found = blocks(module)
         for _, block in found:
             fully_shard(block, **options)
@@ -119,9 +122,9 @@ def shard(modules: list[nn.Module], mesh: DeviceMesh, config: TrainerConfig, amp
 
 
 @torch.no_grad()
-def _start_from_rank0(module: nn.Module) -> None:
+def start_from_rank0(module: nn.Module) -> None:
     """Rank 0's parameters and buffers on every rank, as DDP broadcasts them when it wraps (each rank
-    then keeps its shard of the same model, whatever each initialised)."""
+    then keeps its shard of the same model, whatever each initialised). Before sharding or splitting."""
     for tensor in module.state_dict().values():
         dist.broadcast(tensor, src=0)
 
@@ -131,9 +134,29 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def holds_dtensors(module: nn.Module) -> bool:
+    """Whether some of ``module``'s parameters are DTensors: sharded (FSDP2) or split (tensor parallelism)."""
+    return is_sharded(module) or any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """All ranks (a collective): ``{"model": ..., "optimizer": ...}`` of a model with DTensor parameters,
+    gathered whole, in the layout of an unsharded model and optimizer (the optimizer's state keyed by
+    parameter number, as ``optimizer.state_dict()``): what a one-file checkpoint holds, and what
+    :func:`load_state_dict` and :func:`load_optimizer_state_dict` take back."""
+    named = get_optimizer_state_dict(model, optimizer, options=_FULL_IN)
+    names = {param: name for name, param in model.named_parameters()}
+    number = {names[param]: index for index, param in
+              enumerate(param for group in optimizer.param_groups for param in group["params"])}
+    return {"model": get_model_state_dict(model, options=_FULL_IN),
+            "optimizer": {"state": {number[name]: value for name, value in named["state"].items()},
+                          "param_groups": [{**group, "params": [number[name] for name in group["params"]]}
+                                           for group in named["param_groups"]]}}
+
+
 def load_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a full ``state`` (every rank holds it) into ``module``; a sharded module keeps its shard."""
-    if not is_sharded(module):
+    """Load a full ``state`` (every rank holds it) into ``module``; a sharded or split module keeps its part."""
+    if not holds_dtensors(module):
         module.load_state_dict(state)
         return
     set_model_state_dict(module, state, options=_FULL_IN)
@@ -141,8 +164,8 @@ def load_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Load an unsharded optimizer's ``state`` (as :func:`optimizer_state_dict` writes it) into
-    ``optimizer`` of ``model``, sharded or not."""
-    if not is_sharded(model):
+    ``optimizer`` of ``model``, sharded, split or neither."""
+    if not holds_dtensors(model):
         optimizer.load_state_dict(state)
         return
     names = {param: name for name, param in model.named_parameters()}

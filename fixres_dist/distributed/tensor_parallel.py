@@ -49,8 +49,8 @@ def _by_heads(module: nn.Linear, mesh: DeviceMesh) -> None:
     over ``mesh``; its input marked replicated, its output this rank's heads as a plain tensor."""
     def partition(name, layer, device_mesh):
         for key, parameter in list(layer.named_parameters(recurse=False)):
-            layer.register_parameter(key, nn.Parameter(distribute_tensor(
-                parameter, device_mesh, [_StridedShard(0, split_factor=3)])))
+            layer.register_parameter(key, nn.Parameter(distribute_tensor(  # frozen stays frozen (a finetune)
+                parameter, device_mesh, [_StridedShard(0, split_factor=3)]), requires_grad=parameter.requires_grad))
 
     def replicated_input(layer, inputs, device_mesh):
         return (DTensor.from_local(inputs[0], device_mesh, [Replicate()], run_check=False), *inputs[1:])
@@ -99,13 +99,13 @@ def _mlp_layers(block: nn.Module) -> tuple[str, str] | None:
     return None
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, architecture: str = "this model") -> tuple[int, int]:
-    """Split ``model``'s transformer blocks over ``mesh`` (1-D: the ``tensor`` dimension), in place;
-    returns ``(MLPs split, attentions split)``. Every rank of ``mesh`` must then be given the same
-    images. Raises :class:`FixresError` naming ``architecture`` when it has no transformer block with
-    an MLP of two linear layers (ResNets, ConvNeXt: nothing to split here), or a head count or
-    hidden width that ``mesh``'s size does not divide (before changing anything)."""
-    ranks, found = mesh.size(), []
+def splittable(model: nn.Module, ranks: int, architecture: str = "this model") -> list[tuple[str, nn.Module, tuple]]:
+    """``model``'s transformer blocks that :func:`parallelize` splits over ``ranks`` ranks, as ``(name,
+    block, (first, second MLP layer names))``; reads shapes only (a model on the ``meta`` device will
+    do: the preflight's check). Raises :class:`FixresError` naming ``architecture`` when it has no
+    transformer block with an MLP of two linear layers (ResNets, ConvNeXt: nothing to split here), or
+    a head count or hidden width that ``ranks`` does not divide."""
+    found = []
     for name, block in blocks(model):
         layers = _mlp_layers(block)
         if layers is None:
@@ -120,8 +120,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, architecture: str = "this mo
     if not found:
         raise FixresError(f"--tensor-parallel: {architecture} has no transformer block to split (tensor parallelism "
                           "splits ViT/DeiT blocks); train it with --sharding or --pipeline-stages instead")
-    attentions = 0
-    for name, block, (first, second) in found:
+    return found
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, architecture: str = "this model") -> tuple[int, int]:
+    """Split ``model``'s transformer blocks over ``mesh`` (1-D: the ``tensor`` dimension), in place;
+    returns ``(MLPs split, attentions split)``. Every rank of ``mesh`` must then be given the same
+    images. Raises :class:`FixresError` as :func:`splittable` (before changing anything)."""
+    found, attentions = splittable(model, mesh.size(), architecture), 0
+    for _, block, (first, second) in found:
         parallelize_module(block, mesh, {first: ColwiseParallel(), second: RowwiseParallel()})
         if _timm_attention(block) is not None:
             _split_heads(_timm_attention(block), mesh)

@@ -492,6 +492,10 @@ def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:
     g.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="keep only each block's input for the backward and recompute its inside (less activation "
                         "memory, about one more forward per step) (default: off)")
+    g.add_argument("--tensor-parallel", type=_positive_int, metavar="N",
+                   help="split each ViT block's MLP (by hidden units) and timm's attention (by heads) over groups "
+                        "of N consecutive ranks that see the same images; the groups are data-parallel "
+                        f"({default('tensor_parallel')})")
     g.add_argument("--memory-budget", type=float, metavar="GIB",
                    help="refuse to start a training run whose estimated peak memory per rank exceeds GIB, naming "
                         "the cheapest change that fits (default: the GPU's memory on CUDA; no limit on CPU); the "

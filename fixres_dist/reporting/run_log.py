@@ -74,7 +74,7 @@ class RunLog:
                  f"{result.img_per_s:,.0f} img/s"
                  + (f", {result.skipped} unreadable images skipped" if result.skipped else "")
                  + (f", its last {result.left_out} images left out: fewer than 2 per rank after resuming on "
-                    f"{cfg.num_tasks} ranks" if result.left_out else ""))
+                    f"{cfg.data_parallel_size} data-parallel ranks" if result.left_out else ""))
         if step_times and any(step_times):
             lines = step_times_findings(step_times, epoch + 1, cfg.workers)
             self.record("step_times", epoch=epoch + 1, findings=lines,
@@ -128,7 +128,7 @@ class RunLog:
         self.board.replay(self.history, since=since)
         self.board_until = since
         cfg = self.config
-        steps_per_epoch = -(-images_per_epoch // (cfg.batch * cfg.grad_accum_steps * cfg.num_tasks))
+        steps_per_epoch = -(-images_per_epoch // (cfg.batch * cfg.grad_accum_steps * cfg.data_parallel_size))
         self.board_every = max(1, steps_per_epoch // POINTS_PER_EPOCH)
 
     def _board_failed(self, message: str) -> None:

@@ -57,6 +57,7 @@ class Checkpointer:
         if not all(map(math.isfinite, epoch_sums)):  # a last guard: the callers agreed on this step first
             raise self.diverged(state, state.global_step)
         error, weights, shards, digests = None, None, None, None
+        full = network.full_tensors(step.optimizer)  # all ranks: a tensor-parallel model's, gathered whole
         if network.sharded:  # every rank writes its shards first (a collective)
             try:
                 shards, digests = checkpoint_shards.write(
@@ -67,8 +68,8 @@ class Checkpointer:
             except FixresError as exc:
                 error = str(exc)
         if cfg.global_rank == 0 and error is None:
-            tensors = {"model": None, "optimizer": None} if shards else {"model": network.model.state_dict(),
-                                                                           **step.tensors()}
+            tensors = {"model": None, "optimizer": None} if shards else full or {"model": network.model.state_dict(),
+                                                                                   **step.tensors()}
             contents = checkpoint.Contents(
                 **tensors, **step.state_dict(state.epoch + state.images_in_epoch / images_per_epoch), shards=shards,
                 shard_digests=digests,

@@ -51,7 +51,8 @@ def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torc
                label_smoothing: float = 0.0, normalization=IMAGENET_NORMALIZATION, accumulation: int = 1,
                no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
                mix: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-               clip_grad_norm: float | None = None, times=None) -> torch.Tensor:
+               clip_grad_norm: float | None = None, times=None, reduce_gradients: Callable[[], None] | None = None,
+               clip: Callable = torch.nn.utils.clip_grad_norm_) -> torch.Tensor:
     """One optimizer step on this rank's uint8 (B, 3, H, W) share of a global batch.
 
     The loss is the mean over the *global* batch (``global_batch`` images on all ``world`` ranks;
@@ -68,6 +69,9 @@ def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torc
     ``clip_grad_norm``: clip the global gradient norm (L2 over all parameters, after unscaling
     fp16) to this before the step (``torch.nn.utils.clip_grad_norm_``). ``times``: the step's
     :class:`~fixres_dist.reporting.step_times.StepTimes`, marked after the backward and the optimizer.
+    ``reduce_gradients()``: run after the last backward, before clipping (a tensor-parallel model's
+    average over the data-parallel ranks, which no DDP does); ``clip(parameters, max norm)``: the
+    clipping function (a tensor-parallel model's counts its split gradients once).
     Returns the detached *summed* loss of this rank's images (against the mixed targets if mixing).
     """
     images = to_device(images, device, channels_last, normalization)
@@ -92,12 +96,13 @@ def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torc
             loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum", label_smoothing=label_smoothing)
             scaler.scale(loss_sum * scale).backward()  # fp16: scaled against underflow; otherwise as is
         total = loss_sum.detach() if total is None else total + loss_sum.detach()
+    if reduce_gradients is not None:
+        reduce_gradients()
     if times is not None:
         times.mark("backward")
     if clip_grad_norm is not None:
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]],
-                                       clip_grad_norm)
+        clip([p for group in optimizer.param_groups for p in group["params"]], clip_grad_norm)
     scaler.step(optimizer)
     scaler.update()
     if times is not None:
@@ -110,11 +115,13 @@ class EpochMeter:
 
     The loss sum stays on the device (no host sync per step); the counts are host integers.
     ``start`` holds the totals and ``seconds_before`` the training time (seconds) before a
-    mid-epoch stop (rank 0 carries them across a resume).
+    mid-epoch stop (rank 0 carries them across a resume). ``counted``: whether its totals count in the
+    job's (False: a rank that saw the same images as another of its tensor group; its totals are 0).
     """
 
-    def __init__(self, device: torch.device, start=(0.0, 0.0, 0.0), seconds_before: float = 0.0):
-        self.device = device
+    def __init__(self, device: torch.device, start=(0.0, 0.0, 0.0), seconds_before: float = 0.0,
+                 counted: bool = True):
+        self.device, self.counted = device, counted
         self.started, self.seconds_before = time.perf_counter(), seconds_before
         self.sums = torch.zeros(3, dtype=torch.float64, device=device) + \
             torch.tensor(start, dtype=torch.float64, device=device)
@@ -132,7 +139,8 @@ class EpochMeter:
     def totals(self) -> torch.Tensor:
         """(summed loss, images, unreadable images), float64 on the device."""
         counts = torch.tensor(self.counts, dtype=torch.float64, device=self.device)
-        return self.sums + torch.cat([torch.zeros(1, dtype=torch.float64, device=self.device), counts])
+        totals = self.sums + torch.cat([torch.zeros(1, dtype=torch.float64, device=self.device), counts])
+        return totals if self.counted else torch.zeros_like(totals)
 
 
 @attrs.frozen
@@ -199,7 +207,7 @@ class EvalResult:
 def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | None = None,
              channels_last: bool = False, normalization=IMAGENET_NORMALIZATION,
              after_batch: Callable[[], None] | None = None, progress_bar=None, forwards: int = 0,
-             size: int = 0) -> EvalResult:
+             size: int = 0, counted: bool = True) -> EvalResult:
     """Evaluate ``model`` (unwrapped, put in eval mode) on this rank's share and reduce over ranks.
 
     ``amp``: autocast dtype (``torch.bfloat16``/``torch.float16``) or None; the sums are float64.
@@ -208,7 +216,8 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | 
     :class:`fixres_dist.reporting.progress.Bar` over the validation images of all ranks.
     ``forwards``: a sharded model's forwards per rank
     (:func:`~fixres_dist.distributed.sharding.forwards_to_match`), made up with blank ``size``-pixel
-    images where this rank has fewer batches.
+    images where this rank has fewer batches. ``counted``: False on a rank whose images another rank of
+    its tensor group counts (:attr:`~fixres_dist.config.TrainerConfig.counts_metrics`).
     """
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # top1 hits, top5 hits, loss sum, count
     sampler = loader.batch_sampler if after_batch is not None or progress_bar is not None else None
@@ -233,6 +242,6 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | 
                 after_batch()
             ran = index + 1
         sharding.blank_forwards(model, forwards - ran, size, device, channels_last)
-    top1, top5, loss, count = collectives.all_reduce_sum(sums).tolist()
+    top1, top5, loss, count = collectives.all_reduce_sum(sums if counted else torch.zeros_like(sums)).tolist()
     count = max(count, 1)
     return EvalResult(100 * top1 / count, 100 * top5 / count, loss / count, int(count))

@@ -61,7 +61,8 @@ class Evaluator:
             result = engine.evaluate(model, loader, self.network.device, engine.AMP_DTYPES[cfg.amp], cfg.channels_last,
                                      self.network.preprocessing.normalization, after_batch=self.after_batch,
                                      progress_bar=bar if bar.enabled else None,
-                                     forwards=sharding.forwards_to_match(model, loader.batch_sampler), size=size)
+                                     forwards=sharding.forwards_to_match(model, loader.batch_sampler), size=size,
+                                     counted=cfg.counts_metrics)
         finally:
             bar.close()
         self.clock.add_evaluation(result.images, size, time.perf_counter() - started)

@@ -14,10 +14,11 @@ import os
 from pathlib import Path
 
 import attrs
+import torch
 
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import file_index, hf_datasets, pipeline, shards
-from fixres_dist.distributed import placement
+from fixres_dist.distributed import placement, tensor_parallel
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, class_names, lineage, memory_budget, resolutions, weights
@@ -78,10 +79,11 @@ class JobInputs:
                                        state["config"].get("data_path") or str(pipeline.embedded_data_path()))
             resume = Resume(path, note, checkpoint.Contents.from_dict(state))
         if config.profile:  # the window counts this process' steps: a resumed run has fewer left
-            steps = -(-(-(-index.train_images // config.num_tasks)) // (config.batch * config.grad_accum_steps))
+            ranks = config.data_parallel_size
+            steps = -(-(-(-index.train_images // ranks)) // (config.batch * config.grad_accum_steps))
             left, done = steps * config.epochs, 0
             if resume is not None:  # from where it stopped, on this run's world size
-                c, per_step = resume.contents, config.batch * config.num_tasks * config.grad_accum_steps
+                c, per_step = resume.contents, config.batch * config.data_parallel_size * config.grad_accum_steps
                 left, done = (config.epochs - c.epoch) * steps - -(-c.images_in_epoch // per_step), c.global_step
             profiling.check_window(config.profile, config.profile_after, left, done)
         if config.extract_features:
@@ -99,22 +101,23 @@ def _read_data(config: TrainerConfig) -> tuple[Path, file_index.DataIndex | shar
     :mod:`fixres_dist.data.file_index`), checked; at least 2 training images per rank."""
     root = Path(config.data_path or pipeline.embedded_data_path())
     if shards.is_packed(root):
-        packed = shards.open_packed(root, 2 * config.num_tasks)
+        packed = shards.open_packed(root, 2 * config.data_parallel_size)
         return root, packed, packed.classes
     if hf_datasets.is_hf_dataset(root):
-        found = hf_datasets.open_hf_dataset(root, config.file_index_folder, 2 * config.num_tasks)
+        found = hf_datasets.open_hf_dataset(root, config.file_index_folder, 2 * config.data_parallel_size)
         return root, found, found.classes
     index = file_index.data_index(root, config.file_index_folder)
-    return root, index, pipeline.check_image_folder(root, 2 * config.num_tasks, index)
+    return root, index, pipeline.check_image_folder(root, 2 * config.data_parallel_size, index)
 
 
 def _check_accumulation(config: TrainerConfig, index) -> None:
     if config.grad_accum_steps > 1 and not config.eval_only:
         train_images = index.train_images
-        step = config.batch * config.num_tasks * config.grad_accum_steps
+        step = config.batch * config.data_parallel_size * config.grad_accum_steps
         if step > train_images:
             raise FixresError(f"--grad-accum-steps {config.grad_accum_steps}: one step would take {step:,} images "
-                              f"(--batch {config.batch} x {config.num_tasks} rank(s) x {config.grad_accum_steps}), "
+                              f"(--batch {config.batch} x {config.data_parallel_size} data-parallel rank(s) x "
+                              f"{config.grad_accum_steps}), "
                               f"more than the {train_images:,} training images; the linear scaling rule would count "
                               "images that are not there")
 
@@ -133,7 +136,7 @@ def preflight(config: TrainerConfig) -> JobInputs:
     finetune scope, and whether a training step fits the memory budget (``--memory-budget``, or the
     GPU's memory; estimated on the CPU: :func:`fixres_dist.models.memory_budget.check_budget`; nothing
     is estimated on a CPU run without a budget). Writes a walked file index once every check passed
-    (bad input leaves nothing written)."""
+    (bad input leaves nothing written). With ``--tensor-parallel``: whether the model can be split."""
     inputs = JobInputs.read(config)
     architectures.check_architecture(config.architecture, config.low_res_stem)
     if config.device == "cuda":
@@ -143,6 +146,14 @@ def preflight(config: TrainerConfig) -> JobInputs:
     if config.shard_group_size and config.num_tasks % config.shard_group_size:
         raise FixresError(f"--sharding hybrid: {plural(config.num_tasks, 'rank')} do not split into shard groups of "
                           f"--shard-group-size {config.shard_group_size}")
+    if config.num_tasks % config.tensor_parallel:
+        raise FixresError(f"--tensor-parallel {config.tensor_parallel} must divide the number of ranks "
+                          f"({config.num_tasks}): tensor groups of {config.tensor_parallel} consecutive ranks")
+    if config.tensor_parallel > 1:  # shapes only: the model on the meta device
+        with torch.device("meta"):
+            model = architectures.build_model(config.architecture, len(inputs.classes),
+                                              image_size=config.first_input_size, low_res_stem=config.low_res_stem)
+        tensor_parallel.splittable(model, config.tensor_parallel, config.architecture)
     sizes = {config.input_size, config.test_size, config.train_size, *(config.test_sizes or ())} - {None, "auto"}
     for size in sorted(sizes):
         architectures.check_resolution(config.architecture, size)

@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from fixres_dist.config import TrainerConfig
-from fixres_dist.distributed import sharding
+from fixres_dist.distributed import sharding, tensor_parallel
 from fixres_dist.errors import first_line
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, batchnorm, lineage, preprocessing, resolutions, weights
@@ -70,6 +70,7 @@ class Network:
         self.model = model.to(device)
         self.wrapped = self.forward = self.model
         self.sharded = False  # parameters sharded over the ranks (FSDP2): every forward is a collective
+        self.tensor_mesh = None  # --tensor-parallel: the data x tensor mesh (every forward is a collective)
         self.laid_out = False  # lay_out() ran: prepared, averaged and wrapped
         self.average: ModelEMA | None = None  # --model-ema's average of the weights (lay_out makes it)
         self._compile_checked = True
@@ -96,7 +97,7 @@ class Network:
         evaluation: with ``--sharding full/hybrid`` on more than one rank, so that every evaluation
         (``--eval-only``, a finetune's before finetuning) runs on the shards, never the whole model
         on one device. DDP wraps at the start of training (evaluations use the unwrapped model)."""
-        return self.config.sharding != "ddp" and self.config.num_tasks > 1
+        return (self.config.sharding != "ddp" or self.config.tensor_parallel > 1) and self.config.num_tasks > 1
 
     def lay_out(self, input_size: int, trains: bool) -> None:
         """Once, for a run that ``trains`` at ``input_size`` pixels: :meth:`prepare_for_training`, then
@@ -160,6 +161,8 @@ class Network:
         if cfg.num_tasks == 1:
             if cfg.sharding != "ddp":
                 self.log(f"--sharding {cfg.sharding} on 1 rank: nothing to shard; the model trains whole")
+        elif cfg.tensor_parallel > 1:
+            self._split_tensors()
         elif cfg.sharding != "ddp":
             self._shard([model] + ([average] if average is not None else []))
         else:
@@ -196,6 +199,39 @@ class Network:
         if not blocks:
             self.warn(f"--sharding {cfg.sharding}: no known blocks in {cfg.architecture}; the whole model is one "
                       "unit, gathered at once on every rank (no memory saved while it runs)")
+
+    def _split_tensors(self) -> None:
+        """--tensor-parallel: rank 0's weights everywhere, then each block split over its tensor group."""
+        cfg = self.config
+        self.tensor_mesh = tensor_parallel.tensor_mesh(self.device, cfg.num_tasks, cfg.tensor_parallel)
+        sharding.start_from_rank0(self.model)
+        mlps, attentions = tensor_parallel.parallelize(self.model, self.tensor_mesh["tensor"], cfg.architecture)
+        self.log(f"--tensor-parallel {cfg.tensor_parallel}: {mlps} MLPs"
+                 + (f" and {attentions} attentions (by heads)" if attentions else " (attention whole)")
+                 + f" split over tensor groups of {cfg.tensor_parallel} ranks, {cfg.data_parallel_size} data-parallel "
+                 f"group(s); {tensor_parallel.local_parameters(self.model):,} of "
+                 f"{sum(p.numel() for p in self.model.parameters()):,} parameters on this rank")
+
+    @property
+    def reduce_gradients(self) -> Callable[[], None] | None:
+        """What averages the gradients after the backward where no DDP does: a tensor-parallel model's
+        average over the data-parallel groups; None otherwise."""
+        if self.tensor_mesh is None:
+            return None
+        return lambda: tensor_parallel.average_gradients(self.model, self.tensor_mesh)
+
+    def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip the gradients of ``parameters`` to L2 norm ``max_norm`` (all of them together): torch's
+        ``clip_grad_norm_``, or for a tensor-parallel model its own (split and whole gradients together)."""
+        if self.tensor_mesh is not None:
+            return tensor_parallel.clip_grad_norm(self.model, max_norm)
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+    def full_tensors(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        """All ranks (a collective): a tensor-parallel model's and ``optimizer``'s state gathered whole,
+        as a one-file checkpoint holds them (:func:`~fixres_dist.distributed.sharding.full_state_dicts`);
+        None for another model (rank 0 holds it whole already, or it is written as shards)."""
+        return sharding.full_state_dicts(self.model, optimizer) if self.tensor_mesh is not None else None
 
     @property
     def no_sync(self):

@@ -24,8 +24,10 @@ from fixres_dist.training.network import Network
 
 
 def base_learning_rate(config: TrainerConfig) -> float:
-    """``--learning-rate`` (per 256 images) scaled to the global batch by the linear scaling rule."""
-    return optim.scaled_learning_rate(config.learning_rate, config.batch, config.num_tasks, config.grad_accum_steps)
+    """``--learning-rate`` (per 256 images) scaled to the global batch by the linear scaling rule (the
+    data-parallel ranks' batches: a tensor group's ranks see the same images)."""
+    return optim.scaled_learning_rate(config.learning_rate, config.batch, config.data_parallel_size,
+                                      config.grad_accum_steps)
 
 
 class TrainStep:
@@ -69,12 +71,13 @@ class TrainStep:
         """The log line: optimizer, learning rate and how the linear scaling rule made it, steps per epoch."""
         cfg = self.config
         accumulated = f" x {cfg.grad_accum_steps} accumulated" if cfg.grad_accum_steps > 1 else ""
-        return (f"{cfg.opt} lr {self.base_lr:g} = {cfg.learning_rate:g} x {cfg.batch} x {cfg.num_tasks}{accumulated} / "
+        return (f"{cfg.opt} lr {self.base_lr:g} = {cfg.learning_rate:g} x {cfg.batch} x {cfg.data_parallel_size}"
+                f"{accumulated} / "
                 f"{optim.REFERENCE_BATCH} (linear scaling rule), {steps_per_epoch} steps per epoch"
                 + (f", repeated augmentation x{cfg.ra_reps} (an epoch: about {-(-train_images // cfg.ra_reps):,} "
                    f"images, {cfg.ra_reps} copies each)" if cfg.ra_reps > 1 else "")
-                + (" (more copies than ranks: some copies of an image share a rank)" if cfg.ra_reps > cfg.num_tasks
-                   else ""))
+                + (" (more copies than ranks: some copies of an image share a rank)"
+                   if cfg.ra_reps > cfg.data_parallel_size else ""))
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, global_batch: int | None,
                  global_step: int) -> torch.Tensor:
@@ -84,13 +87,14 @@ class TrainStep:
         mix = None
         if self.mixing.enabled:
             def mix(batch, targets, micro_batch):  # drawn from (seed, step, rank, micro-batch): the same after a resume
-                return self.mixing(batch, targets, (global_step + 1, cfg.global_rank, micro_batch))
+                return self.mixing(batch, targets, (global_step + 1, cfg.data_parallel_rank, micro_batch))
         loss = engine.train_step(self.network, self.optimizer, self.scaler, images, labels,
-                                 device=self.network.device, world=cfg.num_tasks, global_batch=global_batch,
+                                 device=self.network.device, world=cfg.data_parallel_size, global_batch=global_batch,
                                  amp=self.amp, channels_last=cfg.channels_last, label_smoothing=cfg.label_smoothing,
                                  normalization=self.network.preprocessing.normalization,
                                  accumulation=cfg.grad_accum_steps, no_sync=self.network.no_sync, mix=mix,
-                                 clip_grad_norm=cfg.clip_grad_norm, times=self.times)
+                                 clip_grad_norm=cfg.clip_grad_norm, times=self.times,
+                                 reduce_gradients=self.network.reduce_gradients, clip=self.network.clip_grad_norm)
         self.watch.observe(global_step + 1, loss)
         return loss
 

@@ -204,7 +204,7 @@ class Trainer:
         finetuning.set_train_mode(self.network.wrapped)
         resumed = cfg.global_rank == 0 and state.images_in_epoch  # rank 0 continues the epoch's totals
         state.meter = engine.EpochMeter(self.network.device, state.resumed_sums if resumed else (0.0, 0.0, 0.0),
-                                        state.resumed_seconds if resumed else 0.0)
+                                        state.resumed_seconds if resumed else 0.0, cfg.counts_metrics)
         bar = progress.Bar(self.data.images_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", enabled=progress.shown(cfg),
                            initial=state.images_in_epoch, postfix=self.remaining.postfix)
         try:

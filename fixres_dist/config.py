@@ -423,53 +423,14 @@ class TrainerConfig:
             raise FixresError("--profile records training steps, and --eval-only trains none")
         if self.mode == "finetune" and not self.eval_only:
             self._check_finetune_regularisation()
-        self._check_sharding()
-        self._check_tensor_parallel()
+        _check_sharding(self)
+        _check_tensor_parallel(self)
         if self.input_size == "auto":
             if self.mode != "finetune" or self.eval_only:
                 raise FixresError("--input-size auto only applies to main_finetune.py (finetune at the best "
                                   "swept test resolution)")
             if not self.test_sizes:
                 raise FixresError("--input-size auto needs --test-sizes, the resolutions to choose from")
-
-    def _check_sharding(self) -> None:
-        """Options that only mean something sharded, and what sharding cannot do."""
-        sharded = self.sharding != "ddp"
-        if self.shard_group_size is not None:
-            if self.sharding != "hybrid":
-                raise FixresError("--shard-group-size applies to --sharding hybrid (shard within groups of N ranks)")
-        if not sharded and (self.cpu_offload or not self.reshard_after_forward):
-            flag = "--cpu-offload" if self.cpu_offload else "--no-reshard-after-forward"
-            raise FixresError(f"{flag} applies to a sharded model: add --sharding full or hybrid")
-        if self.cpu_offload and self.device != "cuda":
-            raise FixresError("--cpu-offload moves a sharded model's parameters from the GPU to the CPU: it needs "
-                              "--device cuda (on the CPU they are there already)")
-        if sharded and self.dist_bn == "broadcast":
-            raise FixresError("--dist-bn broadcast is DDP's buffer broadcast; with --sharding "
-                              f"{self.sharding} use --dist-bn reduce (BatchNorm statistics averaged at epoch ends)")
-        if sharded and self.architecture.startswith("vit_") and not self.eval_only:
-            raise FixresError(f"--sharding {self.sharding} cannot run torchvision's {self.architecture} at other "
-                              "resolutions (it copies the model to resize the position embedding): use a timm ViT "
-                              f"(e.g. {TIMM_PREFIX}vit_base_patch16_224), which resamples it in place, or --sharding "
-                              "ddp")
-
-    def _check_tensor_parallel(self) -> None:
-        """What tensor parallelism needs, and what it does not compose with yet (refused before start)."""
-        ranks = self.tensor_parallel  # its division of the world size: the preflight's (fixres_dist.training.inputs)
-        if ranks == 1:
-            return
-        refused = [flag for flag, on in (("--sharding " + self.sharding, self.sharding != "ddp"),
-                                         ("--model-ema", self.model_ema), ("--compile", bool(self.compile)),
-                                         ("--amp fp16", self.amp == "fp16"),
-                                         ("--activation-checkpointing", self.activation_checkpointing),
-                                         ("--dist-bn broadcast", self.dist_bn == "broadcast")) if on]
-        if refused:
-            raise FixresError(f"--tensor-parallel {ranks} does not go with {refused[0]} yet (docs/sharding.md: "
-                              "split rather than shard)")
-        if self.architecture.startswith("vit_"):
-            raise FixresError(f"--tensor-parallel cannot run torchvision's {self.architecture}: its attention cannot "
-                              "be split and it copies the model to change resolution; use a timm ViT (e.g. "
-                              f"{TIMM_PREFIX}vit_base_patch16_224)")
 
     @property
     def data_parallel_size(self) -> int:
@@ -605,3 +566,44 @@ class TrainerConfig:
     @classmethod
     def from_json(cls, text: str) -> "TrainerConfig":
         return cls.from_dict(json.loads(text))
+
+
+def _check_sharding(config: TrainerConfig) -> None:
+    """Options that only mean something sharded, and what sharding cannot do."""
+    sharded = config.sharding != "ddp"
+    if config.shard_group_size is not None:
+        if config.sharding != "hybrid":
+            raise FixresError("--shard-group-size applies to --sharding hybrid (shard within groups of N ranks)")
+    if not sharded and (config.cpu_offload or not config.reshard_after_forward):
+        flag = "--cpu-offload" if config.cpu_offload else "--no-reshard-after-forward"
+        raise FixresError(f"{flag} applies to a sharded model: add --sharding full or hybrid")
+    if config.cpu_offload and config.device != "cuda":
+        raise FixresError("--cpu-offload moves a sharded model's parameters from the GPU to the CPU: it needs "
+                          "--device cuda (on the CPU they are there already)")
+    if sharded and config.dist_bn == "broadcast":
+        raise FixresError("--dist-bn broadcast is DDP's buffer broadcast; with --sharding "
+                          f"{config.sharding} use --dist-bn reduce (BatchNorm statistics averaged at epoch ends)")
+    if sharded and config.architecture.startswith("vit_") and not config.eval_only:
+        raise FixresError(f"--sharding {config.sharding} cannot run torchvision's {config.architecture} at other "
+                          "resolutions (it copies the model to resize the position embedding): use a timm ViT "
+                          f"(e.g. {TIMM_PREFIX}vit_base_patch16_224), which resamples it in place, or --sharding "
+                          "ddp")
+
+
+def _check_tensor_parallel(config: TrainerConfig) -> None:
+    """What tensor parallelism needs, and what it does not compose with yet (refused before start)."""
+    ranks = config.tensor_parallel  # its division of the world size: the preflight's (fixres_dist.training.inputs)
+    if ranks == 1:
+        return
+    refused = [flag for flag, on in (("--sharding " + config.sharding, config.sharding != "ddp"),
+                                     ("--model-ema", config.model_ema), ("--compile", bool(config.compile)),
+                                     ("--amp fp16", config.amp == "fp16"),
+                                     ("--activation-checkpointing", config.activation_checkpointing),
+                                     ("--dist-bn broadcast", config.dist_bn == "broadcast")) if on]
+    if refused:
+        raise FixresError(f"--tensor-parallel {ranks} does not go with {refused[0]} yet (docs/sharding.md: "
+                          "split rather than shard)")
+    if config.architecture.startswith("vit_"):
+        raise FixresError(f"--tensor-parallel cannot run torchvision's {config.architecture}: its attention cannot "
+                          "be split and it copies the model to change resolution; use a timm ViT (e.g. "
+                          f"{TIMM_PREFIX}vit_base_patch16_224)")

@@ -66,12 +66,9 @@ def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torc
     the whole share (up to float rounding and BatchNorm, whose statistics are per micro-batch).
     ``mix(images, labels, micro-batch index)``: MixUp/CutMix (:mod:`fixres_dist.training.mixing`) on the
     normalised float images; returns them and float (b, classes) soft targets.
-    ``clip_grad_norm``: clip the global gradient norm (L2 over all parameters, after unscaling
-    fp16) to this before the step (``torch.nn.utils.clip_grad_norm_``). ``times``: the step's
+    ``clip_grad_norm``: clip the global gradient norm (L2, all parameters, fp16 unscaled) to this. ``times``: the step's
     :class:`~fixres_dist.reporting.step_times.StepTimes`, marked after the backward and the optimizer.
-    ``reduce_gradients()``: run after the last backward, before clipping (a tensor-parallel model's
-    average over the data-parallel ranks, which no DDP does); ``clip(parameters, max norm)``: the
-    clipping function (a tensor-parallel model's counts its split gradients once).
+    ``reduce_gradients()``: after the backward; ``clip(parameters, max norm)`` (tensor parallelism's own).
     Returns the detached *summed* loss of this rank's images (against the mixed targets if mixing).
     """
     images = to_device(images, device, channels_last, normalization)

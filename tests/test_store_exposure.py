@@ -19,7 +19,7 @@ def test_a_spawned_job_listens_on_loopback_and_refuses_a_foreign_store_client(sl
     assert port in {p for _, p in slowed_job.listening}  # the store, and gloo's sockets
     assert {address for address, _ in slowed_job.listening} == {"127.0.0.1"}, slowed_job.listening
     assert slowed_job.keys and not any("nonce" in key for key in slowed_job.keys), slowed_job.keys
-    assert slowed_job.refused  # its request after rank 0's warning failed
+    assert slowed_job.refused  # rank 0 ended its connection
     named = [line for line in slowed_job.stdout.splitlines()
              if line.startswith("warning: rendezvous store: refused a ")]
     assert any(f"a client at 127.0.0.1:{p} (pid " in line for p in slowed_job.foreign_ports for line in named), \

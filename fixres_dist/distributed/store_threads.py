@@ -1,15 +1,16 @@
-"""The daemon threads that call the rendezvous store, and ending a rank's process safely while one
-is still inside a store call.
+"""The daemon threads that call the rendezvous store, and how a rank's script process ends.
 
 A daemon thread that comes back from a torch C++ call (a ``TCPStore`` ``add``/``get``, which
 releases the GIL) while the interpreter is finalizing is ended by CPython with ``pthread_exit``;
 unwinding that through pybind11's GIL guard calls ``std::terminate``, and the whole process aborts
 ("terminate called without an active exception", SIGABRT, exit status 134 or -6 under a launcher)
 after a run that succeeded. A heartbeat's ``add`` in flight at exit was enough (seen in CI under
-torchrun). So every such thread is started here (:func:`start`), and a rank's script ends through
-:func:`end_process`: it gives the threads a moment to finish, and if one is still blocked in the
-store (a peer or the store gone), the process ends with ``os._exit`` and its exit status instead
-of finalizing (stdout and stderr flushed first; atexit handlers then do not run).
+torchrun); the same abort was seen once more from a rank started by hand whose store threads had all
+finished, so some other native thread or destructor can do it too. A rank's script therefore never
+finalizes the interpreter: it ends through :func:`end_process`, which gives the store threads
+started here (:func:`start`) a moment to finish their call, flushes stdout and stderr, and ends the
+process with ``os._exit`` and its exit status. Everything a run writes is closed (and fsynced where
+it matters) before that; atexit handlers do not run.
 """
 from __future__ import annotations
 
@@ -42,10 +43,9 @@ def settle(seconds: float = SETTLE_S) -> bool:
 
 def end_process(status: int | str | None) -> None:
     """End this process with ``status`` (as ``SystemExit`` takes it: None is 0; a string is printed
-    to stderr and is 1): by raising ``SystemExit`` when the store threads have settled, else with
-    ``os._exit`` so that none of them can abort the interpreter's finalization."""
-    if settle():
-        raise SystemExit(status)
+    to stderr and is 1) after the store threads settled (at most :data:`SETTLE_S`), with ``os._exit``:
+    the interpreter is not finalized, so that no thread still in native code can abort it."""
+    settle()
     if isinstance(status, str):
         print(status, file=sys.stderr)
     code = 0 if status is None else status if isinstance(status, int) else 1

@@ -74,7 +74,8 @@ class RunLog:
                  f"{result.img_per_s:,.0f} img/s"
                  + (f", {result.skipped} unreadable images skipped" if result.skipped else "")
                  + (f", its last {result.left_out} images left out: fewer than 2 per rank after resuming on "
-                    f"{cfg.data_parallel_size} data-parallel ranks" if result.left_out else ""))
+                    f"{cfg.data_parallel_size} {'data-parallel ' if cfg.tensor_parallel > 1 else ''}ranks"
+                    if result.left_out else ""))
         if step_times and any(step_times):
             lines = step_times_findings(step_times, epoch + 1, cfg.workers)
             self.record("step_times", epoch=epoch + 1, findings=lines,

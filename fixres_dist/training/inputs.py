@@ -116,7 +116,8 @@ def _check_accumulation(config: TrainerConfig, index) -> None:
         step = config.batch * config.data_parallel_size * config.grad_accum_steps
         if step > train_images:
             raise FixresError(f"--grad-accum-steps {config.grad_accum_steps}: one step would take {step:,} images "
-                              f"(--batch {config.batch} x {config.data_parallel_size} data-parallel rank(s) x "
+                              f"(--batch {config.batch} x {config.data_parallel_size} "
+                              f"{'data-parallel ' if config.tensor_parallel > 1 else ''}rank(s) x "
                               f"{config.grad_accum_steps}), "
                               f"more than the {train_images:,} training images; the linear scaling rule would count "
                               "images that are not there")

@@ -129,7 +129,8 @@ def test_a_split_model_steps_as_the_unsplit_one(tensor_runs, name):
 
 def test_what_cannot_be_split_is_refused(tensor_runs):
     no_block, heads, three, zero = json.loads((tensor_runs / "refusals.json").read_text())
-    assert no_block.startswith("--tensor-parallel: resnet20 has no transformer block to split")
+    assert no_block == ("--tensor-parallel: resnet20 has no transformer block to split (tensor parallelism splits "
+                        "ViT/DeiT blocks); train it with --sharding instead")
     assert heads == "--tensor-parallel 4: blocks.0 has 2 attention heads, not a multiple of 4"
     assert three == "--tensor-parallel 3 must divide the number of ranks (4)"
     assert zero == "--tensor-parallel 0 must divide the number of ranks (4)"
@@ -175,6 +176,8 @@ def test_a_tensor_parallel_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tin
     resumed = job(tmp_path, tiny_data, "s")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step 3" in resumed.stdout, resumed.stdout[-2000:]
+    assert "resuming a 4-rank checkpoint on 2 ranks: the same 2 data-parallel rank(s), batches and learning rate" \
+        in resumed.stdout and "warning: resuming" not in resumed.stdout
     assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
 
 

@@ -43,11 +43,13 @@ def _of_ranks(pid: int | None, rank_pids: set[int]) -> bool:
         return False
 
 
-def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int, bool]]:
+def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int, bool, tuple[str, int]]]:
     """The store clients at this process' ``port`` that are none of the ranks (``hosts``: global rank
     -> :class:`~fixres_dist.distributed.rendezvous.Host`): ``("ADDRESS:PORT (pid P, NAME)", fd,
-    local)`` each, ``fd`` this process' end of the connection, ``local`` whether the client runs on
-    this host (then certainly not a rank: the ranks here are this user's processes, all visible)."""
+    local, (ADDRESS, PORT))`` each, ``fd`` this process' end of the connection, ``local`` whether the client runs on
+    this host (then certainly not a rank: the ranks here are this user's processes, all visible). A
+    local client counts only when its end of the connection and its process are seen in the same look:
+    a rank's connection that opens or closes meanwhile is never taken for a foreign one."""
     try:
         connections = psutil.net_connections(kind="tcp")
     except (psutil.AccessDenied, OSError):
@@ -64,6 +66,8 @@ def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int, bool]]:
     for server_side in served:
         remote = (_ip(server_side.raddr.ip), server_side.raddr.port)
         client = by_local.get(remote) if remote[0] in local else None
+        if remote[0] in local and (client is None or client.pid is None):
+            continue  # its end not seen in this look (a connection opening or closing): the next look decides
         if client is not None and _of_ranks(client.pid, rank_pids) or remote[0] not in local and remote[0] in \
                 rank_addresses:
             continue
@@ -73,18 +77,28 @@ def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int, bool]]:
                 what += f" (pid {client.pid}, {psutil.Process(client.pid).name()})"
             except psutil.Error:
                 what += f" (pid {client.pid})"
-        found.append((what, server_side.fd, remote[0] in local))
+        found.append((what, server_side.fd, remote[0] in local, remote))
     return found
 
 
-def refuse(fd: int) -> None:
-    """End the connection on this process' socket ``fd`` (both directions): the store's event loop
-    sees the client leave; the client's next request fails."""
-    with socket.socket(fileno=os.dup(fd)) as end:
+def refuse(fd: int, peer: tuple[str, int], port: int) -> bool:
+    """End the connection on this process' socket ``fd`` (both directions) if it is still the one from
+    ``peer`` (address, port) to the store's ``port``: the store's event loop sees the client leave; the
+    client's next request fails. ``fd`` was read a moment before: if that connection closed meanwhile,
+    the number may be another socket's now (a collective's), which is left alone. Returns whether it
+    ended it."""
+    try:
+        end = socket.socket(fileno=os.dup(fd))
+    except OSError:  # closed meanwhile
+        return False
+    with end:
         try:
+            if end.getsockname()[1] != port or (_ip(end.getpeername()[0]), end.getpeername()[1]) != peer:
+                return False
             end.shutdown(socket.SHUT_RDWR)
-        except OSError:  # already gone
-            pass
+        except OSError:  # not a connected socket any more, or already gone
+            return False
+    return True
 
 
 class ClientWatch:
@@ -100,9 +114,9 @@ class ClientWatch:
         """Look once: refuse (disconnect) every foreign client on this host, warn about each process (or
         remote host) not seen before, and return those clients."""
         new = []
-        for client, fd, local in foreign_clients(self.port, self.hosts):
-            if local:
-                refuse(fd)
+        for client, fd, local, peer in foreign_clients(self.port, self.hosts):
+            if local and not refuse(fd, peer, self.port):
+                continue  # that connection is gone already
             who = client.split(":")[0] + (client.split(" (")[1] if " (" in client else "")  # its host and process
             if who not in self.seen:  # once per process (or remote host), however often it reconnects
                 self.seen.add(who)

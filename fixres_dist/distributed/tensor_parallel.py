@@ -119,7 +119,7 @@ def splittable(model: nn.Module, ranks: int, architecture: str = "this model") -
         found.append((name, block, layers))
     if not found:
         raise FixresError(f"--tensor-parallel: {architecture} has no transformer block to split (tensor parallelism "
-                          "splits ViT/DeiT blocks); train it with --sharding or --pipeline-stages instead")
+                          "splits ViT/DeiT blocks); train it with --sharding instead")
     return found
 
 

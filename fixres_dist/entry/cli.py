@@ -493,9 +493,9 @@ def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:
                    help="keep only each block's input for the backward and recompute its inside (less activation "
                         "memory, about one more forward per step) (default: off)")
     g.add_argument("--tensor-parallel", type=_positive_int, metavar="N",
-                   help="split each ViT block's MLP (by hidden units) and timm's attention (by heads) over groups "
-                        "of N consecutive ranks that see the same images; the groups are data-parallel "
-                        f"({default('tensor_parallel')})")
+                   help="split each block of a timm ViT/DeiT (its MLP by hidden units, its attention by heads) over "
+                        "groups of N consecutive ranks that see the same images (N divides the number of ranks); "
+                        f"the groups are data-parallel (docs/sharding.md) ({default('tensor_parallel')})")
     g.add_argument("--memory-budget", type=float, metavar="GIB",
                    help="refuse to start a training run whose estimated peak memory per rank exceeds GIB, naming "
                         "the cheapest change that fits (default: the GPU's memory on CUDA; no limit on CPU); the "

@@ -14,22 +14,23 @@ def run_script(mode: str, argv: list[str] | None = None) -> None:
     """What ``main_<mode>.py`` and the console entry points run: parse ``argv`` (default: the
     command line) before anything heavy is imported, then import the launcher (and torch) and run
     (:func:`fixres_dist.entry.launch.main`). Stop signals before the launcher listens end it with one line,
-    and those that arrive once the job is over are ignored (:mod:`fixres_dist.entry.startup`). The process
-    ends through :func:`fixres_dist.distributed.store_threads.end_process`, so that a store call still in
-    flight in a daemon thread cannot abort it at exit."""
+    and those that arrive once the job is over are ignored (:mod:`fixres_dist.entry.startup`). Once the
+    launcher ran, the process ends through :func:`fixres_dist.distributed.store_threads.end_process`
+    (``os._exit`` with the exit status: no native thread can abort the interpreter's finalization)."""
     startup.guard_signals()  # before torch loads: Ctrl-C or SIGTERM while starting is one line, not a traceback
     startup.quiet_native_logs()
     status = 0
     try:
-        args = build_parser(mode).parse_args(argv)
+        args = build_parser(mode).parse_args(argv)  # --help, a usage error: SystemExit, as any script
         from fixres_dist.entry.launch import main  # torch loads here, once the command line has parsed
 
-        main(mode, args)
-    except SystemExit as exc:
-        status = exc.code
+        try:
+            main(mode, args)
+        except SystemExit as exc:
+            status = exc.code
     finally:
         startup.ignore_signals()
-    from fixres_dist.distributed import store_threads  # no torch import: cheap after --help too
+    from fixres_dist.distributed import store_threads
 
     store_threads.end_process(status)
 

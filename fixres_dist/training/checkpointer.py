@@ -93,6 +93,21 @@ class Checkpointer:
             raise FixresError(error if cfg.global_rank == 0 else f"rank 0 could not write the checkpoint: {error}")
         self.unsaved, self.last_step = False, state.global_step
 
+    def _world_changed(self, contents, state: TrainState, train_images: int) -> None:
+        """The line about resuming on another world size: a warning when the data-parallel ranks changed
+        (the batches and learning rate do), a note when only the split did (tensor parallelism)."""
+        cfg, before = self.config, len(contents.ranks)
+        change = f"resuming a {before}-rank checkpoint on {plural(cfg.num_tasks, 'rank')}: "
+        data_parallel = before // contents.config.get("tensor_parallel", 1)
+        if data_parallel == cfg.data_parallel_size:
+            self.run_log.log(f"{change}the same {data_parallel} data-parallel rank(s), batches and learning rate; "
+                             "RNG streams restart")
+            return
+        self.run_log.warn(f"{change}lr re-derived by the linear scaling rule ({self.step.base_lr:g}), "
+                          "BatchNorm statistics averaged, "
+                          f"epoch {state.epoch + 1} continues at image {state.images_in_epoch} of {train_images} "
+                          "of the same permutation (no image repeated); RNG streams restart")
+
     def restore(self, resume, state: TrainState, train_images: int) -> None:
         """Continue from ``resume`` (:class:`~fixres_dist.training.inputs.Resume`): parameters, the
         optimizer step's state, RNG and BatchNorm buffers (``state`` already holds the position)."""
@@ -112,11 +127,7 @@ class Checkpointer:
             step.load_tensors(contents)
         step.load(contents, checkpoint.rank_buffers(contents.ranks, rank, "ema_buffers") if step.ema else None)
         if not same_world:
-            self.run_log.warn(f"resuming a {len(contents.ranks)}-rank checkpoint on {plural(cfg.num_tasks, 'rank')}: "
-                              f"lr re-derived by the linear scaling rule ({step.base_lr:g}), "
-                              "BatchNorm statistics averaged, "
-                              f"epoch {state.epoch + 1} continues at image {state.images_in_epoch} of {train_images} "
-                              "of the same permutation (no image repeated); RNG streams restart")
+            self._world_changed(contents, state, train_images)
         if state.epoch >= cfg.epochs:
             self.run_log.log(f"{resume.path}: this job already completed its {cfg.epochs} epochs; nothing to do "
                              "(use another --job-id for a new run)")

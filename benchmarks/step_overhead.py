@@ -437,8 +437,8 @@ def main() -> None:
             on["marks_us"] = marks_cost(device)
             step_us = 1e6 * on["world"] * on["batch"] / on["trainer"]
             print(f"  timed directly: the marks and the epoch's summary cost {on['marks_us']:.1f} us per step, "
-                  f"{100 * on['marks_us'] / step_us:.3f} % of this {step_us / 1000:.1f} ms step (DDP's Python "
-                  "communication hook not included)")
+                  f"{100 * on['marks_us'] / step_us:.3f} % of this {step_us / 1000:.1f} ms step (the 4 "
+                  "post-accumulate-grad hooks not included)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -13,9 +13,10 @@ Each optimizer step of an epoch is cut by five marks into these phases (millisec
 * ``after_step``: the EMA update, the stop agreement, periodic checkpoints, the step's curve point.
 
 Cost: a mark is a ``time.perf_counter()`` on the CPU, a recorded ``torch.cuda.Event`` on a GPU (read
-once per epoch, one synchronisation per epoch, none per step); the bucket mark comes from a DDP
-communication hook that then runs torch's own all-reduce hook (``default_hooks.allreduce_hook``:
-the same averaging). ``benchmarks/step_times.py`` measures it against the same run without it
+once per epoch, one synchronisation per epoch, none per step); the bucket mark comes from
+post-accumulate-grad hooks on the model's first trainable parameters, whose gradients are the last
+of the backward (:meth:`~fixres_dist.training.network.Network.time_gradient_reduction`; DDP keeps its
+own all-reduce). ``benchmarks/step_times.py`` measures it against the same run without it
 (``--no-step-times``).
 
 Per epoch, every rank's summary (and peak memory: CUDA ``max_memory_allocated`` on a GPU, the

@@ -14,7 +14,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from fixres_dist.config import TrainerConfig
@@ -25,6 +24,7 @@ from fixres_dist.models import architectures, batchnorm, lineage, preprocessing,
 from fixres_dist.models.ema import ModelEMA
 from fixres_dist.training.engine import AMP_DTYPES
 
+LAST_GRADIENTS = 4  # parameters whose gradients, the last of a backward, mark DDP's last bucket (step times)
 # DDP's switch for re-broadcasting rank 0's buffers at each forward: torch 2.14 renamed it
 # forward_sync_buffers (the old name warns there); torch 2.4-2.13 knows only broadcast_buffers
 BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
@@ -172,17 +172,17 @@ class Network:
         self._compile_checked = not cfg.compile
 
     def time_gradient_reduction(self, bucket_ready: Callable[[], None]) -> bool:
-        """Under DDP: call ``bucket_ready()`` as each gradient bucket is handed to the all-reduce (a
-        communication hook that then runs torch's ``allreduce_hook``: the same averaging). Returns
-        whether it could (not with one rank or a sharded model)."""
+        """Under DDP: call ``bucket_ready()`` as the gradients of the model's first :data:`LAST_GRADIENTS`
+        trainable parameters (in module order) are accumulated: the last gradients of a backward, whose
+        bucket DDP hands to its all-reduce last. Post-accumulate-grad hooks, run by autograd where the
+        backward runs; DDP keeps its own C++ all-reduce. (A Python communication hook would run its
+        ``Future.then`` callback in gloo's threads, each making and deleting a Python thread state, and
+        a loader worker forked meanwhile can deadlock in CPython 3.11's after-fork.) Returns whether it
+        could (not with one rank or a sharded model)."""
         if not isinstance(self.wrapped, DistributedDataParallel):
             return False
-
-        def hook(process_group, bucket):
-            bucket_ready()
-            return default_hooks.allreduce_hook(process_group, bucket)
-
-        self.wrapped.register_comm_hook(None, hook)
+        for parameter in [p for p in self.model.parameters() if p.requires_grad][:LAST_GRADIENTS]:
+            parameter.register_post_accumulate_grad_hook(lambda _: bucket_ready())
         return True
 
     def _shard(self, modules: list[nn.Module]) -> None:

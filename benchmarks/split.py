@@ -29,10 +29,8 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -40,6 +38,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
+from fixres_dist.bench.cost import timed
 from fixres_dist.distributed import collectives
 from fixres_dist.distributed import pipeline as pp
 from fixres_dist.models.architectures import build_model
@@ -48,21 +47,6 @@ from fixres_dist.reporting.step_times import peak_memory, reset_peak_memory
 PRESETS = {"cpu": ("timm/vit_tiny_patch16_224", 64, 32), "quick": ("timm/test_vit", 32, 16),
            "cuda": ("timm/vit_base_patch16_224", 224, 64)}
 SETTINGS = [("gpipe", 4), ("1f1b", 4), ("1f1b", 8)]  # (schedule, micro-batches)
-
-
-def timed(run, warmup: int, steps: int, device: torch.device) -> float:
-    """Median seconds of ``run()`` over ``steps`` calls after ``warmup``."""
-    times = []
-    for index in range(warmup + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if index >= warmup:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def stage_alone(model_args, pipe: pp.Pipeline, images, args, device) -> float:
@@ -81,7 +65,7 @@ def stage_alone(model_args, pipe: pp.Pipeline, images, args, device) -> float:
     def run():
         out = stage(x)
         out.float().sum().backward()
-    return timed(run, args.warmup, args.steps, device)
+    return timed(run, args.steps, args.warmup, device)
 
 
 def measure(schedule: str, microbatches: int, mesh, images, labels, args, device) -> dict:
@@ -98,7 +82,7 @@ def measure(schedule: str, microbatches: int, mesh, images, labels, args, device
         optimizer.zero_grad(set_to_none=True)
     step()
     reset_peak_memory(device)
-    seconds = timed(step, args.warmup, args.steps, device)
+    seconds = timed(step, args.steps, args.warmup, device)
     memory, _ = peak_memory(device)
     return {"schedule": schedule, "microbatches": microbatches, "step_s": seconds, "memory_bytes": memory,
             "stage_s": stage_alone(model_args, pipe, images, args, device), "stage": pipe.stages[0].describe()}
@@ -134,7 +118,7 @@ def unsplit(args) -> float:
         F.cross_entropy(model(images), labels).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return timed(step, args.warmup, args.steps, device)
+    return timed(step, args.steps, args.warmup, device)
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 import shown_commands as shown
 from conftest import free_port, run_main, run_script
-from fixres_dist.distributed import collectives
+from fixres_dist.distributed import collectives, sharding
 from fixres_dist.distributed import tensor_parallel as tp
 from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
@@ -63,7 +63,7 @@ def run(name: str, folder) -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    weights = {k: v.tolist() for k, v in tp.full_state_dict(model).items()}
+    weights = {k: v.tolist() for k, v in sharding.full_state_dicts(model, optimizer)["model"].items()}
     if torch.distributed.get_rank() == 0:
         (folder / f"{name}.json").write_text(json.dumps({"split": split, "weights": weights}))
     (folder / f"{name}-losses{torch.distributed.get_rank()}.json").write_text(json.dumps(losses))

@@ -69,7 +69,7 @@ def forward_gflops(model: torch.nn.Module, size: int, device: torch.device) -> f
     return counter.get_total_flops() / 2 / 1e9
 
 
-def _timed(run, steps: int, warmup: int, device: torch.device) -> float:
+def timed(run, steps: int, warmup: int, device: torch.device) -> float:
     """Seconds per call of ``run()``: the median of ``steps`` timed calls (each between device
     synchronisations) after ``warmup`` untimed ones; a median resists a burst of other work."""
     for _ in range(warmup):
@@ -115,11 +115,11 @@ def measure(setting: Setting, device: torch.device, num_classes: int = 1000, ste
 
         model.eval()  # inference first: a CPU's resident set does not shrink after training
         reset_peak_memory(device)
-        infer_seconds = _timed(infer, steps, warmup, device)
+        infer_seconds = timed(infer, steps, warmup, device)
         infer_peak = peak_memory(device)[0] / 2**30
         model.train()
         reset_peak_memory(device)
-        train_seconds = _timed(train, steps, warmup, device)
+        train_seconds = timed(train, steps, warmup, device)
         return Cost(setting, gflops, setting.batch / train_seconds, setting.batch / infer_seconds,
                     peak_memory(device)[0] / 2**30, infer_peak)
     except (RuntimeError, ValueError, AssertionError, TypeError, NotImplementedError) as exc:

@@ -18,8 +18,8 @@ gradients of those replicated parameters are the same on every rank of the group
 collective. Inputs of a split layer are marked replicated, which makes the backward all-reduce
 their gradients. The split parameters are ``DTensor``s: ``torch.distributed.checkpoint``'s state-dict
 functions give their full tensors (or shards) under the whole model's names, so checkpoints are the
-unsplit model's (:func:`full_state_dict` gathers them; a full state dict goes back in with
-``torch.distributed.checkpoint.state_dict.set_model_state_dict``).
+unsplit model's (:func:`fixres_dist.distributed.sharding.full_state_dicts` gathers them; a full state
+dict goes back in with ``torch.distributed.checkpoint.state_dict.set_model_state_dict``).
 
 Composed with data parallelism on a ``data`` x ``tensor`` mesh (:func:`tensor_mesh`: the ranks of one
 group consecutive, on one node): every rank of a tensor group is given the same images, and after
@@ -186,8 +186,3 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=False)
     return total
 
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s state_dict with every split tensor gathered whole (a collective over its tensor
-    group: every rank calls it): the unsplit model's state_dict."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}

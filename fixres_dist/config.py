@@ -55,6 +55,7 @@ OPTIMIZERS = ("sgd", "sgd-nesterov", "adamw", "rmsprop")
 LR_SCHEDULERS = ("cosine", "step", "exponential")
 # --sharding (fixres_dist.distributed.sharding): DDP replicas, FSDP2 full shard, hybrid shard (HSDP).
 SHARDINGS = ("ddp", "full", "hybrid")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # fixres_dist.distributed.pipeline.SCHEDULES
 AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet")  # torchvision v2 policies (data.train_transform)
 # Bounds that catch typos before they reach torch as overflows or degenerate draws: weight decay above
 # 1 shrinks weights faster than any recipe (torchvision's 1e-4 to AdamW's 0.05); MixUp/CutMix alphas
@@ -374,6 +375,11 @@ class TrainerConfig:
     # Ranks per tensor group (fixres_dist.distributed.tensor_parallel): each ViT block's matrices split over
     # that many consecutive ranks, which see the same images; the groups are data-parallel to each other.
     tensor_parallel: int = attrs.field(default=1, validator=_positive, metadata=RESUMABLE)
+    # Pipeline stages (fixres_dist.distributed.pipeline): the model cut into that many stages on consecutive
+    # ranks, run by a schedule over micro-batches; the pipelines are data-parallel to each other.
+    pipeline_stages: int = attrs.field(default=1, validator=_positive, metadata=RESUMABLE)
+    pipeline_schedule: str = attrs.field(default="1f1b", validator=_one_of(*PIPELINE_SCHEDULES), metadata=RESUMABLE)
+    pipeline_microbatches: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
     # GiB a rank may use at its peak (the preflight's estimate: fixres_dist.models.memory_budget); None: the
     # GPU's memory on CUDA, no limit on the CPU.
     memory_budget: float | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
@@ -422,9 +428,10 @@ class TrainerConfig:
         if self.profile and self.eval_only:
             raise FixresError("--profile records training steps, and --eval-only trains none")
         if self.mode == "finetune" and not self.eval_only:
-            self._check_finetune_regularisation()
+            _check_finetune_regularisation(config=self)
         _check_sharding(self)
         _check_tensor_parallel(self)
+        _check_pipeline(self)
         if self.input_size == "auto":
             if self.mode != "finetune" or self.eval_only:
                 raise FixresError("--input-size auto only applies to main_finetune.py (finetune at the best "
@@ -434,40 +441,27 @@ class TrainerConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        """How many ranks see different images: ``num_tasks`` / ``tensor_parallel`` (the ranks of a tensor
-        group see the same). Batch arithmetic (the global batch, the linear scaling rule) counts these."""
-        return self.num_tasks // self.tensor_parallel
+        """How many ranks see different images: ``num_tasks`` over the ranks of one split model (a tensor
+        group, a pipeline), which see the same. Batch arithmetic (global batch, linear scaling rule) counts these."""
+        return self.num_tasks // (self.tensor_parallel * self.pipeline_stages)
 
     @property
     def data_parallel_rank(self) -> int:
-        """Which share of the data this rank reads: its tensor group's index, ``global_rank`` //
-        ``tensor_parallel`` (0 .. :attr:`data_parallel_size` - 1)."""
-        return self.global_rank // self.tensor_parallel
+        """Which share of the data this rank reads: the index of its tensor group or pipeline
+        (0 .. :attr:`data_parallel_size` - 1)."""
+        return self.global_rank // (self.tensor_parallel * self.pipeline_stages)
 
     @property
     def counts_metrics(self) -> bool:
-        """Whether this rank's sums (losses, hits, images) count in the job's totals: the first rank of
-        its tensor group (the others computed the same on the same images)."""
-        return self.global_rank % self.tensor_parallel == 0
+        """Whether this rank's sums (losses, hits, images) count in the job's totals: the first rank of its
+        tensor group (the others computed the same), the last stage of its pipeline (the others have no logits)."""
+        return self.global_rank % self.tensor_parallel == 0 and \
+            self.global_rank % self.pipeline_stages == self.pipeline_stages - 1
 
-    def _check_finetune_regularisation(self) -> None:
-        """The FixRes finetune adapts the classifier and the last normalisation to the statistics of
-        test-time images (FixRes, section 4): mixing images or stronger augmentation would train them
-        on other statistics. Mixing is allowed only with ``--finetune-scope all`` (a plain finetune of
-        the whole network at a new resolution); the finetune's preprocessing is always
-        ``--finetune-augmentation``'s, and repeated augmentation needs one that is random."""
-        if (self.mixup_alpha or self.cutmix_alpha) and self.finetune_scope != "all":
-            raise FixresError("--mixup-alpha/--cutmix-alpha do not go with --finetune-scope "
-                              f"{self.finetune_scope}: the FixRes finetune fits the head and norms to test-time "
-                              "image statistics, which mixed images are not; use --finetune-scope all to mix")
-        if self.auto_augment or self.random_erase:
-            flag = "--auto-augment" if self.auto_augment else "--random-erase"
-            raise FixresError(f"{flag} does not apply to main_finetune.py: the finetune's preprocessing is "
-                              "--finetune-augmentation's (test = the test transform, FixRes' choice; or fixres)")
-        if self.ra_reps > 1 and self.finetune_augmentation == "test":
-            raise FixresError("--ra-sampler with --finetune-augmentation test would train on identical copies "
-                              "(the test transform is deterministic): use --finetune-augmentation fixres to repeat "
-                              "augmentations")
+    @property
+    def totals_rank(self) -> int:
+        """The first rank whose sums count (:attr:`counts_metrics`): it carries a resumed epoch's totals."""
+        return self.pipeline_stages - 1
 
     @property
     def run_name(self) -> str:
@@ -607,3 +601,51 @@ def _check_tensor_parallel(config: TrainerConfig) -> None:
         raise FixresError(f"--tensor-parallel cannot run torchvision's {config.architecture}: its attention cannot "
                           "be split and it copies the model to change resolution; use a timm ViT (e.g. "
                           f"{TIMM_PREFIX}vit_base_patch16_224)")
+
+
+def _check_pipeline(config: TrainerConfig) -> None:
+    """What pipeline stages need, and what they do not compose with yet (refused before start; the
+    schedule, the micro-batches and the model's pieces: the preflight's, fixres_dist.training.inputs)."""
+    stages = config.pipeline_stages
+    if stages == 1:
+        if config.pipeline_microbatches is not None or config.pipeline_schedule != "1f1b":
+            flag = "--pipeline-microbatches" if config.pipeline_microbatches is not None else "--pipeline-schedule"
+            raise FixresError(f"{flag} applies to a model cut into stages: add --pipeline-stages N (N >= 2)")
+        return
+    refused = [flag for flag, on in (("--tensor-parallel", config.tensor_parallel > 1),
+                                     ("--sharding " + config.sharding, config.sharding != "ddp"),
+                                     ("--model-ema", config.model_ema), ("--compile", bool(config.compile)),
+                                     ("--amp fp16", config.amp == "fp16"),
+                                     ("--activation-checkpointing", config.activation_checkpointing),
+                                     ("--dist-bn broadcast", config.dist_bn == "broadcast"),
+                                     ("--extract-features", bool(config.extract_features))) if on]
+    if refused:
+        raise FixresError(f"--pipeline-stages {stages} does not go with {refused[0]} yet (docs/sharding.md: "
+                          "split rather than shard)")
+    if config.grad_accum_steps > 1:
+        raise FixresError(f"--pipeline-stages {stages} already accumulates micro-batches: use "
+                          f"--pipeline-microbatches instead of --grad-accum-steps {config.grad_accum_steps}")
+    if config.architecture.startswith("vit_"):
+        raise FixresError(f"--pipeline-stages cannot run torchvision's {config.architecture} at other resolutions "
+                          f"(it copies the model to resize the position embedding): use a timm ViT (e.g. "
+                          f"{TIMM_PREFIX}vit_base_patch16_224)")
+
+
+def _check_finetune_regularisation(config: TrainerConfig) -> None:
+    """The FixRes finetune adapts the classifier and the last normalisation to the statistics of
+    test-time images (FixRes, section 4): mixing images or stronger augmentation would train them
+    on other statistics. Mixing is allowed only with ``--finetune-scope all`` (a plain finetune of
+    the whole network at a new resolution); the finetune's preprocessing is always
+    ``--finetune-augmentation``'s, and repeated augmentation needs one that is random."""
+    if (config.mixup_alpha or config.cutmix_alpha) and config.finetune_scope != "all":
+        raise FixresError("--mixup-alpha/--cutmix-alpha do not go with --finetune-scope "
+                          f"{config.finetune_scope}: the FixRes finetune fits the head and norms to test-time "
+                          "image statistics, which mixed images are not; use --finetune-scope all to mix")
+    if config.auto_augment or config.random_erase:
+        flag = "--auto-augment" if config.auto_augment else "--random-erase"
+        raise FixresError(f"{flag} does not apply to main_finetune.py: the finetune's preprocessing is "
+                          "--finetune-augmentation's (test = the test transform, FixRes' choice; or fixres)")
+    if config.ra_reps > 1 and config.finetune_augmentation == "test":
+        raise FixresError("--ra-sampler with --finetune-augmentation test would train on identical copies "
+                          "(the test transform is deterministic): use --finetune-augmentation fixres to repeat "
+                          "augmentations")

@@ -37,3 +37,28 @@ def finetune_job(scratch_job, few_data, tmp_path_factory) -> FinishedJob:
                         "--input-size", 48, "--batch", 8, "--epochs", 1, "--workers", 1, "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     return FinishedJob(shared / "f", result.stdout)
+
+
+# The split jobs (tensor parallelism, pipeline stages) and the DDP job they equal: a LayerNorm ViT, clipped,
+# 2 data-parallel ranks of 8 images, whether each is one rank (DDP), a tensor group or a pipeline of 2 ranks
+SPLIT_JOB = ["--architecture", "timm/test_vit", "--input-size", "32", "--batch", "8", "--epochs", "2",
+             "--warmup-epochs", "0", "--workers", "0", "--no-progress", "--clip-grad-norm", "0.5"]
+
+
+def job(folder, data, name, *extra, world=2, fault=None, script="scratch"):
+    """:data:`SPLIT_JOB` (then ``extra``) as job ``name`` on ``world`` ranks, ``fault``: FIXRES_FAULT."""
+    return run_script(script, "--num-tasks", world, "--job-id", name, "--shared-folder-path", folder,
+                      "--data-path", data, *SPLIT_JOB, *extra, env={"FIXRES_FAULT": fault} if fault else None)
+
+
+@pytest.fixture(scope="session")
+def split_jobs(tiny_data, tmp_path_factory) -> Path:
+    """The same job under DDP on 2 ranks (``ddp``), on 2 tensor groups of 2 ranks (``tp``) and on 2
+    pipelines of 2 stages (``pp``); each job's stdout in ``<name>.out``."""
+    folder = tmp_path_factory.mktemp("split_jobs")
+    for name, extra, world in (("ddp", (), 2), ("tp", ("--tensor-parallel", 2), 4),
+                               ("pp", ("--pipeline-stages", 2), 4)):
+        result = job(folder, tiny_data, name, *extra, world=world)
+        assert result.returncode == 0, result.stderr[-3000:]
+        (folder / f"{name}.out").write_text(result.stdout)
+    return folder

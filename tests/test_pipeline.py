@@ -1,7 +1,9 @@
 """Pipeline parallelism (fixres_dist.distributed.pipeline): the pieces and stages of each family in
 this process, then real gloo ranks: 2 stages x 2 data-parallel ranks (1F1B), 4 stages (GPipe),
 interleaved 1F1B and a BatchNorm ResNet, each equal to the unsplit model's steps; a split run's
-sharded checkpoint read whole, and resumed on another split."""
+sharded checkpoint read whole, and resumed on another split. Then the scripts' ``--pipeline-stages``: a
+job equal to DDP's, stopped and resumed unsplit (and back), a FixRes finetune of a ResNet in stages,
+and bad input."""
 from __future__ import annotations
 
 import json
@@ -11,13 +13,28 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import free_port
+import shown_commands as shown
+from conftest import free_port, run_main, run_script
+from fixres_dist.config import PIPELINE_SCHEDULES
 from fixres_dist.distributed import checkpoint_shards, collectives
 from fixres_dist.distributed import pipeline as pp
 from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
 from fixres_dist.models.architectures import build_model
-from split_models import LR, MOMENTUM, TORCHVISION_VIT, VIT, batch, model_of, share, unsplit_steps
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE
+from jobs_fixtures import job
+from split_models import (
+    LR,
+    MOMENTUM,
+    TORCHVISION_VIT,
+    VIT,
+    assert_same_run,
+    batch,
+    events,
+    model_of,
+    share,
+    unsplit_steps,
+)
 
 STEPS = 3
 
@@ -101,7 +118,7 @@ def run_split(name: str, folder, steps: range, resume=None):
     checkpoint_shards.write(folder, steps.stop, pipe.module, optimizer, None, rank)
     pipe.module.eval()
     images, labels = batch(99)
-    logits = pipe.forward(share(images, index, count), share(labels, index, count))
+    logits = pipe.forward(share(images, index, count))
     (folder / f"{name}-rank{rank}.json").write_text(json.dumps({
         "losses": losses, "describe": pipe.describe(), "logits": None if logits is None else logits.tolist()}))
 
@@ -182,3 +199,109 @@ def test_a_checkpoint_resumes_on_another_split(split_runs, resumed):
     weights = whole(split_runs, resumed, STEPS + 1)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_split_is_measured_without_touching_batchnorm():
+    """Counting each piece's FLOPs runs the model in eval mode: a ResNet's BatchNorm statistics and every
+    module's mode are as they were (a cut model would otherwise evaluate with statistics of a blank image)."""
+    model = build_model("resnet18", 10).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pp.piece_costs(model, pp.pieces(model, "resnet18"), 32)
+    assert all(m.training for m in model.modules())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+# ------------------------------------------------------------------ the scripts
+def test_a_pipeline_job_trains_as_ddp(split_jobs):
+    """Same seed, same 16-image global batches, on 2 pipelines of 2 stages: losses, learning rates, top-1
+    (30 images counted once, on the last stages; a rank's 15 in batches of 8 and 7, the 7 as one
+    micro-batch) and the final weights, gathered from the stages into checkpoint.pth, are DDP's."""
+    assert_same_run(split_jobs / "pp", split_jobs / "ddp", ema=False)
+    out = (split_jobs / "pp.out").read_text()
+    assert "--pipeline-stages 2: pipeline: 2 stages x 2 data-parallel ranks, Schedule1F1B, 2 micro-batches per " \
+           "step; this rank holds stage 0: stem .. blocks.2; 174,784 parameters on this rank" in out
+    assert "lr 0.00625 = 0.1 x 8 x 2 / 256" in out  # the linear scaling rule counts data-parallel ranks
+
+
+def test_a_pipeline_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data, tmp_path):
+    """Stopped after step 3 on 2 pipelines of 2 stages (by the last stage of the first), resumed on 2 plain
+    DDP ranks: it ends as the uninterrupted job (its checkpoint is the whole model's, its optimizer's
+    state numbered as an unsplit optimizer's)."""
+    stopped = job(tmp_path, tiny_data, "s", "--pipeline-stages", 2, world=4, fault="signal:rank=1:step=2")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    resumed = job(tmp_path, tiny_data, "s")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming a 4-rank checkpoint on 2 ranks: the same 2 data-parallel rank(s), batches and learning rate" \
+        in resumed.stdout and "resumed from" in resumed.stdout and "step 3" in resumed.stdout, resumed.stdout[-2000:]
+    assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
+
+
+@pytest.mark.slow
+def test_a_ddp_job_stopped_mid_epoch_resumes_in_stages(split_jobs, tiny_data, tmp_path):
+    """And back: stopped on 2 DDP ranks, resumed on 2 pipelines of 2 stages (rank 0 is not the rank that
+    carries the epoch's totals then): the same end."""
+    stopped = job(tmp_path, tiny_data, "s", fault="signal:rank=0:step=2")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    resumed = job(tmp_path, tiny_data, "s", "--pipeline-stages", 2, world=4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
+
+
+def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, tiny_data, tmp_path):
+    """main_finetune.py on the session's resnet18 at 40 px, as 2 pipelines of 2 stages (GPipe, one
+    micro-batch: BatchNorm sees what DDP's does): the first stage wholly frozen (nothing to train on its
+    ranks), the head and last BatchNorm on the last, that BatchNorm synchronised and its statistics
+    averaged over the stage's 2 data-parallel ranks; the evaluations before finetuning, the finetune and
+    the final weights equal the same finetune on 2 DDP ranks."""
+    common = ["--weight-path", scratch_job / CHECKPOINT_FILE, "--input-size", 40, "--epochs", 1, "--batch", 8,
+              "--workers", 0, "--no-progress", "--shared-folder-path", tmp_path, "--data-path", tiny_data]
+    for name, extra, world in (("ft-ddp", (), 2), ("ft-pp", ("--pipeline-stages", 2, "--pipeline-schedule", "gpipe",
+                                                           "--pipeline-microbatches", 1), 4)):
+        result = run_script("finetune", "--num-tasks", world, "--job-id", name, *common, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "BatchNorm statistics over all 2 data-parallel ranks' images: layer4.1.bn2" in result.stdout
+    assert_same_run(tmp_path / "ft-pp", tmp_path / "ft-ddp", ema=False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--num-tasks", 4, "--pipeline-stages", 3), "--pipeline-stages 3 must divide the number of ranks (4)"),
+    (("--num-tasks", 2, "--pipeline-stages", 2, "--architecture", "mobilenet_v3_small"),
+     "--pipeline-stages: mobilenet_v3_small cannot be split into stages"),
+    (("--num-tasks", 16, "--pipeline-stages", 16, "--batch", 16),
+     "--pipeline-stages 16: timm/test_vit has only 8 pieces"),
+    (("--num-tasks", 2, "--pipeline-stages", 2, "--pipeline-microbatches", 3),
+     "--batch 8 does not split into 3 equal micro-batches"),
+    (("--num-tasks", 2, "--pipeline-stages", 2, "--pipeline-microbatches", 1),
+     "--pipeline-microbatches 1: 1f1b needs at least one per stage (2)"),
+    (("--num-tasks", 2, "--pipeline-microbatches", 2), "--pipeline-microbatches applies to a model cut into stages"),
+    (("--num-tasks", 2, "--pipeline-stages", 2, "--model-ema"), "--pipeline-stages 2 does not go with --model-ema"),
+    (("--num-tasks", 4, "--pipeline-stages", 2, "--tensor-parallel", 2),
+     "--pipeline-stages 2 does not go with --tensor-parallel"),
+    (("--num-tasks", 2, "--pipeline-stages", 2, "--grad-accum-steps", 2),
+     "use --pipeline-microbatches instead of --grad-accum-steps 2"),
+    (("--num-tasks", 2, "--pipeline-stages", 2, "--architecture", "vit_b_16", "--input-size", 224),
+     "--pipeline-stages cannot run torchvision's vit_b_16"),
+])
+def test_bad_pipeline_input_is_one_line_before_any_rank_starts(capsys, tiny_data, tmp_path, args, message):
+    status, err = run_main(capsys, "scratch", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
+                           "--architecture", VIT, "--input-size", 32, "--batch", 8, *args)
+    assert status == 1 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "local").exists()
+
+
+def test_the_schedules_are_the_configs():
+    assert tuple(pp.SCHEDULES) == PIPELINE_SCHEDULES
+
+
+@pytest.mark.slow
+def test_the_pipeline_command_shown(tmp_path):
+    """docs/sharding.md's command: 4 ranks, 2 pipelines of 2 stages, the embedded data for an epoch (4,000
+    training images), each of the 1,000 validation images counted once."""
+    argv = shown.argv(shown.command("python main_scratch.py --num-tasks 4 --pipeline-stages 2"),
+                      **{"/tmp/runs": tmp_path})
+    result = run_script("scratch", *argv[2:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--pipeline-stages 2: pipeline: 2 stages x 2 data-parallel ranks, Schedule1F1B, 2 micro-batches per " \
+           "step; this rank holds stage 0: stem .. blocks.2" in result.stdout
+    assert events(tmp_path / "vit-pp", "eval")[-1]["images"] == 1000

@@ -20,6 +20,7 @@ from fixres_dist.distributed import tensor_parallel as tp
 from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE
+from jobs_fixtures import job
 from split_models import (
     LR,
     MOMENTUM,
@@ -137,27 +138,6 @@ def test_what_cannot_be_split_is_refused(tensor_runs):
 
 
 # ------------------------------------------------------------------ the scripts
-# LayerNorm ViT, clipped: 2 data-parallel ranks of 8 images, whether each is one rank (DDP) or a tensor group of 2
-JOB = ["--architecture", VIT, "--input-size", "32", "--batch", "8", "--epochs", "2", "--warmup-epochs", "0",
-       "--workers", "0", "--no-progress", "--clip-grad-norm", "0.5"]
-
-
-def job(folder, data, name, *extra, world=2, fault=None, script="scratch"):
-    return run_script(script, "--num-tasks", world, "--job-id", name, "--shared-folder-path", folder,
-                      "--data-path", data, *JOB, *extra, env={"FIXRES_FAULT": fault} if fault else None)
-
-
-@pytest.fixture(scope="module")
-def split_jobs(tiny_data, tmp_path_factory):
-    """The same job under DDP on 2 ranks (``ddp``) and on 2 tensor groups of 2 ranks (``tp``)."""
-    folder = tmp_path_factory.mktemp("tp_jobs")
-    for name, extra, world in (("ddp", (), 2), ("tp", ("--tensor-parallel", 2), 4)):
-        result = job(folder, tiny_data, name, *extra, world=world)
-        assert result.returncode == 0, result.stderr[-3000:]
-        (folder / f"{name}.out").write_text(result.stdout)
-    return folder
-
-
 def test_a_tensor_parallel_job_trains_as_ddp(split_jobs):
     """Same seed, same 16-image global batches: losses, learning rates, top-1 (30 images counted once,
     not once per rank of a tensor group) and the final weights, gathered whole into checkpoint.pth."""

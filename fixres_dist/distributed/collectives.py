@@ -7,13 +7,20 @@ the Trainer has one code path for every world size.
 from __future__ import annotations
 
 import datetime
+import inspect
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from fixres_dist.distributed import network
 from fixres_dist.distributed.rendezvous import LostPeers, Rendezvous, make_store, meet_hosts
 from fixres_dist.errors import FixresError, first_line
+
+# DDP's switch for re-broadcasting rank 0's buffers at each forward: torch 2.14 renamed it
+# forward_sync_buffers (the old name warns there); torch 2.4-2.13 knows only broadcast_buffers
+BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else "broadcast_buffers")
 
 
 def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, timeout: float,
@@ -130,18 +137,19 @@ def barrier() -> None:
         dist.barrier()
 
 
-def average_batchnorm_statistics(model: torch.nn.Module) -> None:
-    """Average the running mean/var of every BatchNorm in train mode over all ranks (``--dist-bn reduce``).
+def average_batchnorm_statistics(model: torch.nn.Module, group=None) -> None:
+    """Average the running mean/var of every BatchNorm in train mode over the ranks of ``group`` (None:
+    all ranks; a pipeline's stage: its data-parallel ranks, which hold the same layers) (``--dist-bn reduce``).
 
     Without it each rank keeps statistics of its own images (``broadcast_buffers=False``), and
     with DDP's default buffer broadcast they would be rank 0's alone (the FixRes reference's bug).
     """
     if not is_initialized():
         return
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     for module in model.modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training \
                 and module.track_running_stats and module.running_mean is not None:
             for buffer in (module.running_mean, module.running_var):
-                dist.all_reduce(buffer)
+                dist.all_reduce(buffer, group=group)
                 buffer.div_(world)

@@ -34,10 +34,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
+from fixres_dist.distributed.collectives import BUFFER_SYNC
 from fixres_dist.errors import FixresError
 from fixres_dist.models.blocks import blocks
 
@@ -134,16 +141,22 @@ def pieces(model: nn.Module, architecture: str = "this model") -> list[Piece]:
 
 def piece_costs(model: nn.Module, every: list[Piece], size: int) -> list[float]:
     """Forward FLOPs of each of ``model``'s pieces on one (1, 3, ``size``, ``size``) image (pixels), in the
-    model's dtype and device. Every rank counts the same (no timing): the split is agreed without talking."""
+    model's dtype and device, in eval mode (BatchNorm statistics untouched; every module's mode restored).
+    Every rank counts the same (no timing): the split is agreed without talking."""
     parameter = next(model.parameters())
     x = torch.zeros(1, 3, size, size, dtype=parameter.dtype, device=parameter.device)
-    costs = []
-    with torch.no_grad():
-        for piece in every:
-            counter = FlopCounterMode(display=False)
-            with counter:
-                x = piece.run(x)
-            costs.append(float(counter.get_total_flops()))
+    costs, modes = [], [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            for piece in every:
+                counter = FlopCounterMode(display=False)
+                with counter:
+                    x = piece.run(x)
+                costs.append(float(counter.get_total_flops()))
+    finally:
+        for module, training in modes:
+            module.training = training
     return costs
 
 
@@ -236,20 +249,31 @@ def pipeline_mesh(device: torch.device, world_size: int, stages: int) -> DeviceM
 
 class Pipeline:
     """This rank's stages of ``model`` (built whole, identically on every rank, then cut: the parts of
-    other stages are deleted) and the schedule that runs them.
+    other stages are deleted) and the schedules that run them.
 
     ``mesh``: :func:`pipeline_mesh`'s; ``schedule``: a key of :data:`SCHEDULES`; ``microbatches``:
     per step (>= the number of stages for 1F1B); ``virtual``: stages per rank (interleaved 1F1B
     only, else 1); ``starts``: the first piece of each of the stages x virtual stages (default:
     :func:`balanced_split` of :func:`piece_costs` at ``size`` pixels); ``loss``: (logits, labels) ->
-    mean loss of a micro-batch (default cross-entropy). Raises :class:`FixresError` for a split,
-    schedule or micro-batch count that cannot run, before any rank computes.
+    mean loss of a micro-batch (default cross-entropy). ``summed``: instead, each micro-batch's loss is
+    its *summed* cross-entropy (``label_smoothing``) times the ``scale`` given to :meth:`train_step`,
+    and the micro-batches' gradients are summed, not averaged (an uneven global batch keeps its exact
+    mean, as :func:`fixres_dist.training.engine.train_step` does). ``buffer_sync``: DDP re-broadcasts
+    the data-parallel group's first rank's buffers at each forward (off: each rank keeps its own
+    BatchNorm statistics, and data-parallel ranks may run different micro-batch counts).
+
+    A batch whose size or resolution the pipeline has not run yet gets schedules of its own (the
+    stages learn the shapes they exchange once per shape); one that does not split into
+    ``microbatches`` equal micro-batches runs as many as divide it, all forwards then all backwards
+    (GPipe, or looped breadth-first with several stages per rank). Raises :class:`FixresError` for a
+    split, schedule or micro-batch count that cannot run, before any rank computes.
     """
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, *, size: int, schedule: str = "1f1b",
                  microbatches: int | None = None, virtual: int = 1, starts: list[int] | None = None,
                  loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                 architecture: str = "this model"):
+                 architecture: str = "this model", summed: bool = False, label_smoothing: float = 0.0,
+                 buffer_sync: bool = True):
         ranks, data = mesh.size(1), mesh.size(0)
         count = ranks * virtual
         microbatches = microbatches or count
@@ -268,45 +292,86 @@ class Pipeline:
         held = sorted(p for i in self.indices for p in range(bounds[i], bounds[i + 1]))
         self.module = Stage(model, every, held)  # all this rank's weights: its optimizer's and checkpoints'
         _drop_others(model, every, set(held))
-        device = next(p for stage in self.stages for p in stage.parameters()).device
+        self.device = next(p for stage in self.stages for p in stage.parameters()).device
         # find_unused_parameters: DDP's bucket rebuild after the first step would count each micro-batch's
-        # backward (an internal assert in the reducer); with it, DDP does not rebuild its buckets
-        self.modules = [DistributedDataParallel(s, process_group=mesh.get_group("data"), find_unused_parameters=True)
-                        if data > 1 else s
+        # backward (an internal assert in the reducer); with it, DDP does not rebuild its buckets. A stage
+        # with nothing to train (a finetune's frozen part) needs no DDP.
+        self.modules = [DistributedDataParallel(s, process_group=mesh.get_group("data"), find_unused_parameters=True,
+                                                **{BUFFER_SYNC: buffer_sync})
+                        if data > 1 and any(p.requires_grad for p in s.parameters()) else s
                         for s in self.stages]
-        group = mesh.get_group("stage")
-        runners = [PipelineStage(m, i, count, device, group=group) for m, i in zip(self.modules, self.indices)]
+        self.group, self.data_group = mesh.get_group("stage"), mesh.get_group("data")
         self.is_first, self.is_last = 0 in self.indices, count - 1 in self.indices
-        kind = SCHEDULES[schedule]
-        loss = loss or nn.functional.cross_entropy
-        self.schedule = kind(runners if virtual > 1 or schedule == "interleaved-1f1b" else runners[0],
-                             n_microbatches=microbatches, loss_fn=loss)
+        self.schedule_kind, self.virtual = schedule, virtual
         self.microbatches, self.count, self.data = microbatches, count, data
+        self.summed, self.label_smoothing, self.scale = summed, label_smoothing, 1.0
+        self.loss = loss or nn.functional.cross_entropy
+        self._schedules: dict[tuple, object] = {}
 
-    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    def _summed_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.float(), targets, reduction="sum",
+                                           label_smoothing=self.label_smoothing) * self.scale
+
+    def split_count(self, batch: int) -> int:
+        """How many equal micro-batches a batch of ``batch`` images runs as: ``microbatches``, or the
+        largest count below it that divides ``batch``."""
+        return next(m for m in range(min(self.microbatches, batch), 0, -1) if batch % m == 0)
+
+    def schedule_for(self, images: torch.Tensor, training: bool):
+        """The schedule that runs a batch shaped as ``images`` (B, 3, H, W), made at its first use (every
+        rank of the pipeline at once: all are given the same batch)."""
+        count = self.split_count(images.shape[0])
+        key = (training, count, tuple(images.shape))
+        if key not in self._schedules:
+            runners = [PipelineStage(m, i, self.count, self.device, group=self.group)
+                       for m, i in zip(self.modules, self.indices)]
+            kind = SCHEDULES[self.schedule_kind] if count == self.microbatches else \
+                ScheduleLoopedBFS if self.virtual > 1 else ScheduleGPipe
+            self._schedules[key] = kind(runners if self.virtual > 1 else runners[0], n_microbatches=count,
+                                        loss_fn=None if not training else self._summed_loss if self.summed
+                                        else self.loss, scale_grads=not self.summed)
+        return self._schedules[key]
+
+    def train_step(self, images: torch.Tensor, labels: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:
         """Forward and backward of this pipeline's batch, ``images`` (B, 3, H, W) float and ``labels``
-        (B,) int64, B a multiple of the micro-batch count; every stage of the pipeline is given the
-        same batch (only the first reads the images, the last the labels). The gradients are then in
-        this rank's parameters, averaged over the micro-batches and the data-parallel ranks. Returns
-        the batch's mean loss on the last stage's ranks, None on the others."""
-        self._check_batch(labels.shape[0])
+        (B,) int64 (or (B, classes) float soft targets); every stage of the pipeline is given the same
+        batch (only the first reads the images, the last the labels). The gradients are then in this
+        rank's parameters, averaged over the micro-batches (``summed``: the summed losses times
+        ``scale``, summed) and over the data-parallel ranks. Returns on the last stage's ranks the
+        batch's mean loss (``summed``: its summed cross-entropy, unscaled), None on the others."""
         losses: list[torch.Tensor] = []
+        self.scale = scale
         args = (images,) if self.is_first else ()
-        self.schedule.step(*args, target=labels if self.is_last else None, losses=losses)
-        return torch.stack(losses).mean().detach() if self.is_last else None
+        self.schedule_for(images, True).step(*args, target=labels if self.is_last else None, losses=losses,
+                                             return_outputs=False)
+        if not self.is_last:
+            return None
+        return torch.stack(losses).sum().detach() / scale if self.summed else torch.stack(losses).mean().detach()
 
     @torch.no_grad()
-    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, images: torch.Tensor) -> torch.Tensor | None:
         """Logits (B, classes) of ``images`` (B, 3, H, W) on the last stage's ranks, None on the others
-        (evaluation: the same micro-batches, no backward; ``labels`` (B,), which the schedule's loss
-        reads on the last stage)."""
-        self._check_batch(images.shape[0])
+        (evaluation: the same micro-batches, no backward)."""
         args = (images,) if self.is_first else ()
-        return self.schedule.eval(*args, target=labels if self.is_last else None)
+        return self.schedule_for(images, False).eval(*args)
 
-    def _check_batch(self, size: int) -> None:
-        if size % self.microbatches:
-            raise FixresError(f"a batch of {size} images does not split into {self.microbatches} equal micro-batches")
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip this pipeline's gradients to L2 norm ``max_norm``, the norm of all stages' gradients
+        together (each rank's squared norm summed over the pipeline's ranks), as ``clip_grad_norm_`` does
+        on the whole model; returns that norm (a 0-dim float32 tensor)."""
+        parameters = [p for p in self.module.parameters() if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for parameter in parameters:
+            squares += parameter.grad.detach().float().pow(2).sum()
+        dist.all_reduce(squares, group=self.group)
+        norm = squares.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+        return norm
+
+    def evaluator(self, classes: int) -> nn.Module:
+        """A module for evaluation loops: its forward of (B, 3, H, W) images is the pipeline's logits on
+        the last stage, zeros (B, ``classes``) on the other stages' ranks (whose sums do not count)."""
+        return _Evaluated(self, classes)
 
     def describe(self) -> str:
         """One line: the mesh, the schedule and the pieces of this rank's stages."""
@@ -315,8 +380,22 @@ class Pipeline:
                 f"{self.microbatches} micro-batches per step; this rank holds {held}")
 
     def schedule_name(self) -> str:
-        return type(self.schedule).__name__
+        return SCHEDULES[self.schedule_kind].__name__
 
+
+class _Evaluated(nn.Module):
+    def __init__(self, pipe: Pipeline, classes: int):
+        super().__init__()
+        self.held, self.pipe, self.classes = pipe.module, pipe, classes  # held: eval_mode reaches the stages
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        logits = self.pipe.forward(images)
+        return logits if logits is not None else images.new_zeros(images.shape[0], self.classes)
+
+
+def virtual_stages(schedule: str) -> int:
+    """Stages per rank that ``schedule`` runs: 2 for interleaved 1F1B, else 1."""
+    return 2 if schedule == "interleaved-1f1b" else 1
 
 def check_schedule(schedule: str, virtual: int, microbatches: int, ranks: int) -> None:
     """Raise :class:`FixresError` unless ``schedule`` can run ``virtual`` stages per rank on ``ranks``

@@ -25,6 +25,7 @@ from fixres_dist.config import (
     LR_SCHEDULERS,
     OPTIMIZERS,
     OPTIONAL_PACKAGES,
+    PIPELINE_SCHEDULES,
     SCOPES,
     SHARDINGS,
     TIMM_PREFIX,
@@ -496,6 +497,17 @@ def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:
                    help="split each block of a timm ViT/DeiT (its MLP by hidden units, its attention by heads) over "
                         "groups of N consecutive ranks that see the same images (N divides the number of ranks); "
                         f"the groups are data-parallel (docs/sharding.md) ({default('tensor_parallel')})")
+    g.add_argument("--pipeline-stages", type=_positive_int, metavar="N",
+                   help="cut a ResNet or a timm ViT/DeiT into N stages (stem, blocks, head) on N consecutive ranks "
+                        "that see the same images, balanced by FLOPs; the pipelines are data-parallel "
+                        f"(docs/sharding.md) ({default('pipeline_stages')})")
+    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES,
+                   help="how the stages run a step's micro-batches: gpipe (all forwards, then all backwards), 1f1b "
+                        "(one forward, one backward: fewer activations kept), interleaved-1f1b (2 stages per rank: "
+                        f"a smaller bubble) ({default('pipeline_schedule')})")
+    g.add_argument("--pipeline-microbatches", type=_positive_int, metavar="M",
+                   help="micro-batches per step and rank's batch (--batch a multiple of M; at least one per stage "
+                        "with 1f1b) (default: one per stage)")
     g.add_argument("--memory-budget", type=float, metavar="GIB",
                    help="refuse to start a training run whose estimated peak memory per rank exceeds GIB, naming "
                         "the cheapest change that fits (default: the GPU's memory on CUDA; no limit on CPU); the "

@@ -28,20 +28,22 @@ class SumOverRanks(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, tensor: torch.Tensor, group=None) -> torch.Tensor:
+        ctx.group = group
         total = tensor.clone()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         total = grad.clone()
-        dist.all_reduce(total)
-        return total
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
 
 
 class AllRanksBatchNorm(_BatchNorm):
-    """BatchNorm (any input rank >= 2: (N, C, ...)) synchronised over the default process group.
+    """BatchNorm (any input rank >= 2: (N, C, ...)) synchronised over the process group ``group``
+    (an attribute; None: the default group).
 
     Same parameters, buffers and ``state_dict`` keys as ``nn.BatchNorm2d``. Outside training, or
     without an initialised process group of more than one rank, it is plain batch norm.
@@ -51,20 +53,23 @@ class AllRanksBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
+    group = None
+
     @torch.compiler.disable  # collectives inside an autograd Function: run eagerly under torch.compile
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        synchronise = self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        synchronise = self.training and dist.is_available() and dist.is_initialized() and \
+            dist.get_world_size(self.group) > 1
         if not synchronise:
             return super().forward(input)
         self._check_input_dim(input)
         dims = [0, *range(2, input.dim())]
         shape = [1, -1] + [1] * (input.dim() - 2)
         count = torch.tensor([input.numel() / input.shape[1]], dtype=input.dtype, device=input.device)
-        sums = SumOverRanks.apply(torch.cat([input.sum(dims), count]))
+        sums = SumOverRanks.apply(torch.cat([input.sum(dims), count]), self.group)
         total = sums[-1]
         mean = sums[:-1] / total
         centred = input - mean.view(shape)
-        var = SumOverRanks.apply(centred.pow(2).sum(dims)) / total
+        var = SumOverRanks.apply(centred.pow(2).sum(dims), self.group) / total
         output = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             output = output * self.weight.view(shape) + self.bias.view(shape)
@@ -77,11 +82,13 @@ class AllRanksBatchNorm(_BatchNorm):
         return output
 
 
-def synchronise(model: nn.Module, names: list[str] | None = None, device_type: str = "cpu") -> list[str]:
+def synchronise(model: nn.Module, names: list[str] | None = None, device_type: str = "cpu",
+                group=None) -> list[str]:
     """Replace BatchNorm layers of ``model`` in place by synchronised ones; returns the names replaced.
 
     ``names``: module names to consider (default: every BatchNorm). ``device_type == "cuda"`` uses
-    ``torch.nn.SyncBatchNorm``, otherwise :class:`AllRanksBatchNorm`. Parameters and buffers are
+    ``torch.nn.SyncBatchNorm``, otherwise :class:`AllRanksBatchNorm`, over the ranks of ``group`` (None:
+    all; a pipeline: the data-parallel ranks of a stage). Parameters and buffers are
     moved over as they are (the same ``nn.Parameter`` objects), so an optimizer built before still
     holds them and ``state_dict`` keys do not change.
     """
@@ -91,7 +98,9 @@ def synchronise(model: nn.Module, names: list[str] | None = None, device_type: s
               if n and isinstance(modules.get(n), _BatchNorm) and not isinstance(modules[n], kind)]
     for name in wanted:
         old = modules[name]
-        new = kind(old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats)
+        new = kind(old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats,
+                   **({"process_group": group} if kind is nn.SyncBatchNorm else {}))
+        new.group = group
         new.weight, new.bias = old.weight, old.bias
         new.running_mean, new.running_var, new.num_batches_tracked = \
             old.running_mean, old.running_var, old.num_batches_tracked

@@ -204,12 +204,13 @@ def buffers_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def rank_buffers(ranks: list[dict], rank: int | None, key: str = "buffers") -> dict[str, torch.Tensor]:
     """The per-rank buffers ``key`` (``buffers``: the model's, ``ema_buffers``: its EMA's) of a
-    checkpoint's ``ranks`` for global rank ``rank``; ``None`` (resumed on another world size): their
-    average over the ranks (in float64, back to each buffer's dtype)."""
+    checkpoint's ``ranks`` for global rank ``rank``; ``None`` (resumed on another world size): each
+    buffer's average over the ranks that hold it (in float64, back to its dtype)."""
     if rank is not None:
         return ranks[rank][key]
-    first = ranks[0][key]
-    return {k: (sum(r[key][k].double() for r in ranks) / len(ranks)).to(first[k].dtype) for k in first}
+    keys = dict.fromkeys(k for r in ranks for k in r[key])  # a pipeline's ranks hold different layers
+    held = {k: [r[key][k] for r in ranks if k in r[key]] for k in keys}
+    return {k: (sum(t.double() for t in ts) / len(ts)).to(ts[0].dtype) for k, ts in held.items()}
 
 
 def set_rng_state(state: dict) -> None:

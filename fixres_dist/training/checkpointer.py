@@ -95,10 +95,11 @@ class Checkpointer:
 
     def _world_changed(self, contents, state: TrainState, train_images: int) -> None:
         """The line about resuming on another world size: a warning when the data-parallel ranks changed
-        (the batches and learning rate do), a note when only the split did (tensor parallelism)."""
+        (the batches and learning rate do), a note when only the split did (tensor or pipeline parallelism)."""
         cfg, before = self.config, len(contents.ranks)
         change = f"resuming a {before}-rank checkpoint on {plural(cfg.num_tasks, 'rank')}: "
-        data_parallel = before // contents.config.get("tensor_parallel", 1)
+        saved = contents.config
+        data_parallel = before // (saved.get("tensor_parallel", 1) * saved.get("pipeline_stages", 1))
         if data_parallel == cfg.data_parallel_size:
             self.run_log.log(f"{change}the same {data_parallel} data-parallel rank(s), batches and learning rate; "
                              "RNG streams restart")

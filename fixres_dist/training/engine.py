@@ -107,6 +107,37 @@ def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torc
     return total
 
 
+def pipeline_train_step(pipe, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor, *,
+                        device: torch.device, world: int, global_batch: int | None = None,
+                        amp: torch.dtype | None = None, channels_last: bool = False,
+                        normalization=IMAGENET_NORMALIZATION, mix=None, clip_grad_norm: float | None = None,
+                        times=None) -> torch.Tensor:
+    """One optimizer step of a pipeline rank (``pipe``: a :class:`~fixres_dist.distributed.pipeline.Pipeline`
+    made ``summed``) on its pipeline's uint8 (B, 3, H, W) share of a global batch: :func:`train_step`'s
+    arithmetic (each image's cross-entropy summed, times ``world`` data-parallel ranks / global batch,
+    the micro-batches' gradients summed, DDP averaging them over the data-parallel ranks), the
+    micro-batches the pipeline's schedule's; MixUp/CutMix drawn once for the share (micro-batch 0);
+    ``clip_grad_norm``: the norm of all stages' gradients together. Returns the share's summed loss on
+    the last stage's ranks, a 0 on the others (whose sums do not count)."""
+    images = to_device(images, device, channels_last, normalization)
+    labels = labels.to(device, non_blocking=True)
+    global_batch = global_batch or labels.numel() * world
+    optimizer.zero_grad(set_to_none=True)
+    targets = labels
+    if mix is not None:
+        images, targets = mix(images, labels, 0)
+    with autocast(device, amp):
+        loss = pipe.train_step(images, targets, world / global_batch)
+    if times is not None:
+        times.mark("backward")
+    if clip_grad_norm is not None:
+        pipe.clip_grad_norm(clip_grad_norm)
+    optimizer.step()
+    if times is not None:
+        times.mark("optimizer")
+    return loss if loss is not None else torch.zeros((), device=device)
+
+
 class EpochMeter:
     """This rank's summed loss, images and unreadable images of the epoch so far, and its duration.
 

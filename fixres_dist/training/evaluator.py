@@ -55,7 +55,7 @@ class Evaluator:
         started = time.perf_counter()
         bar = progress.Bar(len(self.data.val_set), f"eval{tag} {size} px" + (f" ({what})" if what else ""),
                            enabled=self.show_progress, postfix=lambda b: self.postfix(b, size))
-        model = architectures.for_resolution(ema if ema is not None else self.network.model, size)
+        model = self.network.evaluated(ema if ema is not None else self.network.model, size)
         loader = self.data.val_loader(size, self.test_transform(size))
         try:
             result = engine.evaluate(model, loader, self.network.device, engine.AMP_DTYPES[cfg.amp], cfg.channels_last,

@@ -19,6 +19,7 @@ import torch
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import file_index, hf_datasets, pipeline, shards
 from fixres_dist.distributed import placement, tensor_parallel
+from fixres_dist.distributed.pipeline import check_schedule, pieces, virtual_stages
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, class_names, lineage, memory_budget, resolutions, weights
@@ -150,11 +151,17 @@ def preflight(config: TrainerConfig) -> JobInputs:
     if config.num_tasks % config.tensor_parallel:
         raise FixresError(f"--tensor-parallel {config.tensor_parallel} must divide the number of ranks "
                           f"({config.num_tasks}): tensor groups of {config.tensor_parallel} consecutive ranks")
-    if config.tensor_parallel > 1:  # shapes only: the model on the meta device
+    if config.num_tasks % config.pipeline_stages:
+        raise FixresError(f"--pipeline-stages {config.pipeline_stages} must divide the number of ranks "
+                          f"({config.num_tasks}): pipelines of {config.pipeline_stages} consecutive ranks")
+    if config.tensor_parallel > 1 or config.pipeline_stages > 1:  # shapes only: the model on the meta device
         with torch.device("meta"):
             model = architectures.build_model(config.architecture, len(inputs.classes),
                                               image_size=config.first_input_size, low_res_stem=config.low_res_stem)
-        tensor_parallel.splittable(model, config.tensor_parallel, config.architecture)
+        if config.tensor_parallel > 1:
+            tensor_parallel.splittable(model, config.tensor_parallel, config.architecture)
+        else:
+            _check_stages(config, model)
     sizes = {config.input_size, config.test_size, config.train_size, *(config.test_sizes or ())} - {None, "auto"}
     for size in sorted(sizes):
         architectures.check_resolution(config.architecture, size)
@@ -168,6 +175,21 @@ def preflight(config: TrainerConfig) -> JobInputs:
     inputs.index.save()
     return attrs.evolve(inputs, memory_estimate=estimate)
 
+
+def _check_stages(config: TrainerConfig, model: torch.nn.Module) -> None:
+    """--pipeline-stages: the schedule can run its micro-batches, --batch splits into them, and ``model``
+    (on the meta device) has a stem, blocks and a head to cut into that many stages."""
+    virtual = virtual_stages(config.pipeline_schedule)
+    count = config.pipeline_stages * virtual
+    microbatches = config.pipeline_microbatches or count
+    check_schedule(config.pipeline_schedule, virtual, microbatches, config.pipeline_stages)
+    if config.batch % microbatches:
+        raise FixresError(f"--batch {config.batch} does not split into {microbatches} equal micro-batches "
+                          "(--pipeline-microbatches; default: one per stage)")
+    found = len(pieces(model, config.architecture))
+    if found < count:
+        raise FixresError(f"--pipeline-stages {config.pipeline_stages}: {config.architecture} has only {found} pieces "
+                          f"(stem, blocks, head) for {count} stages")
 
 def _check_compile_backend(backend: str) -> None:
     import torch._dynamo  # seconds to import: only with --compile

@@ -9,7 +9,6 @@ model itself: :mod:`fixres_dist.distributed.sharding`), the forward that trainin
 """
 from __future__ import annotations
 
-import inspect
 from typing import Callable
 
 import torch
@@ -17,18 +16,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fixres_dist.config import TrainerConfig
-from fixres_dist.distributed import sharding, tensor_parallel
+from fixres_dist.distributed import pipeline, pipeline_state, sharding, tensor_parallel
+from fixres_dist.distributed.collectives import BUFFER_SYNC
 from fixres_dist.errors import first_line
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, batchnorm, lineage, preprocessing, resolutions, weights
 from fixres_dist.models.ema import ModelEMA
+from fixres_dist.training import optim
 from fixres_dist.training.engine import AMP_DTYPES
 
 LAST_GRADIENTS = 4  # parameters whose gradients, the last of a backward, mark DDP's last bucket (step times)
-# DDP's switch for re-broadcasting rank 0's buffers at each forward: torch 2.14 renamed it
-# forward_sync_buffers (the old name warns there); torch 2.4-2.13 knows only broadcast_buffers
-BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-               else "broadcast_buffers")
 
 
 class Network:
@@ -71,6 +68,9 @@ class Network:
         self.wrapped = self.forward = self.model
         self.sharded = False  # parameters sharded over the ranks (FSDP2): every forward is a collective
         self.tensor_mesh = None  # --tensor-parallel: the data x tensor mesh (every forward is a collective)
+        self.pipeline: pipeline.Pipeline | None = None  # --pipeline-stages: this rank's stages and their schedules
+        self.whole_groups: list[list[str]] | None = None  # the unsplit model's optimizer numbering (pipeline_state)
+        self._stage_mesh = None
         self.laid_out = False  # lay_out() ran: prepared, averaged and wrapped
         self.average: ModelEMA | None = None  # --model-ema's average of the weights (lay_out makes it)
         self._compile_checked = True
@@ -97,7 +97,8 @@ class Network:
         evaluation: with ``--sharding full/hybrid`` on more than one rank, so that every evaluation
         (``--eval-only``, a finetune's before finetuning) runs on the shards, never the whole model
         on one device. DDP wraps at the start of training (evaluations use the unwrapped model)."""
-        return (self.config.sharding != "ddp" or self.config.tensor_parallel > 1) and self.config.num_tasks > 1
+        cfg = self.config
+        return (cfg.sharding != "ddp" or cfg.tensor_parallel > 1 or cfg.pipeline_stages > 1) and cfg.num_tasks > 1
 
     def lay_out(self, input_size: int, trains: bool) -> None:
         """Once, for a run that ``trains`` at ``input_size`` pixels: :meth:`prepare_for_training`, then
@@ -110,7 +111,7 @@ class Network:
             self.prepare_for_training(input_size)
             if self.config.model_ema:
                 self.average = ModelEMA(self.model, self.config.model_ema_decay, self.config.model_ema_steps)
-        self.wrap(self.average.module if self.average else None)
+        self.wrap(self.average.module if self.average else None, input_size)
 
     def prepare_for_training(self, input_size: int) -> None:
         """Finetune (FixRes): train only ``--finetune-scope`` at ``input_size``, the rest frozen. Then
@@ -118,9 +119,10 @@ class Network:
         cfg = self.config
         if cfg.mode == "finetune":
             self._freeze_for_finetune(input_size)
-        if cfg.sync_bn and cfg.num_tasks > 1:
-            synchronised = batchnorm.synchronise(self.model, None, self.device.type)
-            self.log(f"--sync-bn: {len(synchronised)} BatchNorm layers synchronised over {cfg.num_tasks} ranks")
+        if cfg.sync_bn and cfg.data_parallel_size > 1:
+            synchronised = batchnorm.synchronise(self.model, None, self.device.type, self.data_group)
+            self.log(f"--sync-bn: {len(synchronised)} BatchNorm layers synchronised over {cfg.data_parallel_size} "
+                     "data-parallel ranks")
 
     def _freeze_for_finetune(self, input_size: int) -> None:
         """The scope's parameters train; trainable BatchNorms see the union of all ranks' images."""
@@ -130,12 +132,13 @@ class Network:
         count = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.log(f"finetuning ({cfg.finetune_scope}) {count:,} of {sum(p.numel() for p in self.model.parameters()):,} "
                  f"parameters in {len(trainable)} tensors: {', '.join(trainable)}")
-        if cfg.num_tasks > 1:
+        if cfg.data_parallel_size > 1:
             norms = [name for name, m in self.model.named_modules() if isinstance(m, finetuning.NORM_TYPES)
                      and any(p.requires_grad for p in m.parameters(recurse=False))]
-            synchronised = batchnorm.synchronise(self.model, norms, self.device.type)
+            synchronised = batchnorm.synchronise(self.model, norms, self.device.type, self.data_group)
             if synchronised:
-                self.log(f"BatchNorm statistics over all {cfg.num_tasks} ranks' images: {', '.join(synchronised)}")
+                self.log(f"BatchNorm statistics over all {cfg.data_parallel_size} data-parallel ranks' images: "
+                         f"{', '.join(synchronised)}")
 
     def warn_below_train_size(self, input_size: int) -> None:
         """A finetune at ``input_size`` pixels below the weights' train resolution: warned
@@ -144,12 +147,12 @@ class Network:
         if below:
             self.warn(below)
 
-    def wrap(self, average: nn.Module | None = None) -> None:
+    def wrap(self, average: nn.Module | None = None, size: int | None = None) -> None:
         """Wrap for training with ``--sharding``: DDP (world size > 1), or the model sharded in place
         (full, hybrid), with ``--activation-checkpointing`` per block either way; ``average``: the EMA's
-        copy of the model (made before: a sharded module cannot be copied), sharded alike. With
-        ``--compile``, the forward to compile at its first call. The optimizer is built after this:
-        sharding replaces the parameters."""
+        copy of the model (made before: a sharded module cannot be copied), sharded alike; or cut into
+        ``--pipeline-stages`` balanced at ``size`` pixels. With ``--compile``, the forward to compile at its
+        first call. The optimizer is built after this: sharding replaces the parameters."""
         cfg, model = self.config, self.model
         self.laid_out = True
         if cfg.activation_checkpointing and not cfg.eval_only:  # no backward: nothing to recompute
@@ -163,6 +166,8 @@ class Network:
                 self.log(f"--sharding {cfg.sharding} on 1 rank: nothing to shard; the model trains whole")
         elif cfg.tensor_parallel > 1:
             self._split_tensors()
+        elif cfg.pipeline_stages > 1:
+            self._split_stages(size or resolutions.build_size(cfg))
         elif cfg.sharding != "ddp":
             self._shard([model] + ([average] if average is not None else []))
         else:
@@ -213,6 +218,32 @@ class Network:
                  f"{sum(p.numel() for p in self.model.parameters()):,} parameters on this rank")
 
     @property
+    def data_group(self):
+        """The process group of the ranks that hold the same layers and see different images: a pipeline
+        stage's data-parallel ranks (the mesh made at the first call: a collective); None (all ranks) otherwise."""
+        return self._pipeline_mesh().get_group("data") if self.config.pipeline_stages > 1 else None
+
+    def _pipeline_mesh(self):
+        if self._stage_mesh is None:
+            self._stage_mesh = pipeline.pipeline_mesh(self.device, self.config.num_tasks, self.config.pipeline_stages)
+        return self._stage_mesh
+
+    def _split_stages(self, size: int) -> None:
+        """--pipeline-stages: rank 0's weights everywhere, the unsplit optimizer's numbering kept, then cut."""
+        cfg = self.config
+        sharding.start_from_rank0(self.model)
+        names = {param: name for name, param in self.model.named_parameters()}
+        self.whole_groups = [[names[p] for p in group["params"]] for group in
+                             optim.parameter_groups(self.model, cfg.weight_decay, cfg.norm_weight_decay)]
+        self.pipeline = pipeline.Pipeline(
+            self.model, self._pipeline_mesh(), size=size, schedule=cfg.pipeline_schedule,
+            microbatches=cfg.pipeline_microbatches, virtual=pipeline.virtual_stages(cfg.pipeline_schedule),
+            architecture=cfg.architecture, summed=True, label_smoothing=cfg.label_smoothing, buffer_sync=False)
+        self.model = self.wrapped = self.pipeline.module
+        self.log(f"--pipeline-stages {cfg.pipeline_stages}: {self.pipeline.describe()}; "
+                 f"{sum(p.numel() for p in self.model.parameters()):,} parameters on this rank")
+
+    @property
     def reduce_gradients(self) -> Callable[[], None] | None:
         """What averages the gradients after the backward where no DDP does: a tensor-parallel model's
         average over the data-parallel groups; None otherwise."""
@@ -225,12 +256,16 @@ class Network:
         ``clip_grad_norm_``, or for a tensor-parallel model its own (split and whole gradients together)."""
         if self.tensor_mesh is not None:
             return tensor_parallel.clip_grad_norm(self.model, max_norm)
+        if self.pipeline is not None:
+            return self.pipeline.clip_grad_norm(max_norm)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
     def full_tensors(self, optimizer: torch.optim.Optimizer) -> dict | None:
         """All ranks (a collective): a tensor-parallel model's and ``optimizer``'s state gathered whole,
         as a one-file checkpoint holds them (:func:`~fixres_dist.distributed.sharding.full_state_dicts`);
         None for another model (rank 0 holds it whole already, or it is written as shards)."""
+        if self.pipeline is not None:
+            return pipeline_state.gather_whole(self.pipeline, optimizer, self.whole_groups)
         return sharding.full_state_dicts(self.model, optimizer) if self.tensor_mesh is not None else None
 
     @property
@@ -242,8 +277,26 @@ class Network:
         return self.wrapped.no_sync if self.wrapped is not self.model else None
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a full state_dict (every rank holds it), sharded or not."""
+        """Load a full state_dict (every rank holds it), sharded or not; a pipeline rank its stages' part."""
+        if self.pipeline is not None:
+            state = {key: value for key, value in state.items() if key in self.model.state_dict()}
         sharding.load_state_dict(self.model, state)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load an unsplit optimizer's ``state`` (numbered over the whole model) into ``optimizer`` (over
+        :attr:`model`): sharded, split by tensors, a pipeline rank's stages' part, or neither."""
+        if self.pipeline is not None:
+            optimizer.load_state_dict(pipeline_state.own_optimizer_state(self.model, optimizer, state,
+                                                                         self.whole_groups))
+        else:
+            sharding.load_optimizer_state_dict(self.model, optimizer, state)
+
+    def evaluated(self, module: nn.Module, size: int) -> nn.Module:
+        """What evaluation runs at ``size`` pixels: ``module`` (:attr:`model` or its EMA) at that resolution
+        (:func:`~fixres_dist.models.architectures.for_resolution`), or a pipeline's schedule."""
+        if self.pipeline is not None:
+            return self.pipeline.evaluator(len(self.classes))
+        return architectures.for_resolution(module, size)
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         """The training forward. Compilation happens at the first call; if it fails, the run warns

@@ -60,8 +60,10 @@ def build_optimizer(name: str, groups: list[dict], lr: float, momentum: float) -
     ``sgd``: SGD with ``momentum``; ``sgd-nesterov``: the same with Nesterov momentum; ``adamw``:
     AdamW (decoupled weight decay, Loshchilov & Hutter, ICLR 2019; torch's default betas 0.9/0.999,
     ``momentum`` unused); ``rmsprop``: RMSprop with ``momentum``, eps 0.0316 and alpha 0.9 as
-    torchvision's references. Raises ValueError for another name.
+    torchvision's references. No group at all (a pipeline rank whose stages a finetune froze): one empty
+    group, an optimizer that steps nothing. Raises ValueError for another name.
     """
+    groups = groups or [{"params": []}]
     if name in ("sgd", "sgd-nesterov"):
         return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=name == "sgd-nesterov")
     if name == "adamw":

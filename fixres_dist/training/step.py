@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 
 from fixres_dist.config import TrainerConfig
-from fixres_dist.distributed import sharding
 from fixres_dist.errors import plural
 from fixres_dist.models.ema import ModelEMA
 from fixres_dist.reporting.step_times import StepTimes
@@ -88,13 +87,17 @@ class TrainStep:
         if self.mixing.enabled:
             def mix(batch, targets, micro_batch):  # drawn from (seed, step, rank, micro-batch): the same after a resume
                 return self.mixing(batch, targets, (global_step + 1, cfg.data_parallel_rank, micro_batch))
-        loss = engine.train_step(self.network, self.optimizer, self.scaler, images, labels,
-                                 device=self.network.device, world=cfg.data_parallel_size, global_batch=global_batch,
-                                 amp=self.amp, channels_last=cfg.channels_last, label_smoothing=cfg.label_smoothing,
-                                 normalization=self.network.preprocessing.normalization,
-                                 accumulation=cfg.grad_accum_steps, no_sync=self.network.no_sync, mix=mix,
-                                 clip_grad_norm=cfg.clip_grad_norm, times=self.times,
-                                 reduce_gradients=self.network.reduce_gradients, clip=self.network.clip_grad_norm)
+        common = dict(device=self.network.device, world=cfg.data_parallel_size, global_batch=global_batch,
+                      amp=self.amp, channels_last=cfg.channels_last,
+                      normalization=self.network.preprocessing.normalization, mix=mix,
+                      clip_grad_norm=cfg.clip_grad_norm, times=self.times)
+        if self.network.pipeline is not None:
+            loss = engine.pipeline_train_step(self.network.pipeline, self.optimizer, images, labels, **common)
+        else:
+            loss = engine.train_step(self.network, self.optimizer, self.scaler, images, labels,
+                                     label_smoothing=cfg.label_smoothing, accumulation=cfg.grad_accum_steps,
+                                     no_sync=self.network.no_sync, reduce_gradients=self.network.reduce_gradients,
+                                     clip=self.network.clip_grad_norm, **common)
         self.watch.observe(global_step + 1, loss)
         return loss
 
@@ -132,7 +135,7 @@ class TrainStep:
     def load_tensors(self, contents) -> None:
         """The optimizer's state and the EMA's weights of a one-file checkpoint's
         :class:`~fixres_dist.training.checkpoint.Contents`, into a sharded or unsharded model's."""
-        sharding.load_optimizer_state_dict(self.network.model, self.optimizer, contents.optimizer)
+        self.network.load_optimizer_state_dict(self.optimizer, contents.optimizer)
         if self.ema is not None:
             self.ema.load_weights(contents.model_ema)
 

@@ -159,7 +159,7 @@ class Trainer:
         if isinstance(step, TrainEpoch):
             self.train_epoch()
             if cfg.dist_bn == "reduce":
-                collectives.average_batchnorm_statistics(self.network.model)
+                collectives.average_batchnorm_statistics(self.network.model, self.network.data_group)
             if self.step.ema is not None:
                 self.step.ema.average_statistics(self.network.model)
         elif isinstance(step, Evaluate):
@@ -202,7 +202,7 @@ class Trainer:
         cfg, state = self.config, self.state
         epoch, first_image, started = state.epoch, state.images_in_epoch, time.perf_counter()
         finetuning.set_train_mode(self.network.wrapped)
-        resumed = cfg.global_rank == 0 and state.images_in_epoch  # rank 0 continues the epoch's totals
+        resumed = cfg.global_rank == cfg.totals_rank and state.images_in_epoch  # it continues the epoch's totals
         state.meter = engine.EpochMeter(self.network.device, state.resumed_sums if resumed else (0.0, 0.0, 0.0),
                                         state.resumed_seconds if resumed else 0.0, cfg.counts_metrics)
         bar = progress.Bar(self.data.images_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", enabled=progress.shown(cfg),

@@ -153,7 +153,7 @@ def _input_size(instance, attribute, value):
 
 
 def _sizes(value):
-    """``--test-sizes`` as a tuple of ints (JSON gives lists); None stays None."""
+    """``--test-sizes``, ``--pipeline-split`` as a tuple of ints (JSON gives lists); None stays None."""
     return None if value is None else tuple(value)
 
 
@@ -380,6 +380,7 @@ class TrainerConfig:
     pipeline_stages: int = attrs.field(default=1, validator=_positive, metadata=RESUMABLE)
     pipeline_schedule: str = attrs.field(default="1f1b", validator=_one_of(*PIPELINE_SCHEDULES), metadata=RESUMABLE)
     pipeline_microbatches: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
+    pipeline_split: tuple[int, ...] | None = attrs.field(default=None, converter=_sizes, metadata=RESUMABLE)
     # GiB a rank may use at its peak (the preflight's estimate: fixres_dist.models.memory_budget); None: the
     # GPU's memory on CUDA, no limit on the CPU.
     memory_budget: float | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
@@ -608,8 +609,11 @@ def _check_pipeline(config: TrainerConfig) -> None:
     schedule, the micro-batches and the model's pieces: the preflight's, fixres_dist.training.inputs)."""
     stages = config.pipeline_stages
     if stages == 1:
-        if config.pipeline_microbatches is not None or config.pipeline_schedule != "1f1b":
-            flag = "--pipeline-microbatches" if config.pipeline_microbatches is not None else "--pipeline-schedule"
+        given = [flag for flag, on in (("--pipeline-microbatches", config.pipeline_microbatches is not None),
+                                       ("--pipeline-split", config.pipeline_split is not None),
+                                       ("--pipeline-schedule", config.pipeline_schedule != "1f1b")) if on]
+        if given:
+            flag = given[0]
             raise FixresError(f"{flag} applies to a model cut into stages: add --pipeline-stages N (N >= 2)")
         return
     refused = [flag for flag, on in (("--tensor-parallel", config.tensor_parallel > 1),

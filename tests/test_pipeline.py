@@ -225,11 +225,13 @@ def test_a_pipeline_job_trains_as_ddp(split_jobs):
 
 
 def test_a_pipeline_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data, tmp_path):
-    """Stopped after step 3 on 2 pipelines of 2 stages (by the last stage of the first), resumed on 2 plain
+    """Stopped after step 3 on 2 pipelines of 2 stages cut by hand (by the last stage of the first), resumed on 2 plain
     DDP ranks: it ends as the uninterrupted job (its checkpoint is the whole model's, its optimizer's
     state numbered as an unsplit optimizer's)."""
-    stopped = job(tmp_path, tiny_data, "s", "--pipeline-stages", 2, world=4, fault="signal:rank=1:step=2")
+    stopped = job(tmp_path, tiny_data, "s", "--pipeline-stages", 2, "--pipeline-split", "0,3", world=4,
+                  fault="signal:rank=1:step=2")
     assert stopped.returncode == 3, stopped.stderr[-3000:]
+    assert "this rank holds stage 0: stem .. blocks.1;" in stopped.stdout  # the cut given, not the balanced one
     resumed = job(tmp_path, tiny_data, "s")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming a 4-rank checkpoint on 2 ranks: the same 2 data-parallel rank(s), batches and learning rate" \
@@ -275,6 +277,10 @@ def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, tiny_data, tmp_path)
     (("--num-tasks", 2, "--pipeline-stages", 2, "--pipeline-microbatches", 1),
      "--pipeline-microbatches 1: 1f1b needs at least one per stage (2)"),
     (("--num-tasks", 2, "--pipeline-microbatches", 2), "--pipeline-microbatches applies to a model cut into stages"),
+    (("--num-tasks", 2, "--pipeline-split", "0,3"), "--pipeline-split applies to a model cut into stages"),
+    (("--num-tasks", 2, "--pipeline-stages", 2, "--pipeline-split", "0,8"),
+     "--pipeline-split 0,8: give the first piece of each of the 2 stages, increasing from 0, below 8"),
+    (("--num-tasks", 2, "--pipeline-stages", 2, "--pipeline-split", "3"), "--pipeline-split 3: give the first piece"),
     (("--num-tasks", 2, "--pipeline-stages", 2, "--model-ema"), "--pipeline-stages 2 does not go with --model-ema"),
     (("--num-tasks", 4, "--pipeline-stages", 2, "--tensor-parallel", 2),
      "--pipeline-stages 2 does not go with --tensor-parallel"),

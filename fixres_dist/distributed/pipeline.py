@@ -279,12 +279,9 @@ class Pipeline:
         microbatches = microbatches or count
         check_schedule(schedule, virtual, microbatches, ranks)
         every = pieces(model, architecture)
+        if starts is not None:
+            check_starts(list(starts), count, len(every))
         self.starts = list(starts) if starts is not None else balanced_split(piece_costs(model, every, size), count)
-        if len(self.starts) != count or self.starts[0] != 0 or sorted(set(self.starts)) != self.starts \
-                or self.starts[-1] >= len(every):
-            given = ",".join(map(str, self.starts))
-            raise FixresError(f"--pipeline-split {given}: give the first piece of each of the {count} stages, "
-                              f"increasing from 0, below {len(every)}")
         bounds = [*self.starts, len(every)]
         rank = mesh.get_local_rank("stage")
         self.indices = [rank + k * ranks for k in range(virtual)]  # interleaved: stages r, r + ranks, ...
@@ -392,6 +389,14 @@ class _Evaluated(nn.Module):
         logits = self.pipe.forward(images)
         return logits if logits is not None else images.new_zeros(images.shape[0], self.classes)
 
+
+def check_starts(starts: list[int], count: int, pieces: int) -> None:
+    """Raise :class:`FixresError` unless ``starts`` gives the first piece of each of ``count`` stages of
+    a model of ``pieces`` pieces: 0 first, strictly increasing, each below ``pieces``."""
+    if len(starts) != count or starts[0] != 0 or sorted(set(starts)) != starts or starts[-1] >= pieces:
+        given = ",".join(map(str, starts))
+        raise FixresError(f"--pipeline-split {given}: give the first piece of each of the {count} stages, "
+                          f"increasing from 0, below {pieces} (the stem, the blocks, the head)")
 
 def virtual_stages(schedule: str) -> int:
     """Stages per rank that ``schedule`` runs: 2 for interleaved 1F1B, else 1."""

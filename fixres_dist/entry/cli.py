@@ -111,18 +111,29 @@ def _training_size(text: str) -> int:
     return _pixels(text)
 
 
-def _size_list(text: str) -> tuple[int, ...]:
-    """``"48,64,80"`` -> ``(48, 64, 80)``; every entry a positive integer."""
-    sizes = []
+def _int_list(text: str, noun: str, smallest: int) -> tuple[int, ...]:
+    """``"48,64,80"`` -> ``(48, 64, 80)``; every entry an integer ``noun`` >= ``smallest`` (0 or 1)."""
+    values = []
     for entry in (e.strip() for e in text.split(",")):
         try:
-            size = int(entry)
+            value = int(entry)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{entry!r} in {text!r} is not an integer number of pixels") from None
-        if size <= 0:
-            raise argparse.ArgumentTypeError(f"{entry!r} in {text!r} is not a positive number of pixels")
-        sizes.append(size)
-    return tuple(sizes)
+            raise argparse.ArgumentTypeError(f"{entry!r} in {text!r} is not an integer {noun}") from None
+        if value < smallest:
+            raise argparse.ArgumentTypeError(f"{entry!r} in {text!r} is not a "
+                                             f"{'positive' if smallest else 'non-negative'} {noun}")
+        values.append(value)
+    return tuple(values)
+
+
+def _size_list(text: str) -> tuple[int, ...]:
+    """``--test-sizes``: resolutions in pixels."""
+    return _int_list(text, "number of pixels", 1)
+
+
+def _piece_list(text: str) -> tuple[int, ...]:
+    """``--pipeline-split``: piece indices."""
+    return _int_list(text, "piece index", 0)
 
 
 def _recipe(mode: str, name: str) -> str:
@@ -505,6 +516,10 @@ def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:
                    help="how the stages run a step's micro-batches: gpipe (all forwards, then all backwards), 1f1b "
                         "(one forward, one backward: fewer activations kept), interleaved-1f1b (2 stages per rank: "
                         f"a smaller bubble) ({default('pipeline_schedule')})")
+    g.add_argument("--pipeline-split", type=_piece_list, metavar="I0,I1,...",
+                   help="the first piece of each stage, pieces counted from 0 (the stem, each block, the head), e.g. "
+                        "0,5 for 2 stages: the stem and blocks 0-3, then the rest (default: balanced by forward FLOPs; "
+                        "the log names each rank's pieces)")
     g.add_argument("--pipeline-microbatches", type=_positive_int, metavar="M",
                    help="micro-batches per step and rank's batch (--batch a multiple of M; at least one per stage "
                         "with 1f1b) (default: one per stage)")

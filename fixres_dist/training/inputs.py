@@ -19,7 +19,7 @@ import torch
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import file_index, hf_datasets, pipeline, shards
 from fixres_dist.distributed import placement, tensor_parallel
-from fixres_dist.distributed.pipeline import check_schedule, pieces, virtual_stages
+from fixres_dist.distributed.pipeline import check_schedule, check_starts, pieces, virtual_stages
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, class_names, lineage, memory_budget, resolutions, weights
@@ -190,6 +190,8 @@ def _check_stages(config: TrainerConfig, model: torch.nn.Module) -> None:
     if found < count:
         raise FixresError(f"--pipeline-stages {config.pipeline_stages}: {config.architecture} has only {found} pieces "
                           f"(stem, blocks, head) for {count} stages")
+    if config.pipeline_split is not None:
+        check_starts(list(config.pipeline_split), count, found)
 
 def _check_compile_backend(backend: str) -> None:
     import torch._dynamo  # seconds to import: only with --compile

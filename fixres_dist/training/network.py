@@ -121,8 +121,7 @@ class Network:
             self._freeze_for_finetune(input_size)
         if cfg.sync_bn and cfg.data_parallel_size > 1:
             synchronised = batchnorm.synchronise(self.model, None, self.device.type, self.data_group)
-            self.log(f"--sync-bn: {len(synchronised)} BatchNorm layers synchronised over {cfg.data_parallel_size} "
-                     "data-parallel ranks")
+            self.log(f"--sync-bn: {len(synchronised)} BatchNorm layers synchronised over {self._data_ranks()}")
 
     def _freeze_for_finetune(self, input_size: int) -> None:
         """The scope's parameters train; trainable BatchNorms see the union of all ranks' images."""
@@ -137,8 +136,11 @@ class Network:
                      and any(p.requires_grad for p in m.parameters(recurse=False))]
             synchronised = batchnorm.synchronise(self.model, norms, self.device.type, self.data_group)
             if synchronised:
-                self.log(f"BatchNorm statistics over all {cfg.data_parallel_size} data-parallel ranks' images: "
-                         f"{', '.join(synchronised)}")
+                self.log(f"BatchNorm statistics over all {self._data_ranks()}' images: {', '.join(synchronised)}")
+
+    def _data_ranks(self) -> str:
+        cfg = self.config
+        return f"{cfg.data_parallel_size} {'data-parallel ' if cfg.data_parallel_size < cfg.num_tasks else ''}ranks"
 
     def warn_below_train_size(self, input_size: int) -> None:
         """A finetune at ``input_size`` pixels below the weights' train resolution: warned
@@ -238,6 +240,7 @@ class Network:
         self.pipeline = pipeline.Pipeline(
             self.model, self._pipeline_mesh(), size=size, schedule=cfg.pipeline_schedule,
             microbatches=cfg.pipeline_microbatches, virtual=pipeline.virtual_stages(cfg.pipeline_schedule),
+            starts=list(cfg.pipeline_split) if cfg.pipeline_split else None,
             architecture=cfg.architecture, summed=True, label_smoothing=cfg.label_smoothing, buffer_sync=False)
         self.model = self.wrapped = self.pipeline.module
         self.log(f"--pipeline-stages {cfg.pipeline_stages}: {self.pipeline.describe()}; "

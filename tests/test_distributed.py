@@ -126,6 +126,9 @@ def test_separately_started_ranks_meet_despite_a_stale_rendezvous_file(tiny_data
     assert events.count("eval") == 1 and events.count("train") == 1
     assert not (job / "rendezvous.json").exists()
     assert (job / "checkpoint.pth").exists()
+    # issue 30: rank 1 announced this host and network namespace first, so the store listened on loopback only
+    assert "2 ranks met at the store 127.0.0.1:" in out0, out0[-2000:]
+    assert not list(job.glob("rendezvous.json.rank*"))  # the announcements, removed once the ranks met
 
 
 def test_a_stale_rendezvous_address_taken_by_another_server_does_not_hang_a_rank(tiny_data, tmp_path):

@@ -39,7 +39,7 @@ from split_models import (
 STEPS = 3
 
 
-@pytest.mark.parametrize("architecture", [VIT, "resnet20", "resnet18", TORCHVISION_VIT])
+@pytest.mark.parametrize("architecture", [VIT, "resnet20", "resnet18", TORCHVISION_VIT, "convnext_tiny"])
 def test_stages_in_a_row_are_the_model(architecture):
     """Every family: its pieces cover every parameter and buffer, stages of any cut hold disjoint
     parts of the whole model's state_dict under the whole model's names, and run in a row they give
@@ -232,6 +232,7 @@ def test_a_pipeline_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data,
                   fault="signal:rank=1:step=2")
     assert stopped.returncode == 3, stopped.stderr[-3000:]
     assert "this rank holds stage 0: stem .. blocks.1;" in stopped.stdout  # the cut given, not the balanced one
+    assert "fixres_dist: rank 3 (stage 1 of pipeline 1): " in stopped.stderr, stopped.stderr[-2000:]  # who stopped
     resumed = job(tmp_path, tiny_data, "s")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming a 4-rank checkpoint on 2 ranks: the same 2 data-parallel rank(s), batches and learning rate" \

@@ -4,12 +4,14 @@ rank, is disconnected and named in rank 0's log, and the job goes on; the addres
 binds."""
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
 
 import pytest
 
 from fixres_dist import FixresError
-from fixres_dist.distributed import network, rendezvous
+from fixres_dist.distributed import joiner_hosts, network, rendezvous
 
 
 def test_a_spawned_job_listens_on_loopback_and_refuses_a_foreign_store_client(slowed_job):
@@ -52,3 +54,26 @@ def test_the_store_binds_only_what_it_needs(monkeypatch):
         rendezvous.make_store("env://", 0, 2, 5)
     monkeypatch.setattr(rendezvous.socket, "gethostbyname", lambda name: "127.0.1.1")  # the Debian trap
     assert rendezvous.bind_address(False, "myhost") == "0.0.0.0"  # other hosts resolve it elsewhere
+
+
+def test_rank_0_learns_where_the_joiners_run_before_opening_the_store(tmp_path):
+    """By-hand ranks of a file rendezvous announce their host and network namespace first: all here ->
+    the store may listen on loopback; one elsewhere -> not; an announcement of a dead process of this
+    host is not counted (rank 0 keeps waiting, then gives up naming the rank)."""
+    path = tmp_path / "rendezvous.json"
+    joiner_hosts.announce(path, 1)
+    joiner_hosts.announce(path, 2)
+    assert joiner_hosts.all_here(path, 3, give_up=lambda missing: pytest.fail(f"waited for {missing}"))
+    here = json.loads(joiner_hosts.announcement(path, 2).read_text())
+    joiner_hosts.announcement(path, 2).write_text(json.dumps({**here, "hostname": "elsewhere"}))
+    assert not joiner_hosts.all_here(path, 3, give_up=lambda missing: pytest.fail(f"waited for {missing}"))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    joiner_hosts.announcement(path, 2).write_text(json.dumps({**here, "pid": dead.pid}))
+
+    def give_up(missing):
+        raise FixresError(f"rank(s) {missing} never arrived")
+    with pytest.raises(FixresError, match=r"rank\(s\) \[2\] never arrived"):
+        joiner_hosts.all_here(path, 3, give_up)
+    joiner_hosts.clear(path, 3)
+    assert not list(tmp_path.iterdir())

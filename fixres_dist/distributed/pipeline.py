@@ -108,7 +108,19 @@ def _resnet(model) -> tuple[Piece, Piece]:
     return Piece("stem", stem_names, stem), Piece("head", ("avgpool", "fc"), head)
 
 
+def _convnext(model) -> tuple[Piece, Piece, list[Piece]]:
+    stem = model.features[0]
+    downsampling = [Piece(f"features.{i}", (f"features.{i}",), model.features[i])
+                    for i in range(2, len(model.features), 2)]  # between the stages of blocks
+
+    def head(x):
+        return model.classifier(model.avgpool(x))
+    return Piece("stem", ("features.0",), stem), Piece("head", ("avgpool", "classifier"), head), downsampling
+
+
 def _family(model: nn.Module):
+    if type(model).__name__ == "ConvNeXt" and all(hasattr(model, n) for n in ("features", "avgpool", "classifier")):
+        return _convnext
     if hasattr(model, "encoder") and hasattr(model, "class_token") and hasattr(model, "_process_input"):
         return _torchvision_vit
     if hasattr(model, "patch_embed") and hasattr(model, "blocks") and hasattr(model, "forward_head"):
@@ -120,16 +132,20 @@ def _family(model: nn.Module):
 
 def pieces(model: nn.Module, architecture: str = "this model") -> list[Piece]:
     """``model`` as its stem, its residual blocks and its head, in forward order: torchvision's and
-    timm's ViTs (DeiT included), torchvision's ResNets and the CIFAR ResNets. Raises
+    timm's ViTs (DeiT included), torchvision's ResNets and ConvNeXts (each downsampling layer a piece
+    between its stages of blocks) and the CIFAR ResNets. Raises
     :class:`FixresError` naming ``architecture`` for any other model, or one with parameters none of
     its pieces runs (it cannot be split)."""
     family = _family(model)
     found = blocks(model)
     if family is None or not found:
         raise FixresError(f"--pipeline-stages: {architecture} cannot be split into stages (pipeline parallelism "
-                          "knows torchvision's and timm's ViTs and the ResNets); train it with --sharding instead")
-    stem, head = family(model)
-    every = [stem, *(Piece(name, (name,), block) for name, block in found), head]
+                          "knows torchvision's and timm's ViTs, the ResNets and ConvNeXt); train it with --sharding "
+                          "instead")
+    stem, head, *between = family(model)
+    order = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    inner = [Piece(name, (name,), block) for name, block in found] + (between[0] if between else [])
+    every = [stem, *sorted(inner, key=lambda piece: order[piece.name]), head]
     owned = tuple(name for piece in every for name in piece.owns)
     left = [name for name, _ in [*model.named_parameters(), *model.named_buffers()]
             if not any(name == own or name.startswith(own + ".") for own in owned)]

@@ -49,7 +49,7 @@ from urllib.parse import urlparse
 import attrs
 import torch.distributed as dist
 
-from fixres_dist.distributed import network, store_clients, store_threads
+from fixres_dist.distributed import joiner_hosts, network, store_clients, store_threads
 from fixres_dist.errors import FixresError, first_line
 from fixres_dist.io import write_private
 
@@ -159,9 +159,22 @@ def _tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: 
 
 
 def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop) -> tuple[dist.TCPStore, str]:
-    """Rank 0 of a file rendezvous: host a store on the address of :func:`bind_address`, publish it,
-    wait for every other rank. Returns the store and its ``HOST:PORT``."""
-    address = bind_address(ranks_on_one_host(), os.environ.get("MASTER_ADDR"))
+    """Rank 0 of a file rendezvous: host a store on the address of :func:`bind_address` (loopback when
+    every joiner announced this host: :mod:`~fixres_dist.distributed.joiner_hosts`), publish it, wait
+    for every other rank. Returns the store and its ``HOST:PORT``."""
+    deadline = time.monotonic() + timeout
+
+    def give_up(missing: list[int]) -> None:  # while waiting for the other ranks' hosts, then their arrivals
+        if should_stop():
+            path.unlink(missing_ok=True)
+            raise RendezvousInterrupted(f"stopped by a signal while waiting at {path}")
+        if time.monotonic() > deadline:
+            raise FixresError(f"rank(s) {', '.join(map(str, missing))} of {world_size} never arrived at {path} "
+                              f"within {timeout:g} s (same --job-id and --shared-folder-path?)")
+    wanted, one_host = os.environ.get("MASTER_ADDR"), ranks_on_one_host()
+    if not wanted and not one_host:
+        one_host = joiner_hosts.all_here(path, world_size, give_up)
+    address = bind_address(one_host, wanted)
     hosts = [address] if address != "0.0.0.0" else \
         [h for h in dict.fromkeys([os.environ.get("MASTER_ADDR", ""), *network.store_candidates()]) if h]
     try:
@@ -173,17 +186,11 @@ def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop) 
     write_private(path, json.dumps({"hosts": hosts, "port": store.port, "nonce": nonce, "pid": os.getpid(),
                                     "hostname": socket.gethostname(), "time": time.time()}))
     expected = [_arrival(nonce, r) for r in range(1, world_size)]
-    deadline = time.monotonic() + timeout
     while not store.check(expected):
-        if should_stop():
-            path.unlink(missing_ok=True)
-            raise RendezvousInterrupted(f"stopped by a signal while waiting at {path}")
-        if time.monotonic() > deadline:
-            missing = [str(r) for r, k in enumerate(expected, 1) if not store.check([k])]
-            raise FixresError(f"rank(s) {', '.join(missing)} of {world_size} never arrived at {path} "
-                              f"within {timeout:g} s (same --job-id and --shared-folder-path?)")
+        give_up([r for r, k in enumerate(expected, 1) if not store.check([k])])
         time.sleep(0.05)
     path.unlink(missing_ok=True)
+    joiner_hosts.clear(path, world_size)
     return store, f"{hosts[0]}:{store.port}"
 
 
@@ -199,7 +206,7 @@ def _answers(host: str, port: int) -> bool:
 def _stale(info: dict) -> bool:
     """Whether a published rendezvous is certainly stale: its rank 0 ran on this host and is gone."""
     return info.get("hostname") == socket.gethostname() and isinstance(info.get("pid"), int) \
-        and not _process_alive(info["pid"])
+        and not joiner_hosts.process_alive(info["pid"])
 
 
 def _probe_store(host: str, port: int, world_size: int) -> dist.TCPStore | None:
@@ -250,6 +257,7 @@ def _join_published(path: Path, rank: int, world_size: int, timeout: float, shou
     with the nonce. Returns the store and the ``HOST:PORT`` it was reached at."""
     deadline = time.monotonic() + timeout
     tried = None
+    joiner_hosts.announce(path, rank)
     while time.monotonic() < deadline:
         if should_stop():
             raise RendezvousInterrupted(f"stopped by a signal while waiting for {path}")
@@ -374,14 +382,6 @@ def meet_hosts(store: dist.Store, rank: int, world_size: int, timeout: float) ->
         info = json.loads(store.get(key))
         hosts[r] = Host(info["name"], int(info["pid"]), tuple(info["addresses"]))
     return hosts
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return not any(line.startswith("State:") and line.split()[1] in ("Z", "X") for line in f)
-    except OSError:
-        return False
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -553,7 +553,7 @@ class Rendezvous:
         if failed:
             return "; ".join(failed)
         dead = [rank for rank, host in self.hosts.items()
-                if rank != self.rank and host.name == me and not _process_alive(host.pid)]
+                if rank != self.rank and host.name == me and not joiner_hosts.process_alive(host.pid)]
         return "; ".join(f"rank {rank} (pid {self.hosts[rank].pid} is gone)" for rank in dead)
 
 

@@ -509,9 +509,9 @@ def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:
                         "groups of N consecutive ranks that see the same images (N divides the number of ranks); "
                         f"the groups are data-parallel (docs/sharding.md) ({default('tensor_parallel')})")
     g.add_argument("--pipeline-stages", type=_positive_int, metavar="N",
-                   help="cut a ResNet or a timm ViT/DeiT into N stages (stem, blocks, head) on N consecutive ranks "
-                        "that see the same images, balanced by FLOPs; the pipelines are data-parallel "
-                        f"(docs/sharding.md) ({default('pipeline_stages')})")
+                   help="cut a ResNet, a ConvNeXt or a timm ViT/DeiT into N stages (stem, blocks, head) on N "
+                        "consecutive ranks that see the same images, balanced by FLOPs; the pipelines are "
+                        f"data-parallel (docs/sharding.md) ({default('pipeline_stages')})")
     g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES,
                    help="how the stages run a step's micro-batches: gpipe (all forwards, then all backwards), 1f1b "
                         "(one forward, one backward: fewer activations kept), interleaved-1f1b (2 stages per rank: "

@@ -56,6 +56,14 @@ def build_config(mode: str, args: argparse.Namespace, environ=None) -> tuple[Tra
     return config, where.source
 
 
+def rank_name(config: TrainerConfig) -> str:
+    """``rank R``, and where a split model puts it: its stage and pipeline, or its tensor group."""
+    rank, stages, tensor = config.global_rank, config.pipeline_stages, config.tensor_parallel
+    if stages > 1:
+        return f"rank {rank} (stage {rank % stages} of pipeline {rank // stages})"
+    return f"rank {rank} (tensor group {rank // tensor})" if tensor > 1 else f"rank {rank}"
+
+
 def run_rank(config: TrainerConfig, inputs: JobInputs | None = None, locked: bool = False, announce: bool = False,
              index_note: str | None = None) -> RunResult:
     """Run one rank; on failure print one stderr line and exit 1 (3 or 130 after a stop checkpoint).
@@ -64,7 +72,7 @@ def run_rank(config: TrainerConfig, inputs: JobInputs | None = None, locked: boo
     ``locked``, ``announce``, ``index_note`` (the launcher's line about the file index): see
     :class:`~fixres_dist.training.trainer.Trainer`.
     """
-    prefix = f"fixres_dist: rank {config.global_rank}:"
+    prefix = f"fixres_dist: {rank_name(config)}:"
     try:
         return Trainer(config, inputs, locked=locked, announce=announce, index_note=index_note)()
     except Preempted as exc:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 from torchvision.models.vision_transformer import VisionTransformer
 
 from fixres_dist.distributed import checkpoint_shards
@@ -16,12 +17,15 @@ from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 
 VIT = "timm/test_vit"  # LayerNorm only: micro-batches and data-parallel shares change nothing but the rounding
 TORCHVISION_VIT = "torchvision_vit"  # a 3-block torchvision ViT (nn.MultiheadAttention), 4 heads
+CONVNEXT = "small_convnext"  # a torchvision ConvNeXt of 2 stages of 2 blocks (16, 32 channels)
 BATCH, LR, MOMENTUM = 8, 0.1, 0.9  # SGD with momentum: a resume must carry its state
 
 
 def model_of(architecture: str) -> nn.Module:
     """The same weights on every rank and in the test (seed 0), 10 classes, 32 px."""
     torch.manual_seed(0)
+    if architecture == CONVNEXT:
+        return ConvNeXt([CNBlockConfig(16, 32, 2), CNBlockConfig(32, None, 2)], num_classes=10)
     if architecture == TORCHVISION_VIT:
         return VisionTransformer(image_size=32, patch_size=8, num_layers=3, num_heads=4, hidden_dim=16, mlp_dim=32,
                                  num_classes=10)

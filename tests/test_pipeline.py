@@ -24,6 +24,7 @@ from fixres_dist.models.architectures import build_model
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE
 from jobs_fixtures import job
 from split_models import (
+    CONVNEXT,
     LR,
     MOMENTUM,
     TORCHVISION_VIT,
@@ -39,7 +40,7 @@ from split_models import (
 STEPS = 3
 
 
-@pytest.mark.parametrize("architecture", [VIT, "resnet20", "resnet18", TORCHVISION_VIT, "convnext_tiny"])
+@pytest.mark.parametrize("architecture", [VIT, "resnet20", "resnet18", TORCHVISION_VIT, CONVNEXT])
 def test_stages_in_a_row_are_the_model(architecture):
     """Every family: its pieces cover every parameter and buffer, stages of any cut hold disjoint
     parts of the whole model's state_dict under the whole model's names, and run in a row they give
@@ -93,7 +94,8 @@ def test_what_cannot_be_split_is_refused():
 # ------------------------------------------------------------------ real ranks
 # (architecture, stages per pipeline, schedule, virtual stages per rank, micro-batches)
 SPLITS = {"2x2-1f1b": (VIT, 2, "1f1b", 1, 2), "4-gpipe": (VIT, 4, "gpipe", 1, 4),
-          "interleaved": (VIT, 2, "interleaved-1f1b", 2, 4), "resnet20-1f1b": ("resnet20", 4, "1f1b", 1, 4)}
+          "interleaved": (VIT, 2, "interleaved-1f1b", 2, 4), "resnet20-1f1b": ("resnet20", 4, "1f1b", 1, 4),
+          "convnext-2x2": (CONVNEXT, 2, "1f1b", 1, 2)}  # its blocks' permutes: non-contiguous gradients
 
 
 def run_split(name: str, folder, steps: range, resume=None):
@@ -176,7 +178,7 @@ def test_a_split_model_steps_as_the_unsplit_one(split_runs, name):
                                      else 1)
     for step in range(STEPS):
         assert sum(run[step] for run in losses) / data == pytest.approx(reference[step], rel=1e-5)
-    if architecture == VIT:  # evaluated through the pipeline: the unsplit model's logits
+    if architecture != "resnet20":  # evaluated through the pipeline: the unsplit model's logits
         runs = [json.loads(p.read_text()) for p in sorted((split_runs / name).glob("*-rank*.json"))]
         logits = torch.cat([torch.tensor(run["logits"]) for run in runs if run["logits"] is not None])
         with torch.no_grad():
@@ -312,3 +314,4 @@ def test_the_pipeline_command_shown(tmp_path):
     assert "--pipeline-stages 2: pipeline: 2 stages x 2 data-parallel ranks, Schedule1F1B, 2 micro-batches per " \
            "step; this rank holds stage 0: stem .. blocks.2" in result.stdout
     assert events(tmp_path / "vit-pp", "eval")[-1]["images"] == 1000
+

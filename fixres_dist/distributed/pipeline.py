@@ -208,11 +208,24 @@ def balanced_split(costs: list[float], stages: int) -> list[int]:
     return starts
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous (gloo sends and receives no other)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, gradient: torch.Tensor) -> torch.Tensor:
+        return gradient.contiguous()
+
+
 class Stage(nn.Module):
     """The pieces ``every[i]`` for ``i`` in ``chosen`` (ascending) of a model as one module: their modules
     and parameters under their qualified names in the whole model (``state_dict`` keys are the whole
-    model's), its forward their forwards in order, its output contiguous (what crosses to the next
-    stage). A rank's stages together are one too (:attr:`Pipeline.module`: its optimizer and checkpoints)."""
+    model's), its forward their forwards in order, its output and its input's gradient contiguous (what
+    crosses to the next stage and back). A rank's stages together are one too (:attr:`Pipeline.module`:
+    its optimizer and checkpoints)."""
 
     def __init__(self, model: nn.Module, every: list[Piece], chosen: range | list[int]):
         super().__init__()
@@ -237,6 +250,8 @@ class Stage(nn.Module):
             holder.register_buffer(leaf, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:  # the gradient sent back to the previous stage: contiguous too (a ConvNeXt's is not)
+            x = _ContiguousGradient.apply(x)
         for run in self.runs:
             x = run(x)
         return x.contiguous()
@@ -389,8 +404,12 @@ class Pipeline:
     def describe(self) -> str:
         """One line: the mesh, the schedule and the pieces of this rank's stages."""
         held = "; ".join(f"stage {i}: {s.describe()}" for i, s in zip(self.indices, self.stages))
-        return (f"pipeline: {self.count} stages x {self.data} data-parallel ranks, {self.schedule_name()}, "
-                f"{self.microbatches} micro-batches per step; this rank holds {held}")
+        ranks = self.count // self.virtual
+        stages = f"{self.count} stages on {ranks} ranks ({self.virtual} per rank)" if self.virtual > 1 else \
+            f"{self.count} stages"
+        batches = f"{self.microbatches} micro-batch{'es' if self.microbatches > 1 else ''}"
+        return (f"pipeline: {stages} x {self.data} data-parallel ranks, {self.schedule_name()}, {batches} per step; "
+                f"this rank holds {held}")
 
     def schedule_name(self) -> str:
         return SCHEDULES[self.schedule_kind].__name__

@@ -280,6 +280,8 @@ def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, tiny_data, tmp_path)
     (("--num-tasks", 2, "--pipeline-stages", 2, "--pipeline-microbatches", 1),
      "--pipeline-microbatches 1: 1f1b needs at least one per stage (2)"),
     (("--num-tasks", 2, "--pipeline-microbatches", 2), "--pipeline-microbatches applies to a model cut into stages"),
+    (("--num-tasks", 2, "--pipeline-stages", 2, "--pipeline-microbatches", 8, "--architecture", "resnet20"),
+     "--batch 8 in 8 micro-batches leaves 1 image per micro-batch: resnet20's BatchNorm cannot train on one"),
     (("--num-tasks", 2, "--pipeline-split", "0,3"), "--pipeline-split applies to a model cut into stages"),
     (("--num-tasks", 2, "--pipeline-stages", 2, "--pipeline-split", "0,8"),
      "--pipeline-split 0,8: give the first piece of each of the 2 stages, increasing from 0, below 8"),

@@ -310,6 +310,7 @@ class Pipeline:
         microbatches = microbatches or count
         check_schedule(schedule, virtual, microbatches, ranks)
         every = pieces(model, architecture)
+        self.batchnorm = has_batchnorm(model)  # the whole model's: every rank of the pipeline agrees
         if starts is not None:
             check_starts(list(starts), count, len(every))
         self.starts = list(starts) if starts is not None else balanced_split(piece_costs(model, every, size), count)
@@ -340,15 +341,17 @@ class Pipeline:
         return nn.functional.cross_entropy(logits.float(), targets, reduction="sum",
                                            label_smoothing=self.label_smoothing) * self.scale
 
-    def split_count(self, batch: int) -> int:
+    def split_count(self, batch: int, training: bool = False) -> int:
         """How many equal micro-batches a batch of ``batch`` images runs as: ``microbatches``, or the
-        largest count below it that divides ``batch``."""
-        return next(m for m in range(min(self.microbatches, batch), 0, -1) if batch % m == 0)
+        largest count below it that divides ``batch``; training a model with BatchNorm, one that leaves
+        each micro-batch 2 images or more (BatchNorm cannot train on one)."""
+        most = min(self.microbatches, max(1, batch // 2) if training and self.batchnorm else batch)
+        return next(m for m in range(most, 0, -1) if batch % m == 0)
 
     def schedule_for(self, images: torch.Tensor, training: bool):
         """The schedule that runs a batch shaped as ``images`` (B, 3, H, W), made at its first use (every
         rank of the pipeline at once: all are given the same batch)."""
-        count = self.split_count(images.shape[0])
+        count = self.split_count(images.shape[0], training)
         key = (training, count, tuple(images.shape))
         if key not in self._schedules:
             runners = [PipelineStage(m, i, self.count, self.device, group=self.group)
@@ -432,6 +435,10 @@ def check_starts(starts: list[int], count: int, pieces: int) -> None:
         given = ",".join(map(str, starts))
         raise FixresError(f"--pipeline-split {given}: give the first piece of each of the {count} stages, "
                           f"increasing from 0, below {pieces} (the stem, the blocks, the head)")
+
+def has_batchnorm(model: nn.Module) -> bool:
+    """Whether ``model`` has a BatchNorm layer (its micro-batches then need 2 images or more to train)."""
+    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
 
 def virtual_stages(schedule: str) -> int:
     """Stages per rank that ``schedule`` runs: 2 for interleaved 1F1B, else 1."""

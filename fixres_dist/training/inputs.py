@@ -19,7 +19,7 @@ import torch
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import file_index, hf_datasets, pipeline, shards
 from fixres_dist.distributed import placement, tensor_parallel
-from fixres_dist.distributed.pipeline import check_schedule, check_starts, pieces, virtual_stages
+from fixres_dist.distributed.pipeline import check_schedule, check_starts, has_batchnorm, pieces, virtual_stages
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, class_names, lineage, memory_budget, resolutions, weights
@@ -186,6 +186,10 @@ def _check_stages(config: TrainerConfig, model: torch.nn.Module) -> None:
     if config.batch % microbatches:
         raise FixresError(f"--batch {config.batch} does not split into {microbatches} equal micro-batches "
                           "(--pipeline-microbatches; default: one per stage)")
+    if config.batch < 2 * microbatches and has_batchnorm(model) and not config.eval_only:
+        raise FixresError(f"--batch {config.batch} in {microbatches} micro-batches leaves 1 image per micro-batch: "
+                          f"{config.architecture}'s BatchNorm cannot train on one "
+                          "(fewer --pipeline-microbatches, or a larger --batch)")
     found = len(pieces(model, config.architecture))
     if found < count:
         raise FixresError(f"--pipeline-stages {config.pipeline_stages}: {config.architecture} has only {found} pieces "

@@ -237,8 +237,9 @@ def test_a_pipeline_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data,
     assert "fixres_dist: rank 3 (stage 1 of pipeline 1): " in stopped.stderr, stopped.stderr[-2000:]  # who stopped
     resumed = job(tmp_path, tiny_data, "s")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming a 4-rank checkpoint on 2 ranks: the same 2 data-parallel rank(s), batches and learning rate" \
-        in resumed.stdout and "resumed from" in resumed.stdout and "step 3" in resumed.stdout, resumed.stdout[-2000:]
+    assert "resuming a 4-rank checkpoint (2 pipeline stages) on 2 ranks: the same 2 data-parallel rank(s), " \
+           "batches and learning rate" in resumed.stdout, resumed.stdout[-2000:]
+    assert "resumed from" in resumed.stdout and "step 3" in resumed.stdout
     assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
 
 
@@ -251,6 +252,18 @@ def test_a_ddp_job_stopped_mid_epoch_resumes_in_stages(split_jobs, tiny_data, tm
     resumed = job(tmp_path, tiny_data, "s", "--pipeline-stages", 2, world=4)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
+
+
+@pytest.mark.slow
+def test_a_pipeline_job_resumed_on_as_many_ranks_cut_otherwise_says_what_changed(tiny_data, tmp_path):
+    """Stopped on 2 pipelines of 2 stages, resumed on the same 4 ranks as 1 pipeline of 4: the data-parallel
+    ranks went from 2 to 1, so the learning rate is re-derived and the line says so (not a silent change)."""
+    stopped = job(tmp_path, tiny_data, "s", "--pipeline-stages", 2, world=4, fault="signal:rank=1:step=2")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    resumed = job(tmp_path, tiny_data, "s", "--pipeline-stages", 4, world=4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "warning: resuming a 4-rank checkpoint (2 pipeline stages) on 4 ranks (4 pipeline stages): lr re-derived " \
+           "by the linear scaling rule (0.003125)" in resumed.stdout, resumed.stdout[-2000:]
 
 
 def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, tiny_data, tmp_path):

@@ -156,7 +156,8 @@ def test_a_tensor_parallel_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tin
     resumed = job(tmp_path, tiny_data, "s")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step 3" in resumed.stdout, resumed.stdout[-2000:]
-    assert "resuming a 4-rank checkpoint on 2 ranks: the same 2 data-parallel rank(s), batches and learning rate" \
+    assert "resuming a 4-rank checkpoint (2 ranks per tensor group) on 2 ranks: the same 2 data-parallel rank(s), " \
+           "batches and learning rate" \
         in resumed.stdout and "warning: resuming" not in resumed.stdout
     assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
 

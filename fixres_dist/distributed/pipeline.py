@@ -140,7 +140,7 @@ def pieces(model: nn.Module, architecture: str = "this model") -> list[Piece]:
     found = blocks(model)
     if family is None or not found:
         raise FixresError(f"--pipeline-stages: {architecture} cannot be split into stages (pipeline parallelism "
-                          "knows torchvision's and timm's ViTs, the ResNets and ConvNeXt); train it with --sharding "
+                          "knows timm's ViTs, the ResNets and ConvNeXt); train it with --sharding "
                           "instead")
     stem, head, *between = family(model)
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
@@ -274,6 +274,7 @@ def pipeline_mesh(device: torch.device, world_size: int, stages: int) -> DeviceM
     Raises :class:`FixresError` unless ``stages`` divides the world size."""
     if stages < 1 or world_size % stages:
         raise FixresError(f"--pipeline-stages {stages} must divide the number of ranks ({world_size})")
+    dist.barrier()  # every rank here before the groups form: ranks seconds apart saw gloo reset their connections
     return dist.device_mesh.init_device_mesh(device.type, (world_size // stages, stages),
                                              mesh_dim_names=("data", "stage"))
 

@@ -79,6 +79,7 @@ def device_mesh(config: TrainerConfig, device: torch.device) -> DeviceMesh:
     collective: every rank calls it. Raises :class:`FixresError` when the world size is not a
     multiple of the group size, or a node's ranks are not consecutive."""
     world = config.num_tasks
+    dist.barrier()  # every rank here before the groups form: ranks seconds apart saw gloo reset their connections
     if config.sharding == "full":
         return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     group = config.shard_group_size or _ranks_per_node(world)

@@ -147,6 +147,7 @@ def tensor_mesh(device: torch.device, world_size: int, ranks: int) -> DeviceMesh
     (a collective: every rank calls it). Raises :class:`FixresError` unless ``ranks`` divides the world size."""
     if ranks < 1 or world_size % ranks:
         raise FixresError(f"--tensor-parallel {ranks} must divide the number of ranks ({world_size})")
+    dist.barrier()  # every rank here before the groups form: ranks seconds apart saw gloo reset their connections
     return init_device_mesh(device.type, (world_size // ranks, ranks), mesh_dim_names=("data", "tensor"))
 
 

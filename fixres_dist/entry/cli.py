@@ -518,8 +518,8 @@ def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:
                         f"a smaller bubble) ({default('pipeline_schedule')})")
     g.add_argument("--pipeline-split", type=_piece_list, metavar="I0,I1,...",
                    help="the first piece of each stage, pieces counted from 0 (the stem, each block, the head), e.g. "
-                        "0,5 for 2 stages: the stem and blocks 0-3, then the rest (default: balanced by forward FLOPs; "
-                        "the log names each rank's pieces)")
+                        "0,5 for 2 stages: the stem and blocks 0-3, then the rest; interleaved-1f1b has 2 x N stages "
+                        "(default: balanced by forward FLOPs; the log names each rank's pieces)")
     g.add_argument("--pipeline-microbatches", type=_positive_int, metavar="M",
                    help="micro-batches per step and rank's batch (--batch a multiple of M; at least one per stage "
                         "with 1f1b) (default: one per stage)")

@@ -94,12 +94,13 @@ class Checkpointer:
         self.unsaved, self.last_step = False, state.global_step
 
     def _world_changed(self, contents, state: TrainState, train_images: int) -> None:
-        """The line about resuming on another world size: a warning when the data-parallel ranks changed
+        """The line about resuming on another world size or split: a warning when the data-parallel ranks changed
         (the batches and learning rate do), a note when only the split did (tensor or pipeline parallelism)."""
-        cfg, before = self.config, len(contents.ranks)
-        change = f"resuming a {before}-rank checkpoint on {plural(cfg.num_tasks, 'rank')}: "
-        saved = contents.config
-        data_parallel = before // (saved.get("tensor_parallel", 1) * saved.get("pipeline_stages", 1))
+        cfg, before, saved = self.config, len(contents.ranks), contents.config
+        tensor, stages = saved.get("tensor_parallel", 1), saved.get("pipeline_stages", 1)
+        change = (f"resuming a {before}-rank checkpoint{_split(tensor, stages)} on {plural(cfg.num_tasks, 'rank')}"
+                  f"{_split(cfg.tensor_parallel, cfg.pipeline_stages)}: ")
+        data_parallel = before // (tensor * stages)
         if data_parallel == cfg.data_parallel_size:
             self.run_log.log(f"{change}the same {data_parallel} data-parallel rank(s), batches and learning rate; "
                              "RNG streams restart")
@@ -114,7 +115,9 @@ class Checkpointer:
         optimizer step's state, RNG and BatchNorm buffers (``state`` already holds the position)."""
         cfg, contents, network, step = self.config, resume.contents, self.network, self.step
         self.last_step = state.global_step
-        same_world = len(contents.ranks) == cfg.num_tasks
+        saved = contents.config  # the same ranks in the same roles: each continues its own RNG and BatchNorm
+        same_world = len(contents.ranks) == cfg.num_tasks and saved.get("tensor_parallel", 1) == cfg.tensor_parallel \
+            and saved.get("pipeline_stages", 1) == cfg.pipeline_stages
         rank = cfg.global_rank if same_world else None
         if same_world:
             checkpoint.set_rng_state(contents.ranks[cfg.global_rank]["rng"])
@@ -149,3 +152,8 @@ class Checkpointer:
                 f"non-finite loss (NaN or infinity) at epoch {state.epoch + 1}, step {step}")
         return finite.NonFiniteLoss(f"{what}: training stopped on all ranks; {kept}; lower --learning-rate "
                                     "(or raise --warmup-epochs) and use a new --job-id")
+
+
+def _split(tensor: int, stages: int) -> str:
+    """How a job's ranks split its model, for the resume line: `` (2 pipeline stages)``, or nothing."""
+    return f" ({tensor} ranks per tensor group)" if tensor > 1 else f" ({stages} pipeline stages)" if stages > 1 else ""

@@ -249,11 +249,12 @@ def test_sigterm_while_waiting_for_peers_exits_promptly(tiny_data, tmp_path):
     proc = start_script("scratch", "--num-tasks", 2, "--global-rank", 0, "--job-id", "wait", "--shared-folder-path",
                         tmp_path, "--data-path", tiny_data, "--dist-timeout", 120, *SHORT)
     rendezvous = tmp_path / "wait" / "rendezvous.json"
-    wait_for(rendezvous.exists, 240, "rank 0 to publish its rendezvous")
+    waiting = tmp_path / "wait" / "rendezvous.json.rank0"  # rank 0 announced itself and waits for rank 1's
+    wait_for(waiting.exists, 240, "rank 0 to wait for its peers")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)  # < --dist-timeout 120: the signal, not the timeout, ended the wait
     assert proc.returncode == 3 and "nothing to checkpoint yet" in err, err[-2000:]
-    assert not rendezvous.exists()
+    assert not rendezvous.exists() and not waiting.exists()
 
 
 def test_a_second_run_of_the_same_job_is_refused(tiny_data, tmp_path):

@@ -57,12 +57,15 @@ def test_the_store_binds_only_what_it_needs(monkeypatch):
 
 
 def test_rank_0_learns_where_the_joiners_run_before_opening_the_store(tmp_path):
-    """By-hand ranks of a file rendezvous announce their host and network namespace first: all here ->
+    """By-hand ranks of a file rendezvous announce their host and network namespace first (a rank
+    announced twice is refused): all here ->
     the store may listen on loopback; one elsewhere -> not; an announcement of a dead process of this
     host is not counted (rank 0 keeps waiting, then gives up naming the rank)."""
     path = tmp_path / "rendezvous.json"
-    joiner_hosts.announce(path, 1)
-    joiner_hosts.announce(path, 2)
+    joiner_hosts.announce(path, 1, 3)
+    joiner_hosts.announce(path, 2, 3)
+    with pytest.raises(FixresError, match="another process already joined this job as rank 2 of 3"):
+        joiner_hosts.announce(path, 2, 3)  # while the first announcement's process lives (its lock)
     assert joiner_hosts.all_here(path, 3, give_up=lambda missing: pytest.fail(f"waited for {missing}"))
     here = json.loads(joiner_hosts.announcement(path, 2).read_text())
     joiner_hosts.announcement(path, 2).write_text(json.dumps({**here, "hostname": "elsewhere"}))

@@ -2,7 +2,8 @@
 
 Ranks started by hand (or by any launcher that does not say they share a host) meet through the
 rendezvous file in the owner-only job folder (:mod:`fixres_dist.distributed.rendezvous`). Each
-joining rank first writes ``<rendezvous file>.rank<R>`` there: its host name, its network namespace
+rank first writes ``<rendezvous file>.rank<R>`` there, locked while it lives (a second process
+announcing the same rank is refused at once): its host name, its network namespace
 (``/proc/self/ns/net``) and its pid. Rank 0 reads them all before it opens the store: when every
 joiner runs on its host, in its network namespace, the store listens on loopback only (nothing
 outside the host can reach it); otherwise on the interface the rendezvous publishes. An announcement
@@ -11,6 +12,7 @@ taken as it is, which at worst opens the store beyond loopback, as before.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -18,7 +20,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from fixres_dist.io import write_private
+from fixres_dist.errors import FixresError
+
+_held: list[int] = []  # this process' announcements, locked while it lives
 
 
 def process_alive(pid: int) -> bool:
@@ -43,9 +47,21 @@ def announcement(path: Path, rank: int) -> Path:
     return path.with_name(f"{path.name}.rank{rank}")
 
 
-def announce(path: Path, rank: int) -> None:
-    """A joining rank: write where it runs (owner-only), for rank 0 to read before it opens the store."""
-    write_private(announcement(path, rank), json.dumps(_here()))
+def announce(path: Path, rank: int, world_size: int) -> None:
+    """Write where this rank runs (owner-only) and hold the file locked while the process lives: rank 0
+    reads the joiners' before it opens the store (its own says that it waits). Raises
+    :class:`FixresError` when another live process already announced itself as ``rank``."""
+    file = announcement(path, rank)
+    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise FixresError(f"another process already joined this job as rank {rank} of {world_size}: is this rank "
+                          "(or the whole job) started twice?") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(_here()).encode())
+    _held.append(fd)  # the lock lasts as long as this process
 
 
 def _read(file: Path) -> dict | None:
@@ -73,6 +89,6 @@ def all_here(path: Path, world_size: int, give_up: Callable[[list[int]], None], 
 
 
 def clear(path: Path, world_size: int) -> None:
-    """Rank 0, once every rank has met: remove the announcements."""
-    for rank in range(1, world_size):
+    """Rank 0, once every rank has met (or it stops waiting: ``world_size`` 1): remove the announcements."""
+    for rank in range(world_size):
         announcement(path, rank).unlink(missing_ok=True)

@@ -167,11 +167,13 @@ def _publish_and_wait(path: Path, world_size: int, timeout: float, should_stop) 
     def give_up(missing: list[int]) -> None:  # while waiting for the other ranks' hosts, then their arrivals
         if should_stop():
             path.unlink(missing_ok=True)
+            joiner_hosts.clear(path, 1)
             raise RendezvousInterrupted(f"stopped by a signal while waiting at {path}")
         if time.monotonic() > deadline:
             raise FixresError(f"rank(s) {', '.join(map(str, missing))} of {world_size} never arrived at {path} "
                               f"within {timeout:g} s (same --job-id and --shared-folder-path?)")
     wanted, one_host = os.environ.get("MASTER_ADDR"), ranks_on_one_host()
+    joiner_hosts.announce(path, 0, world_size)
     if not wanted and not one_host:
         one_host = joiner_hosts.all_here(path, world_size, give_up)
     address = bind_address(one_host, wanted)
@@ -257,7 +259,7 @@ def _join_published(path: Path, rank: int, world_size: int, timeout: float, shou
     with the nonce. Returns the store and the ``HOST:PORT`` it was reached at."""
     deadline = time.monotonic() + timeout
     tried = None
-    joiner_hosts.announce(path, rank)
+    joiner_hosts.announce(path, rank, world_size)
     while time.monotonic() < deadline:
         if should_stop():
             raise RendezvousInterrupted(f"stopped by a signal while waiting for {path}")

@@ -585,19 +585,23 @@ def _check_sharding(config: TrainerConfig) -> None:
                           "ddp")
 
 
-def _check_tensor_parallel(config: TrainerConfig) -> None:
-    """What tensor parallelism needs, and what it does not compose with yet (refused before start)."""
-    ranks = config.tensor_parallel  # its division of the world size: the preflight's (fixres_dist.training.inputs)
-    if ranks == 1:
-        return
-    refused = [flag for flag, on in (("--sharding " + config.sharding, config.sharding != "ddp"),
+def _refuse_with_a_split(config: TrainerConfig, split: str, *more: tuple[str, bool]) -> None:
+    """A split model (``split``: its flag) does not compose yet with the options in effect here, nor
+    with ``more`` ((flag, in effect) pairs): FixresError naming the first."""
+    refused = [flag for flag, on in (*more, ("--sharding " + config.sharding, config.sharding != "ddp"),
                                      ("--model-ema", config.model_ema), ("--compile", bool(config.compile)),
                                      ("--amp fp16", config.amp == "fp16"),
                                      ("--activation-checkpointing", config.activation_checkpointing),
                                      ("--dist-bn broadcast", config.dist_bn == "broadcast")) if on]
     if refused:
-        raise FixresError(f"--tensor-parallel {ranks} does not go with {refused[0]} yet (docs/sharding.md: "
-                          "split rather than shard)")
+        raise FixresError(f"{split} does not go with {refused[0]} yet (docs/sharding.md: split rather than shard)")
+
+def _check_tensor_parallel(config: TrainerConfig) -> None:
+    """What tensor parallelism needs, and what it does not compose with yet (refused before start)."""
+    ranks = config.tensor_parallel  # its division of the world size: the preflight's (fixres_dist.training.inputs)
+    if ranks == 1:
+        return
+    _refuse_with_a_split(config, f"--tensor-parallel {ranks}")
     if config.architecture.startswith("vit_"):
         raise FixresError(f"--tensor-parallel cannot run torchvision's {config.architecture}: its attention cannot "
                           "be split and it copies the model to change resolution; use a timm ViT (e.g. "
@@ -616,16 +620,8 @@ def _check_pipeline(config: TrainerConfig) -> None:
             flag = given[0]
             raise FixresError(f"{flag} applies to a model cut into stages: add --pipeline-stages N (N >= 2)")
         return
-    refused = [flag for flag, on in (("--tensor-parallel", config.tensor_parallel > 1),
-                                     ("--sharding " + config.sharding, config.sharding != "ddp"),
-                                     ("--model-ema", config.model_ema), ("--compile", bool(config.compile)),
-                                     ("--amp fp16", config.amp == "fp16"),
-                                     ("--activation-checkpointing", config.activation_checkpointing),
-                                     ("--dist-bn broadcast", config.dist_bn == "broadcast"),
-                                     ("--extract-features", bool(config.extract_features))) if on]
-    if refused:
-        raise FixresError(f"--pipeline-stages {stages} does not go with {refused[0]} yet (docs/sharding.md: "
-                          "split rather than shard)")
+    _refuse_with_a_split(config, f"--pipeline-stages {stages}", ("--tensor-parallel", config.tensor_parallel > 1),
+                         ("--extract-features", bool(config.extract_features)))
     if config.grad_accum_steps > 1:
         raise FixresError(f"--pipeline-stages {stages} already accumulates micro-batches: use "
                           f"--pipeline-microbatches instead of --grad-accum-steps {config.grad_accum_steps}")

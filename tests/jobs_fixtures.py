@@ -7,7 +7,9 @@ from pathlib import Path
 import attrs
 import pytest
 
-from conftest import make_subset, run_script
+import shown_commands as shown
+from conftest import make_subset, run_main, run_script
+from split_models import events
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +64,22 @@ def split_jobs(tiny_data, tmp_path_factory) -> Path:
         assert result.returncode == 0, result.stderr[-3000:]
         (folder / f"{name}.out").write_text(result.stdout)
     return folder
+
+
+def assert_refused_before_start(capsys, data, folder, args, message) -> None:
+    """main_scratch.py with ``args`` on ``data`` (a timm test ViT at 32 px by default) ends in the one line
+    ``message`` (exit 1) before any rank starts: nothing written in ``folder``."""
+    status, err = run_main(capsys, "scratch", "--shared-folder-path", folder, "--data-path", data,
+                           "--architecture", "timm/test_vit", "--input-size", 32, *args)
+    assert status == 1 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (folder / "local").exists()
+
+
+def run_shown_split_command(start: str, job_id: str, folder) -> str:
+    """docs/sharding.md's command beginning ``start`` (job ``job_id``, its /tmp/runs as ``folder``): it
+    ends 0 with each of the embedded data's 1,000 validation images counted once; its stdout."""
+    argv = shown.argv(shown.command(start), **{"/tmp/runs": folder})
+    result = run_script("scratch", *argv[2:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert events(folder / job_id, "eval")[-1]["images"] == 1000
+    return result.stdout

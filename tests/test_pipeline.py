@@ -13,8 +13,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-import shown_commands as shown
-from conftest import free_port, run_main, run_script
+from conftest import free_port, run_script
 from fixres_dist.config import PIPELINE_SCHEDULES
 from fixres_dist.distributed import checkpoint_shards, collectives
 from fixres_dist.distributed import pipeline as pp
@@ -22,7 +21,7 @@ from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
 from fixres_dist.models.architectures import build_model
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE
-from jobs_fixtures import job
+from jobs_fixtures import assert_refused_before_start, job, run_shown_split_command
 from split_models import (
     CONVNEXT,
     LR,
@@ -31,7 +30,6 @@ from split_models import (
     VIT,
     assert_same_run,
     batch,
-    events,
     model_of,
     share,
     unsplit_steps,
@@ -266,20 +264,19 @@ def test_a_pipeline_job_resumed_on_as_many_ranks_cut_otherwise_says_what_changed
            "by the linear scaling rule (0.003125)" in resumed.stdout, resumed.stdout[-2000:]
 
 
-def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, tiny_data, tmp_path):
-    """main_finetune.py on the session's resnet18 at 40 px, as 2 pipelines of 2 stages (GPipe, one
-    micro-batch: BatchNorm sees what DDP's does): the first stage wholly frozen (nothing to train on its
-    ranks), the head and last BatchNorm on the last, that BatchNorm synchronised and its statistics
-    averaged over the stage's 2 data-parallel ranks; the evaluations before finetuning, the finetune and
-    the final weights equal the same finetune on 2 DDP ranks."""
-    common = ["--weight-path", scratch_job / CHECKPOINT_FILE, "--input-size", 40, "--epochs", 1, "--batch", 8,
-              "--workers", 0, "--no-progress", "--shared-folder-path", tmp_path, "--data-path", tiny_data]
-    for name, extra, world in (("ft-ddp", (), 2), ("ft-pp", ("--pipeline-stages", 2, "--pipeline-schedule", "gpipe",
-                                                           "--pipeline-microbatches", 1), 4)):
-        result = run_script("finetune", "--num-tasks", world, "--job-id", name, *common, *extra)
-        assert result.returncode == 0, result.stderr[-3000:]
+def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, finetune_job, few_data, tmp_path):
+    """The session's DDP finetune (:func:`jobs_fixtures.finetune_job`: resnet18 at 48 px on 2 ranks) again
+    as 2 pipelines of 2 stages (GPipe, one micro-batch: BatchNorm sees what DDP's does): the first stage
+    wholly frozen (nothing to train on its ranks), the head and last BatchNorm on the last, that
+    BatchNorm synchronised and its statistics averaged over the stage's 2 data-parallel ranks; the
+    evaluations before finetuning, the finetune and the final weights equal the DDP finetune's."""
+    result = run_script("finetune", "--num-tasks", 4, "--job-id", "f", "--shared-folder-path", tmp_path,
+                        "--data-path", few_data, "--weight-path", scratch_job / CHECKPOINT_FILE, "--input-size", 48,
+                        "--batch", 8, "--epochs", 1, "--workers", 1, "--no-progress", "--pipeline-stages", 2,
+                        "--pipeline-schedule", "gpipe", "--pipeline-microbatches", 1)
+    assert result.returncode == 0, result.stderr[-3000:]
     assert "BatchNorm statistics over all 2 data-parallel ranks' images: layer4.1.bn2" in result.stdout
-    assert_same_run(tmp_path / "ft-pp", tmp_path / "ft-ddp", ema=False)
+    assert_same_run(tmp_path / "f", finetune_job.folder, ema=False)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -308,10 +305,7 @@ def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, tiny_data, tmp_path)
      "--pipeline-stages cannot run torchvision's vit_b_16"),
 ])
 def test_bad_pipeline_input_is_one_line_before_any_rank_starts(capsys, tiny_data, tmp_path, args, message):
-    status, err = run_main(capsys, "scratch", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
-                           "--architecture", VIT, "--input-size", 32, "--batch", 8, *args)
-    assert status == 1 and message in err and len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "local").exists()
+    assert_refused_before_start(capsys, tiny_data, tmp_path, ("--batch", 8, *args), message)
 
 
 def test_the_schedules_are_the_configs():
@@ -322,11 +316,6 @@ def test_the_schedules_are_the_configs():
 def test_the_pipeline_command_shown(tmp_path):
     """docs/sharding.md's command: 4 ranks, 2 pipelines of 2 stages, the embedded data for an epoch (4,000
     training images), each of the 1,000 validation images counted once."""
-    argv = shown.argv(shown.command("python main_scratch.py --num-tasks 4 --pipeline-stages 2"),
-                      **{"/tmp/runs": tmp_path})
-    result = run_script("scratch", *argv[2:])
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = run_shown_split_command("python main_scratch.py --num-tasks 4 --pipeline-stages 2", "vit-pp", tmp_path)
     assert "--pipeline-stages 2: pipeline: 2 stages x 2 data-parallel ranks, Schedule1F1B, 2 micro-batches per " \
-           "step; this rank holds stage 0: stem .. blocks.2" in result.stdout
-    assert events(tmp_path / "vit-pp", "eval")[-1]["images"] == 1000
-
+           "step; this rank holds stage 0: stem .. blocks.2" in out

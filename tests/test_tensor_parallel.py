@@ -13,14 +13,13 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-import shown_commands as shown
-from conftest import free_port, run_main, run_script
+from conftest import free_port
 from fixres_dist.distributed import collectives, sharding
 from fixres_dist.distributed import tensor_parallel as tp
 from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE
-from jobs_fixtures import job
+from jobs_fixtures import assert_refused_before_start, job, run_shown_split_command
 from split_models import (
     LR,
     MOMENTUM,
@@ -28,7 +27,6 @@ from split_models import (
     VIT,
     assert_same_run,
     batch,
-    events,
     model_of,
     share,
     unsplit_steps,
@@ -194,20 +192,13 @@ def test_fixres_finetune_of_a_tensor_parallel_model(split_jobs, tiny_data, tmp_p
      "--tensor-parallel cannot run torchvision's vit_b_16"),
 ])
 def test_bad_tensor_parallel_input_is_one_line_before_any_rank_starts(capsys, tiny_data, tmp_path, args, message):
-    status, err = run_main(capsys, "scratch", "--shared-folder-path", tmp_path, "--data-path", tiny_data,
-                           "--architecture", VIT, "--input-size", 32, *args)
-    assert status == 1 and message in err and len(err.strip().splitlines()) == 1, err
-    assert not (tmp_path / "local").exists()
+    assert_refused_before_start(capsys, tiny_data, tmp_path, args, message)
 
 
 @pytest.mark.slow
 def test_the_tensor_parallel_command_shown(tmp_path):
     """docs/sharding.md's command: 4 ranks, 2 tensor groups of 2, the embedded data for an epoch (4,000
     training images), each of the 1,000 validation images counted once."""
-    argv = shown.argv(shown.command("python main_scratch.py --num-tasks 4 --tensor-parallel 2"),
-                      **{"/tmp/runs": tmp_path})
-    result = run_script("scratch", *argv[2:])
-    assert result.returncode == 0, result.stderr[-3000:]
+    out = run_shown_split_command("python main_scratch.py --num-tasks 4 --tensor-parallel 2", "vit-tp", tmp_path)
     assert "--tensor-parallel 2: 6 MLPs and 6 attentions (by heads) split over tensor groups of 2 ranks, 2 " \
-           "data-parallel group(s); 176,714 of 300,746 parameters on this rank" in result.stdout
-    assert events(tmp_path / "vit-tp", "eval")[-1]["images"] == 1000
+           "data-parallel group(s); 176,714 of 300,746 parameters on this rank" in out

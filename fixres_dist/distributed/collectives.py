@@ -11,6 +11,7 @@ import inspect
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from fixres_dist.distributed import network
@@ -21,6 +22,14 @@ from fixres_dist.errors import FixresError, first_line
 # forward_sync_buffers (the old name warns there); torch 2.4-2.13 knows only broadcast_buffers
 BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
                else "broadcast_buffers")
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``init_device_mesh`` of ``shape`` (ranks per dimension) named ``names``, after a barrier: every rank
+    arrives before the mesh's process groups form (ranks seconds apart saw gloo reset their connections
+    as a group formed). A collective: every rank calls it."""
+    dist.barrier()
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def init_process_group(backend: str, dist_url: str, rank: int, world_size: int, timeout: float,

@@ -44,6 +44,7 @@ from torch.distributed.pipelining import (
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
+from fixres_dist.distributed import collectives
 from fixres_dist.distributed.collectives import BUFFER_SYNC
 from fixres_dist.errors import FixresError
 from fixres_dist.models.blocks import blocks
@@ -274,9 +275,7 @@ def pipeline_mesh(device: torch.device, world_size: int, stages: int) -> DeviceM
     Raises :class:`FixresError` unless ``stages`` divides the world size."""
     if stages < 1 or world_size % stages:
         raise FixresError(f"--pipeline-stages {stages} must divide the number of ranks ({world_size})")
-    dist.barrier()  # every rank here before the groups form: ranks seconds apart saw gloo reset their connections
-    return dist.device_mesh.init_device_mesh(device.type, (world_size // stages, stages),
-                                             mesh_dim_names=("data", "stage"))
+    return collectives.device_mesh(device.type, (world_size // stages, stages), ("data", "stage"))
 
 
 class Pipeline:

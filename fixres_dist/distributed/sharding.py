@@ -46,12 +46,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fixres_dist.config import TrainerConfig
+from fixres_dist.distributed import collectives
 from fixres_dist.errors import FixresError
 from fixres_dist.models.blocks import blocks
 
@@ -79,14 +80,13 @@ def device_mesh(config: TrainerConfig, device: torch.device) -> DeviceMesh:
     collective: every rank calls it. Raises :class:`FixresError` when the world size is not a
     multiple of the group size, or a node's ranks are not consecutive."""
     world = config.num_tasks
-    dist.barrier()  # every rank here before the groups form: ranks seconds apart saw gloo reset their connections
     if config.sharding == "full":
-        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+        return collectives.device_mesh(device.type, (world,), ("shard",))
     group = config.shard_group_size or _ranks_per_node(world)
     if world % group:
         raise FixresError(f"--sharding hybrid: {world} ranks do not split into shard groups of {group} "
                           "(--shard-group-size, default the ranks per node)")
-    return init_device_mesh(device.type, (world // group, group), mesh_dim_names=("replicate", "shard"))
+    return collectives.device_mesh(device.type, (world // group, group), ("replicate", "shard"))
 
 
 def _ranks_per_node(world: int) -> int:

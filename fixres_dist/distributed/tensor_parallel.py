@@ -35,11 +35,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fixres_dist.distributed import collectives
 from fixres_dist.errors import FixresError
 from fixres_dist.models.blocks import blocks
 
@@ -147,8 +148,7 @@ def tensor_mesh(device: torch.device, world_size: int, ranks: int) -> DeviceMesh
     (a collective: every rank calls it). Raises :class:`FixresError` unless ``ranks`` divides the world size."""
     if ranks < 1 or world_size % ranks:
         raise FixresError(f"--tensor-parallel {ranks} must divide the number of ranks ({world_size})")
-    dist.barrier()  # every rank here before the groups form: ranks seconds apart saw gloo reset their connections
-    return init_device_mesh(device.type, (world_size // ranks, ranks), mesh_dim_names=("data", "tensor"))
+    return collectives.device_mesh(device.type, (world_size // ranks, ranks), ("data", "tensor"))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

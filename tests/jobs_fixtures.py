@@ -75,10 +75,11 @@ def assert_refused_before_start(capsys, data, folder, args, message) -> None:
     assert not (folder / "local").exists()
 
 
-def run_shown_split_command(start: str, job_id: str, folder) -> str:
-    """docs/sharding.md's command beginning ``start`` (job ``job_id``, its /tmp/runs as ``folder``): it
-    ends 0 with each of the embedded data's 1,000 validation images counted once; its stdout."""
-    argv = shown.argv(shown.command(start), **{"/tmp/runs": folder})
+def run_shown_split_command(command: str, job_id: str, folder) -> str:
+    """docs/sharding.md's ``command`` (``shown.command(...)``, called in the test: that call claims it; job
+    ``job_id``, its /tmp/runs as ``folder``): it ends 0 with each of the embedded data's 1,000 validation
+    images counted once; its stdout."""
+    argv = shown.argv(command, **{"/tmp/runs": folder})
     result = run_script("scratch", *argv[2:])
     assert result.returncode == 0, result.stderr[-3000:]
     assert events(folder / job_id, "eval")[-1]["images"] == 1000

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+import shown_commands as shown
 from conftest import free_port, run_script
 from fixres_dist.config import PIPELINE_SCHEDULES
 from fixres_dist.distributed import checkpoint_shards, collectives
@@ -316,6 +317,7 @@ def test_the_schedules_are_the_configs():
 def test_the_pipeline_command_shown(tmp_path):
     """docs/sharding.md's command: 4 ranks, 2 pipelines of 2 stages, the embedded data for an epoch (4,000
     training images), each of the 1,000 validation images counted once."""
-    out = run_shown_split_command("python main_scratch.py --num-tasks 4 --pipeline-stages 2", "vit-pp", tmp_path)
+    command = shown.command("python main_scratch.py --num-tasks 4 --pipeline-stages 2")
+    out = run_shown_split_command(command, "vit-pp", tmp_path)
     assert "--pipeline-stages 2: pipeline: 2 stages x 2 data-parallel ranks, Schedule1F1B, 2 micro-batches per " \
            "step; this rank holds stage 0: stem .. blocks.2" in out

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+import shown_commands as shown
 from conftest import free_port
 from fixres_dist.distributed import collectives, sharding
 from fixres_dist.distributed import tensor_parallel as tp
@@ -199,6 +200,7 @@ def test_bad_tensor_parallel_input_is_one_line_before_any_rank_starts(capsys, ti
 def test_the_tensor_parallel_command_shown(tmp_path):
     """docs/sharding.md's command: 4 ranks, 2 tensor groups of 2, the embedded data for an epoch (4,000
     training images), each of the 1,000 validation images counted once."""
-    out = run_shown_split_command("python main_scratch.py --num-tasks 4 --tensor-parallel 2", "vit-tp", tmp_path)
+    command = shown.command("python main_scratch.py --num-tasks 4 --tensor-parallel 2")
+    out = run_shown_split_command(command, "vit-tp", tmp_path)
     assert "--tensor-parallel 2: 6 MLPs and 6 attentions (by heads) split over tensor groups of 2 ranks, 2 " \
            "data-parallel group(s); 176,714 of 300,746 parameters on this rank" in out

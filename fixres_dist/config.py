@@ -55,6 +55,9 @@ OPTIMIZERS = ("sgd", "sgd-nesterov", "adamw", "rmsprop")
 LR_SCHEDULERS = ("cosine", "step", "exponential")
 # --sharding (fixres_dist.distributed.sharding): DDP replicas, FSDP2 full shard, hybrid shard (HSDP).
 SHARDINGS = ("ddp", "full", "hybrid")
+# --world-change (fixres_dist.training.world_change): what a run resumed on another number of data-parallel
+# ranks keeps: the global batch (more or fewer accumulated micro-batches) or each rank's batch (linear scaling rule).
+WORLD_CHANGES = ("keep-global-batch", "keep-rank-batch")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # fixres_dist.distributed.pipeline.SCHEDULES
 AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet")  # torchvision v2 policies (data.train_transform)
 # Bounds that catch typos before they reach torch as overflows or degenerate draws: weight decay above
@@ -393,6 +396,13 @@ class TrainerConfig:
     resume: str | None = attrs.field(default=None, converter=resolved_path, metadata=RESUMABLE)
     preempt_signal: str = attrs.field(default="SIGUSR2", validator=_signal_name, metadata=RESUMABLE)
     skip_bad_images: bool = attrs.field(default=False, metadata=RESUMABLE)
+    # Lose a node, keep training (fixres_dist.training.world_change): what a resume on another world size
+    # keeps, the fewest ranks the job goes on with, and the global batch it keeps (set by that resume from
+    # the checkpoint; None: --batch x data-parallel ranks x --grad-accum-steps).
+    world_change: str = attrs.field(default="keep-global-batch", validator=attrs.validators.in_(WORLD_CHANGES),
+                                    metadata=RESUMABLE)
+    min_world_size: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
+    global_batch: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
 
     # Where the time goes (reporting/profiling.py): a torch.profiler trace of --profile training steps
     # after --profile-after steps of this process, on every rank.
@@ -402,43 +412,7 @@ class TrainerConfig:
     step_times: bool = attrs.field(default=True, metadata=RESUMABLE)
 
     def __attrs_post_init__(self):
-        if self.global_rank >= self.num_tasks:
-            raise FixresError(f"--global-rank {self.global_rank} must be < --num-tasks {self.num_tasks}")
-        if self.local_rank >= self.num_tasks:
-            raise FixresError(f"--local-rank {self.local_rank} must be < --num-tasks {self.num_tasks}")
-        if self.mode == "finetune" and not self.weight_path:
-            raise FixresError("main_finetune.py needs --weight-path (a checkpoint.pth or a state_dict file)")
-        if self.amp == "fp16" and self.device != "cuda":
-            raise FixresError("--amp fp16 needs --device cuda (its GradScaler is CUDA-only); on CPU use "
-                              "--amp bf16 or --amp off")
-        if self.batch < 2 and not self.eval_only:
-            raise FixresError("--batch must be >= 2 for training: a rank's BatchNorm cannot train on one image "
-                              "(--batch 1 is allowed with --eval-only)")
-        if self.eval_only and not self.weight_path:
-            raise FixresError("--eval-only needs --weight-path (the checkpoint.pth or state_dict to evaluate)")
-        if (self.mean is None) != (self.std is None):
-            raise FixresError("--mean and --std go together (the normalisation (x - mean) / std needs both)")
-        if self.weight_key is not None and not self.weight_path:
-            raise FixresError("--weight-key needs --weight-path (it names an entry of that file)")
-        if self.opt == "sgd-nesterov" and not self.momentum and not self.eval_only:
-            raise FixresError("--opt sgd-nesterov needs a --momentum above 0 (Nesterov momentum without momentum is "
-                              "plain SGD: use --opt sgd)")
-        if self.eval_only and self.model_ema:
-            raise FixresError("--model-ema keeps an average while training; to evaluate the average a checkpoint "
-                              "holds, give --eval-only --weight-key model_ema")
-        if self.profile and self.eval_only:
-            raise FixresError("--profile records training steps, and --eval-only trains none")
-        if self.mode == "finetune" and not self.eval_only:
-            _check_finetune_regularisation(config=self)
-        _check_sharding(self)
-        _check_tensor_parallel(self)
-        _check_pipeline(self)
-        if self.input_size == "auto":
-            if self.mode != "finetune" or self.eval_only:
-                raise FixresError("--input-size auto only applies to main_finetune.py (finetune at the best "
-                                  "swept test resolution)")
-            if not self.test_sizes:
-                raise FixresError("--input-size auto needs --test-sizes, the resolutions to choose from")
+        _check_options(self)
 
     @property
     def data_parallel_size(self) -> int:
@@ -451,6 +425,21 @@ class TrainerConfig:
         """Which share of the data this rank reads: the index of its tensor group or pipeline
         (0 .. :attr:`data_parallel_size` - 1)."""
         return self.global_rank // (self.tensor_parallel * self.pipeline_stages)
+
+    @property
+    def images_per_step(self) -> int:
+        """The global batch: images per optimizer step over all data-parallel ranks (``global_batch``, kept
+        from a run on another world size, else ``batch`` x :attr:`data_parallel_size` x ``grad_accum_steps``)."""
+        return self.global_batch or self.batch * self.data_parallel_size * self.grad_accum_steps
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step on each rank: ``grad_accum_steps``, or, with a kept ``global_batch``,
+        as many as keep each micro-batch at ``batch`` images or fewer (a rank's share: the global batch over
+        the data-parallel ranks, rounded up)."""
+        if self.global_batch is None:
+            return self.grad_accum_steps
+        return max(1, -(-(-(-self.global_batch // self.data_parallel_size)) // self.batch))
 
     @property
     def counts_metrics(self) -> bool:
@@ -606,6 +595,50 @@ def _check_tensor_parallel(config: TrainerConfig) -> None:
         raise FixresError(f"--tensor-parallel cannot run torchvision's {config.architecture}: its attention cannot "
                           "be split and it copies the model to change resolution; use a timm ViT (e.g. "
                           f"{TIMM_PREFIX}vit_base_patch16_224)")
+
+
+def _check_options(config: "TrainerConfig") -> None:
+    """The checks of one configuration that need several of its fields (FixresError, one line each)."""
+    if config.global_rank >= config.num_tasks:
+        raise FixresError(f"--global-rank {config.global_rank} must be < --num-tasks {config.num_tasks}")
+    if config.local_rank >= config.num_tasks:
+        raise FixresError(f"--local-rank {config.local_rank} must be < --num-tasks {config.num_tasks}")
+    if config.mode == "finetune" and not config.weight_path:
+        raise FixresError("main_finetune.py needs --weight-path (a checkpoint.pth or a state_dict file)")
+    if config.amp == "fp16" and config.device != "cuda":
+        raise FixresError("--amp fp16 needs --device cuda (its GradScaler is CUDA-only); on CPU use "
+                          "--amp bf16 or --amp off")
+    if config.batch < 2 and not config.eval_only:
+        raise FixresError("--batch must be >= 2 for training: a rank's BatchNorm cannot train on one image "
+                          "(--batch 1 is allowed with --eval-only)")
+    if config.eval_only and not config.weight_path:
+        raise FixresError("--eval-only needs --weight-path (the checkpoint.pth or state_dict to evaluate)")
+    if (config.mean is None) != (config.std is None):
+        raise FixresError("--mean and --std go together (the normalisation (x - mean) / std needs both)")
+    if config.weight_key is not None and not config.weight_path:
+        raise FixresError("--weight-key needs --weight-path (it names an entry of that file)")
+    if config.opt == "sgd-nesterov" and not config.momentum and not config.eval_only:
+        raise FixresError("--opt sgd-nesterov needs a --momentum above 0 (Nesterov momentum without momentum is "
+                          "plain SGD: use --opt sgd)")
+    if config.eval_only and config.model_ema:
+        raise FixresError("--model-ema keeps an average while training; to evaluate the average a checkpoint "
+                          "holds, give --eval-only --weight-key model_ema")
+    if config.profile and config.eval_only:
+        raise FixresError("--profile records training steps, and --eval-only trains none")
+    if config.mode == "finetune" and not config.eval_only:
+        _check_finetune_regularisation(config=config)
+    _check_sharding(config)
+    _check_tensor_parallel(config)
+    _check_pipeline(config)
+    if config.global_batch is not None and config.global_batch < 2 * config.data_parallel_size:
+        raise FixresError(f"a global batch of {config.global_batch} images is too small for "
+                          f"{config.data_parallel_size} data-parallel ranks (at least 2 images each)")
+    if config.input_size == "auto":
+        if config.mode != "finetune" or config.eval_only:
+            raise FixresError("--input-size auto only applies to main_finetune.py (finetune at the best "
+                              "swept test resolution)")
+        if not config.test_sizes:
+            raise FixresError("--input-size auto needs --test-sizes, the resolutions to choose from")
 
 
 def _check_pipeline(config: TrainerConfig) -> None:

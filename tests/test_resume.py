@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 import signal
+import socket
 import stat
 
 import pytest
@@ -168,7 +169,8 @@ def test_resume_on_another_world_size(tiny_data, tmp_path, world, preempted_at_s
     proc = run_script("scratch", "--num-tasks", world, "--job-id", "w", "--shared-folder-path", tmp_path,
                       "--data-path", tiny_data, *SHORT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"warning: resuming a 2-rank checkpoint on {world} rank{'s' * (world > 1)}:" in proc.stdout
+    host = socket.gethostname()
+    assert f"world change: 2 ranks on {host} -> {world} rank{'s' * (world > 1)} on {host}: " in proc.stdout
     assert "epoch 1 continues at image 48 of 80" in proc.stdout  # the stop was acted on after step 3
     assert final_model(tmp_path, "w")["config"]["num_tasks"] == world
 

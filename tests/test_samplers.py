@@ -218,3 +218,41 @@ def test_reps_is_validated():
         ExactBatchSampler(10, 1, 0, 2, training=False, reps=2)
     with pytest.raises(ValueError, match="reps"):
         epoch_stream(10, True, 0, 0, reps=0)
+
+
+def _shares(n, world, batch, skip=0, **options):
+    """Every rank's batches of epoch 1 (from image ``skip``) as lists of indices."""
+    samplers = [ExactBatchSampler(n, world, r, batch, seed=3, training=True, **options) for r in range(world)]
+    for s in samplers:
+        s.set_epoch(1, skip)
+    return samplers, [[[key.index for key in b] for b in s] for s in samplers]
+
+
+@pytest.mark.parametrize("n, skip", [(80, 0), (77, 0), (77, 13), (131, 40)])
+def test_accumulated_micro_batches_are_the_images_of_the_ranks_of_a_larger_world(n, skip):
+    """2 ranks accumulating 2 micro-batches of 8: rank r's share, cut in 2 as the train step cuts it
+    (``tensor_split``), holds the batches ranks r and r + 2 of 4 ranks of 8 get, the uneven last one too."""
+    _, four = _shares(n, 4, 8, skip)
+    _, two = _shares(n, 2, 16, skip, accumulation=2)
+    for rank in range(2):
+        assert len(two[rank]) == len(four[rank])
+        for step, share in enumerate(two[rank]):
+            micro = [part.tolist() for part in torch.tensor(share).tensor_split(2)]
+            assert micro == [four[rank][step], four[rank + 2][step]], (rank, step)
+
+
+@pytest.mark.parametrize("n, world, global_batch, skip", [(80, 3, 32, 0), (80, 3, 16, 21), (97, 7, 64, 5),
+                                                          (64, 5, 12, 0)])
+def test_a_global_batch_kept_on_a_world_that_does_not_divide_it(n, world, global_batch, skip):
+    """Every image of the epoch's rest exactly once, the same steps on every rank, each step's shares
+    differing by one image at most and summing to the global batch (but the merged last)."""
+    samplers, shares = _shares(n, world, -(-global_batch // world), skip, global_batch=global_batch)
+    seen = [i for rank in shares for b in rank for i in b]
+    assert sorted(seen) == sorted(epoch_stream(n, True, 3, 1)[skip:, 0].tolist())
+    assert len({len(rank) for rank in shares}) == 1
+    sizes = samplers[0].global_batch_sizes()
+    for step in range(len(shares[0])):
+        share = [len(rank[step]) for rank in shares]
+        assert max(share) - min(share) <= 1 and sum(share) == sizes[step]
+        assert sizes[step] == global_batch or step == len(sizes) - 1
+    assert samplers[0].images_done(1) == skip + global_batch

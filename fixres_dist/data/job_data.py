@@ -49,10 +49,13 @@ class JobData:
 
     def loader(self, dataset, transform, training: bool):
         """A loader of this rank's share: shuffled with training semantics (an optimizer step's share:
-        ``--grad-accum-steps`` micro-batches; ``--ra-sampler``'s repeats), or in order (evaluation)."""
+        ``--grad-accum-steps`` micro-batches, or a global batch kept from another world size; ``--ra-sampler``'s
+        repeats), or in order (evaluation)."""
         cfg = self.config
         return pipeline.make_loader(dataset, transform,
-                                    batch_size=cfg.batch * (cfg.grad_accum_steps if training else 1),
+                                    batch_size=cfg.batch * (cfg.accumulation if training else 1),
+                                    global_batch=cfg.global_batch if training else None,
+                                    accumulation=cfg.accumulation if training else 1,
                                     reps=cfg.ra_reps if training else 1, world_size=cfg.data_parallel_size,
                                     rank=cfg.data_parallel_rank, shuffle=training, seed=cfg.seed, workers=cfg.workers,
                                     pin_memory=self.device.type == "cuda", skip_bad_images=cfg.skip_bad_images,

@@ -95,14 +95,15 @@ def epoch_stream(dataset_size: int, shuffle: bool, seed: int, epoch: int, reps: 
     return torch.stack([permutation[position // reps], position % reps], 1)
 
 
-def global_batch_sizes(remaining: int, world_size: int, batch_size: int, training: bool) -> list[int]:
+def global_batch_sizes(remaining: int, world_size: int, batch_size: int, training: bool,
+                       global_batch: int | None = None) -> list[int]:
     """Sizes of the global batches (all ranks together) that ``remaining`` images of an epoch are cut into.
 
-    Full batches of ``world_size x batch_size``, then the rest; a rest of fewer than ``2 x
-    world_size`` images is merged into the batch before it, or, in training when there is none,
+    Full batches of ``global_batch`` images (default ``world_size x batch_size``), then the rest; a
+    rest of fewer than ``2 x world_size`` images is merged into the batch before it, or, in training when there is none,
     left out (the sizes then sum to less than ``remaining``).
     """
-    step = world_size * batch_size
+    step = global_batch or world_size * batch_size
     sizes = [step] * (remaining // step) + ([remaining % step] if remaining % step else [])
     if sizes and sizes[-1] < 2 * world_size:
         tail = sizes.pop()
@@ -114,7 +115,8 @@ def global_batch_sizes(remaining: int, world_size: int, batch_size: int, trainin
 
 
 def global_batches(dataset_size: int, world_size: int, batch_size: int, shuffle: bool,
-                   seed: int, epoch: int, skip: int = 0, training: bool = False, reps: int = 1) -> list[torch.Tensor]:
+                   seed: int, epoch: int, skip: int = 0, training: bool = False, reps: int = 1,
+                   global_batch: int | None = None) -> list[torch.Tensor]:
     """The epoch's samples (:func:`epoch_stream`), less the first ``skip``, cut into global batches
     of :func:`global_batch_sizes`: int64 tensors (b, 2) of (index, copy).
 
@@ -122,7 +124,7 @@ def global_batches(dataset_size: int, world_size: int, batch_size: int, shuffle:
     another world size continues the same stream: no sample of the epoch is repeated.
     """
     order = epoch_stream(dataset_size, shuffle, seed, epoch, reps)
-    sizes = global_batch_sizes(dataset_size - skip, world_size, batch_size, training)
+    sizes = global_batch_sizes(dataset_size - skip, world_size, batch_size, training, global_batch)
     return list(torch.split(order[skip:skip + sum(sizes)], sizes))
 
 
@@ -142,20 +144,30 @@ class ExactBatchSampler(Sampler[list[SampleKey]]):
             ``False``: every image exactly once, some ranks may get fewer batches.
         reps: repeated augmentation, K copies of every image per cycle of K epochs (module notes);
             an int >= 1 (ValueError otherwise), above 1 only for a shuffled training sampler.
+        global_batch: images per global batch (default ``world_size x batch_size``); a rank's share
+            then differs from its peers' by one image at most (a global batch kept on another world
+            size: :mod:`fixres_dist.training.world_change`).
+        accumulation: micro-batches per step (``--grad-accum-steps``): the share holds ``accumulation``
+            *virtual ranks* of a world ``accumulation`` times larger, one after the other: rank ``r``'s
+            micro-batch ``m`` is ``chunk[r + m W :: W x accumulation]``, the images rank ``r + m W`` of
+            that world would get, so that 2 ranks accumulating 2 micro-batches see the same BatchNorm
+            batches as 4 ranks (and :func:`fixres_dist.training.engine.train_step`'s even cut of the share
+            falls on the same boundaries).
 
     ``len(sampler)`` is this rank's number of batches in the current pass (the same on every rank
     in training). Call :meth:`set_epoch` before each epoch.
     """
 
     def __init__(self, dataset_size: int, world_size: int, rank: int, batch_size: int,
-                 shuffle: bool = True, seed: int = 0, training: bool = False, reps: int = 1):
+                 shuffle: bool = True, seed: int = 0, training: bool = False, reps: int = 1,
+                 global_batch: int | None = None, accumulation: int = 1):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside [0, {world_size})")
         if check_reps(reps) > 1 and not (shuffle and training):
             raise ValueError("repeated augmentation (reps > 1) is for shuffled training samplers only")
         self.dataset_size, self.world_size, self.rank = dataset_size, world_size, rank
         self.batch_size, self.shuffle, self.seed, self.training = batch_size, shuffle, seed, training
-        self.reps = reps
+        self.reps, self.global_batch, self.accumulation = reps, global_batch, accumulation
         self.epoch, self.skip = 0, 0
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
@@ -164,7 +176,8 @@ class ExactBatchSampler(Sampler[list[SampleKey]]):
 
     def global_batch_sizes(self) -> list[int]:
         """Images per global batch (all ranks together) of the current pass."""
-        return global_batch_sizes(self.dataset_size - self.skip, self.world_size, self.batch_size, self.training)
+        return global_batch_sizes(self.dataset_size - self.skip, self.world_size, self.batch_size, self.training,
+                                  self.global_batch)
 
     @property
     def left_out(self) -> int:
@@ -180,12 +193,16 @@ class ExactBatchSampler(Sampler[list[SampleKey]]):
         """Images of the epoch consumed over all ranks after ``batches_done`` batches of this pass."""
         if batches_done >= len(self):
             return self.dataset_size
-        return self.skip + batches_done * self.world_size * self.batch_size  # all but the last are full
+        step = self.global_batch or self.world_size * self.batch_size
+        return self.skip + batches_done * step  # all but the last are full
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
         for chunk in global_batches(self.dataset_size, self.world_size, self.batch_size,
-                                    self.shuffle, self.seed, self.epoch, self.skip, self.training, self.reps):
-            mine = chunk[self.rank::self.world_size].tolist()
+                                    self.shuffle, self.seed, self.epoch, self.skip, self.training, self.reps,
+                                    self.global_batch):
+            virtual = self.world_size * self.accumulation
+            mine = torch.cat([chunk[self.rank + m * self.world_size::virtual]
+                              for m in range(self.accumulation)]).tolist()
             if mine:
                 yield [SampleKey(index, self.epoch, copy) for index, copy in mine]
 

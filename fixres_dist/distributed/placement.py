@@ -227,3 +227,19 @@ def threads_per_rank(num_tasks: int, environ=None) -> int:
     if "SLURM_NTASKS" in environ and "SLURM_CPUS_PER_TASK" in environ:
         return max(1, int(environ["SLURM_CPUS_PER_TASK"]))
     return max(1, cores // max(1, min(local, cores)))
+
+
+# What torchrun's elastic agent does with a node that joins a running job while the agents share their
+# rendezvous store with the workers (torch's default): the new agent waits for a bootstrap address that
+# the agents already running never publish again, and the job does not grow (measured with torch 2.14).
+ELASTIC_SHARED_STORE = ("torchrun --max-restarts with its rendezvous store shared with the workers (the default): a "
+                        "node that joins later waits forever instead of being admitted; start every torchrun with "
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment to grow back (docs/cluster.md)")
+
+
+def elastic_shared_store(environ=None) -> bool:
+    """Whether this torchrun worker's agent may restart it (``--max-restarts`` > 0) and shares its store
+    with the workers (``TORCHELASTIC_USE_AGENT_STORE=True``): :data:`ELASTIC_SHARED_STORE`."""
+    environ = os.environ if environ is None else environ
+    restarts = environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restarts.isdigit() and int(restarts) > 0

@@ -29,6 +29,7 @@ from fixres_dist.config import (
     SCOPES,
     SHARDINGS,
     TIMM_PREFIX,
+    WORLD_CHANGES,
     TrainerConfig,
 )
 from fixres_dist.errors import FixresError
@@ -542,6 +543,13 @@ def _add_checkpoints(p: argparse.ArgumentParser, mode: str) -> None:
                    f"({default('preempt_signal')})")
     c.add_argument("--skip-bad-images", action="store_true", default=None,
                    help="skip and count unreadable images instead of stopping")
+    c.add_argument("--world-change", choices=WORLD_CHANGES,
+                   help="what a run resumed on another number of ranks (a node lost or back) keeps: the global batch, "
+                        "by accumulating micro-batches, or each rank's --batch, with the learning rate re-derived by "
+                        f"the linear scaling rule ({default('world_change')})")
+    c.add_argument("--min-world-size", type=int, metavar="N",
+                   help="the fewest ranks the job trains on: on fewer it stops before training with exit status 3, "
+                        "keeping its checkpoint (default: any)")
 
 
 def build_parser(mode: str) -> argparse.ArgumentParser:

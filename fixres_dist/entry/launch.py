@@ -278,6 +278,8 @@ def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
         config, source = build_config(mode, args)
         checked = source in ("spawn", "single") or config.global_rank == 0  # else after meeting the peers
         inputs = preflight(config) if checked else None
+        if source == "torchrun" and config.global_rank == 0 and placement.elastic_shared_store():
+            say(f"fixres_dist: warning: {placement.ELASTIC_SHARED_STORE}")
     except FixresError as exc:
         rank = args.global_rank if args.global_rank is not None else \
             os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"

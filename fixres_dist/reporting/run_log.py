@@ -67,7 +67,7 @@ class RunLog:
         every rank's step times (:meth:`StepTimes.gather <fixres_dist.reporting.step_times.StepTimes.gather>`),
         a ``step_times`` event and the warnings of :func:`~fixres_dist.reporting.step_times.findings`."""
         cfg = self.config
-        self.record("train", epoch=epoch + 1, loss=result.loss, lr=lr, img_per_s=result.img_per_s,
+        self.record("train", epoch=epoch + 1, loss=result.loss, lr=lr, img_per_s=result.img_per_s, images=result.images,
                     **({"skipped_images": result.skipped} if result.skipped else {}),
                     **({"left_out_images": result.left_out} if result.left_out else {}))
         self.log(f"epoch {epoch + 1}/{cfg.epochs}: train loss {result.loss:.4f}, lr {lr:.4g}, "
@@ -93,9 +93,11 @@ class RunLog:
         sweep's: those carry a label)."""
         return any("label" not in e for e in self.events(event, epoch=epoch))
 
-    def start(self, history: list[dict], board_at: int, resume_at: int, images_per_epoch: int) -> None:
-        """Rank 0 writes ``config.json`` and the history of the checkpoint resumed (dropping events
-        it does not know of) to ``metrics.jsonl``; with ``--tensorboard`` it opens the event files;
+    def start(self, config, history: list[dict], board_at: int, resume_at: int, images_per_epoch: int) -> None:
+        """The run's ``config`` (:class:`~fixres_dist.config.TrainerConfig`, once a world change is known:
+        :mod:`~fixres_dist.training.world_change`). Rank 0 writes ``config.json`` and the history of
+        the checkpoint resumed (dropping events it does not know of) to ``metrics.jsonl``; with
+        ``--tensorboard`` it opens the event files;
         with ``--profile`` every rank starts its profiler (:mod:`fixres_dist.reporting.profiling`).
 
         ``board_at``: images trained on up to which the job's event files hold the curves
@@ -105,7 +107,7 @@ class RunLog:
         interrupted run wrote after that point is hidden and the events the checkpoint knows are
         rewritten from it (no duplicate points on a curve, no gap in the per-epoch ones).
         """
-        self.history = list(history)
+        self.config, self.history = config, list(history)
         if self.config.profile:
             from fixres_dist.reporting.profiling import FOLDER, StepProfiler
             self.profiler = StepProfiler(self.config.job_folder / FOLDER, self.config.global_rank, self.config.profile,
@@ -129,7 +131,7 @@ class RunLog:
         self.board.replay(self.history, since=since)
         self.board_until = since
         cfg = self.config
-        steps_per_epoch = -(-images_per_epoch // (cfg.batch * cfg.grad_accum_steps * cfg.data_parallel_size))
+        steps_per_epoch = -(-images_per_epoch // cfg.images_per_step)
         self.board_every = max(1, steps_per_epoch // POINTS_PER_EPOCH)
 
     def _board_failed(self, message: str) -> None:

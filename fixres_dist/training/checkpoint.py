@@ -116,8 +116,8 @@ class Contents:
     :meth:`as_dict`, read back with :meth:`from_dict` (entries that older versions did not write
     take their defaults). Shapes: ``epoch_sums`` the epoch's (loss sum, images, skipped) so far, over
     all ranks; ``epoch_seconds`` its training time so far (seconds); ``ranks`` one dict per global rank
-    (``rng``, ``buffers``, ``ema_buffers``); ``tensorboard_at`` images trained on up to which the job's
-    TensorBoard event files hold the curves (None: not recorded)."""
+    (``rng``, ``buffers``, ``ema_buffers``, ``host``: its host name); ``tensorboard_at`` images trained on
+    up to which the job's TensorBoard event files hold the curves (None: not recorded)."""
 
     model: dict
     optimizer: dict

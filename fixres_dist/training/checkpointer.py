@@ -3,12 +3,14 @@
 A checkpoint (:mod:`fixres_dist.training.checkpoint`: the file format) holds the unwrapped model,
 the optimizer step's state (:class:`~fixres_dist.training.step.TrainStep`), the position
 (:class:`~fixres_dist.training.state.TrainState`), the history (:class:`~fixres_dist.reporting.run_log.RunLog`)
-and, per rank, its RNG states and BatchNorm buffers; resuming it is bit-identical on the same world
-size, and on another one re-derives the learning rate (linear scaling rule) and averages the buffers.
+and, per rank, its RNG states, BatchNorm buffers and host; resuming it is bit-identical on the same world
+size, and on another one keeps the global batch or re-derives the learning rate
+(:mod:`~fixres_dist.training.world_change`) and averages the buffers.
 """
 from __future__ import annotations
 
 import math
+import socket
 
 import torch
 
@@ -16,7 +18,7 @@ from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import checkpoint_shards, collectives, sharding
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.reporting.run_log import RunLog
-from fixres_dist.training import checkpoint, finite
+from fixres_dist.training import checkpoint, finite, world_change
 from fixres_dist.training.faults import FaultInjector
 from fixres_dist.training.network import Network
 from fixres_dist.training.state import TrainState
@@ -37,6 +39,7 @@ class Checkpointer:
         self.step: TrainStep | None = None
         self.last_step: int | None = None
         self.unsaved = False
+        self.loss: dict | None = None  # where the run before stopped when it lost ranks (world_change.note_loss)
 
     def train_with(self, step: TrainStep) -> None:
         """Training starts: checkpoints hold ``step``'s optimizer, schedule, scaler and EMA too."""
@@ -49,6 +52,7 @@ class Checkpointer:
         epoch's sums are not finite."""
         cfg, network, step, images_per_epoch = self.config, self.network, self.step, self.images_per_epoch
         mine = {"rng": checkpoint.rng_state(), "buffers": checkpoint.buffers_of(network.model),
+                "host": socket.gethostname(),
                 **({"ema_buffers": checkpoint.buffers_of(step.ema.module)} if step.ema is not None else {})}
         ranks = collectives.gather_object(mine, self.control_group)
         partial = state.meter is not None and state.images_in_epoch
@@ -94,27 +98,32 @@ class Checkpointer:
         self.unsaved, self.last_step = False, state.global_step
 
     def _world_changed(self, contents, state: TrainState, train_images: int) -> None:
-        """The line about resuming on another world size or split: a warning when the data-parallel ranks changed
-        (the batches and learning rate do), a note when only the split did (tensor or pipeline parallelism)."""
-        cfg, before, saved = self.config, len(contents.ranks), contents.config
-        tensor, stages = saved.get("tensor_parallel", 1), saved.get("pipeline_stages", 1)
-        change = (f"resuming a {before}-rank checkpoint{_split(tensor, stages)} on {plural(cfg.num_tasks, 'rank')}"
-                  f"{_split(cfg.tensor_parallel, cfg.pipeline_stages)}: ")
-        data_parallel = before // (tensor * stages)
+        """The line about resuming on another world size or split: a ``world_change`` event and its line
+        when the data-parallel ranks changed (:mod:`~fixres_dist.training.world_change`; a warning when
+        the global batch did), a note when only the split did (tensor or pipeline parallelism)."""
+        cfg, saved = self.config, contents.config
+        split = _split(cfg.tensor_parallel, cfg.pipeline_stages)
+        data_parallel = world_change.saved_data_parallel(saved, len(contents.ranks))
         if data_parallel == cfg.data_parallel_size:
-            self.run_log.log(f"{change}the same {data_parallel} data-parallel rank(s), batches and learning rate; "
-                             "RNG streams restart")
+            self.run_log.log(f"resuming a {len(contents.ranks)}-rank checkpoint"
+                             f"{_split(saved.get('tensor_parallel', 1), saved.get('pipeline_stages', 1))} on "
+                             f"{plural(cfg.num_tasks, 'rank')}{split}: the same {data_parallel} data-parallel "
+                             "rank(s), batches and learning rate; RNG streams restart")
             return
-        self.run_log.warn(f"{change}lr re-derived by the linear scaling rule ({self.step.base_lr:g}), "
-                          "BatchNorm statistics averaged, "
-                          f"epoch {state.epoch + 1} continues at image {state.images_in_epoch} of {train_images} "
-                          "of the same permutation (no image repeated); RNG streams restart")
+        hosts = collectives.gather_object(socket.gethostname(), self.control_group)  # all ranks: a collective
+        if cfg.global_rank == 0:
+            fields = self.run_log.record("world_change", **world_change.event(
+                cfg, contents, hosts, self.images_per_epoch, self.loss))
+            kept = fields["global_batch"] == fields["global_batch_before"]
+            (self.run_log.log if kept else self.run_log.warn)(world_change.describe(fields, train_images, split,
+                                                                                        self.step.base_lr))
 
     def restore(self, resume, state: TrainState, train_images: int) -> None:
         """Continue from ``resume`` (:class:`~fixres_dist.training.inputs.Resume`): parameters, the
         optimizer step's state, RNG and BatchNorm buffers (``state`` already holds the position)."""
         cfg, contents, network, step = self.config, resume.contents, self.network, self.step
         self.last_step = state.global_step
+        self.loss = world_change.read_loss(cfg) if cfg.global_rank == 0 else None  # ranks lost before this run
         saved = contents.config  # the same ranks in the same roles: each continues its own RNG and BatchNorm
         same_world = len(contents.ranks) == cfg.num_tasks and saved.get("tensor_parallel", 1) == cfg.tensor_parallel \
             and saved.get("pipeline_stages", 1) == cfg.pipeline_stages

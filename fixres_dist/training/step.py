@@ -24,9 +24,9 @@ from fixres_dist.training.network import Network
 
 def base_learning_rate(config: TrainerConfig) -> float:
     """``--learning-rate`` (per 256 images) scaled to the global batch by the linear scaling rule (the
-    data-parallel ranks' batches: a tensor group's ranks see the same images)."""
-    return optim.scaled_learning_rate(config.learning_rate, config.batch, config.data_parallel_size,
-                                      config.grad_accum_steps)
+    data-parallel ranks' batches: a tensor group's ranks see the same images; a global batch kept from
+    another world size: :attr:`~fixres_dist.config.TrainerConfig.images_per_step`)."""
+    return optim.scaled_learning_rate(config.learning_rate, config.images_per_step, 1)
 
 
 class TrainStep:
@@ -69,9 +69,10 @@ class TrainStep:
     def _describe(self, steps_per_epoch: int, train_images: int) -> str:
         """The log line: optimizer, learning rate and how the linear scaling rule made it, steps per epoch."""
         cfg = self.config
-        accumulated = f" x {cfg.grad_accum_steps} accumulated" if cfg.grad_accum_steps > 1 else ""
-        return (f"{cfg.opt} lr {self.base_lr:g} = {cfg.learning_rate:g} x {cfg.batch} x {cfg.data_parallel_size}"
-                f"{accumulated} / "
+        accumulated = f" x {cfg.accumulation} accumulated" if cfg.accumulation > 1 else ""
+        batch = (f"{cfg.global_batch} (global batch kept: {plural(cfg.data_parallel_size, 'rank')}{accumulated})"
+                 if cfg.global_batch else f"{cfg.batch} x {cfg.data_parallel_size}{accumulated}")
+        return (f"{cfg.opt} lr {self.base_lr:g} = {cfg.learning_rate:g} x {batch} / "
                 f"{optim.REFERENCE_BATCH} (linear scaling rule), {steps_per_epoch} steps per epoch"
                 + (f", repeated augmentation x{cfg.ra_reps} (an epoch: about {-(-train_images // cfg.ra_reps):,} "
                    f"images, {cfg.ra_reps} copies each)" if cfg.ra_reps > 1 else "")
@@ -85,8 +86,9 @@ class TrainStep:
         cfg = self.config
         mix = None
         if self.mixing.enabled:
-            def mix(batch, targets, micro_batch):  # drawn from (seed, step, rank, micro-batch): the same after a resume
-                return self.mixing(batch, targets, (global_step + 1, cfg.data_parallel_rank, micro_batch))
+            def mix(batch, targets, micro_batch):  # drawn from (seed, step, virtual rank): the same after a resume,
+                virtual = cfg.data_parallel_rank + micro_batch * cfg.data_parallel_size  # on any world size
+                return self.mixing(batch, targets, (global_step + 1, virtual, 0))
         common = dict(device=self.network.device, world=cfg.data_parallel_size, global_batch=global_batch,
                       amp=self.amp, channels_last=cfg.channels_last,
                       normalization=self.network.preprocessing.normalization, mix=mix,
@@ -95,7 +97,7 @@ class TrainStep:
             loss = engine.pipeline_train_step(self.network.pipeline, self.optimizer, images, labels, **common)
         else:
             loss = engine.train_step(self.network, self.optimizer, self.scaler, images, labels,
-                                     label_smoothing=cfg.label_smoothing, accumulation=cfg.grad_accum_steps,
+                                     label_smoothing=cfg.label_smoothing, accumulation=cfg.accumulation,
                                      no_sync=self.network.no_sync, reduce_gradients=self.network.reduce_gradients,
                                      clip=self.network.clip_grad_norm, **common)
         self.watch.observe(global_step + 1, loss)

@@ -4,11 +4,10 @@
 
 * :meth:`Trainer.build`: open the rank's session (:class:`~fixres_dist.distributed.session.RankSession`:
   the job lock, meeting the other ranks); read the inputs (:class:`~fixres_dist.training.inputs.JobInputs`:
-  data, the checkpoint to continue, weights); start the run's log; build the network (sharded at
-  once with ``--sharding full/hybrid``, so that every evaluation runs on the shards); plan the job
-  (:mod:`fixres_dist.training.plan`: one protocol per job kind) and run it up to training (a FixRes
-  finetune first measures top-1 before finetuning and, with ``--input-size auto``, picks the test
-  resolution); then wrap in DDP, build the optimizer step and restore the checkpoint.
+  data, the checkpoint to continue, weights) and what a world change keeps (:mod:`.world_change`);
+  start the run's log; build the network (sharded at once with ``--sharding full/hybrid``); plan the
+  job (:mod:`fixres_dist.training.plan`) and run it up to training (a FixRes finetune first measures
+  top-1 and may pick the test resolution); then wrap, build the optimizer step and restore the checkpoint.
 * :meth:`Trainer.fit`: run the rest of the plan: epochs (train, average BatchNorm statistics over
   ranks, evaluate exactly, checkpoint), the final sweep, the reports and the features.
 
@@ -36,7 +35,7 @@ from fixres_dist.errors import FixresWarning
 from fixres_dist.fixres import finetuning
 from fixres_dist.reporting import progress
 from fixres_dist.reporting.run_log import RunLog, resumed_board_at
-from fixres_dist.training import engine, plan
+from fixres_dist.training import engine, plan, world_change
 from fixres_dist.training.checkpointer import Checkpointer
 from fixres_dist.training.evaluator import Evaluator
 from fixres_dist.training.faults import FaultInjector
@@ -69,16 +68,13 @@ class Trainer:
     """Train (``mode="scratch"``) or FixRes-finetune (``mode="finetune"``) one classifier with DDP, or
     evaluate it (``eval_only``).
 
-    Callable: ``Trainer(config)()`` runs this rank's part and returns a :class:`RunResult`. Raises
-    :class:`~fixres_dist.errors.FixresError` for bad input or peers that never arrive,
-    :class:`~fixres_dist.distributed.preemption.Preempted` after a stop checkpoint. Tests and benchmarks may instead
-    call :meth:`build`, then :meth:`train_step` / :meth:`train_epoch` / :meth:`fit`, then :meth:`close`.
+    ``Trainer(config)()`` runs this rank's part and returns a :class:`RunResult`. Raises :class:`FixresError`
+    for bad input or peers that never arrive, :class:`Preempted` after a stop checkpoint. Tests and benchmarks
+    may call :meth:`build`, then :meth:`train_step` / :meth:`train_epoch` / :meth:`fit`, then :meth:`close`.
 
-    ``inputs``: what :func:`fixres_dist.training.inputs.preflight` returned in this process (else the
-    rank reads them after meeting its peers). ``locked``, ``announce``: see
-    :class:`~fixres_dist.distributed.session.RankSession`. ``index_note``: the launcher's line about
-    the data's file index (built or reused), which rank 0 logs instead of its own. ``log``: where rank
-    0's messages go (default the console, above the progress bar).
+    ``inputs``: what :func:`fixres_dist.training.inputs.preflight` returned in this process (else the rank reads
+    them after meeting its peers). ``locked``, ``announce``: see :class:`RankSession`. ``index_note``: the
+    launcher's line about the file index, logged instead of rank 0's. ``log``: where rank 0's messages go.
     """
 
     def __init__(self, config: TrainerConfig, inputs: JobInputs | None = None, *, locked: bool = False,
@@ -103,6 +99,7 @@ class Trainer:
             except Exception as exc:
                 failure = self.session.failed(exc)
                 if failure is not None:
+                    world_change.after_failure(self.config, self.state, failure)  # where a lost peer left the job
                     raise failure from None
                 raise
             finally:
@@ -114,6 +111,8 @@ class Trainer:
         cfg, log = self.config, self.run_log.log
         self.session.open()
         inputs = self.inputs or JobInputs.read(cfg)
+        self.config = cfg = world_change.continued(cfg, inputs.resume.contents if inputs.resume else None,
+                                                   self.run_log.warn)  # a global batch kept from another world size
         if cfg.global_rank == 0:
             io.remove_stale_temporaries(cfg.job_folder)  # of a killed run
             checkpoint_shards.remove_partial(cfg.job_folder)
@@ -125,8 +124,8 @@ class Trainer:
             log(resume.note)
         self.state = TrainState.start(cfg, resume.contents if resume else None)
         per_epoch, seen = self.data.images_per_epoch, self.state.images_seen(self.data.images_per_epoch)
-        self.run_log.start(resume.contents.metrics if resume else [], resumed_board_at(resume, cfg.job_folder, seen),
-                           seen, per_epoch)
+        self.run_log.start(cfg, resume.contents.metrics if resume else [],
+                           resumed_board_at(resume, cfg.job_folder, seen), seen, per_epoch)
         self.network = Network(cfg, self.data.classes, Network.build_size(cfg, self.state.input_size),
                                inputs.weights, self.session.device, log, self.run_log.warn)
         self.protocol = plan.protocol(cfg)

@@ -1,0 +1,162 @@
+"""Lose a node, keep training: a job continued on another number of ranks keeps its recipe.
+
+A run that resumes a checkpoint written by another number of data-parallel ranks (a node lost and the
+job restarted on the survivors by torchrun's elastic agent or by SLURM, a node back, or a rerun by
+hand) continues the same epoch of the same sample stream (:mod:`fixres_dist.data.samplers`: no image
+repeated or skipped). What it keeps, ``--world-change``:
+
+* ``keep-global-batch`` (the default): the images per optimizer step of the run that wrote the
+  checkpoint, and so the learning rate, its schedule and the steps per epoch. Each rank takes a share
+  of the global batch (shares differ by one image at most) in as many accumulated micro-batches as keep
+  each at ``--batch`` images or fewer (:attr:`~fixres_dist.config.TrainerConfig.accumulation`): 2 ranks
+  after 4 accumulate 2, and each micro-batch holds the images one of the 4 ranks held (the sampler's
+  virtual ranks), so that the steps are the uninterrupted run's up to float rounding. What differs:
+  BatchNorm's running statistics, updated once per micro-batch in turn rather than per rank and
+  averaged; on a world whose size divides no multiple of the old one, the BatchNorm batches too.
+  Pipeline stages do not accumulate: there the rank's batch is kept instead (a warning says so), as it
+  is when the global batch would leave a rank fewer than 2 images.
+* ``keep-rank-batch``: each rank's ``--batch``; the global batch follows the ranks and the learning
+  rate is re-derived by the linear scaling rule (Goyal et al., arXiv 1706.02677, section 2.1).
+
+``--min-world-size N``: a run on fewer than N ranks stops at once, before training, with exit status
+3 (the last checkpoint kept), as a preempted one does; torchrun's elastic agent and SLURM's requeue
+then try again, up to their own bounds (``--max-restarts``, ``--max-requeues``).
+
+Each change is one log line and one ``world_change`` event in ``metrics.jsonl``: ranks and hosts
+before and after, the epoch, image and step it continues from, the global batch and micro-batches,
+and, when ranks were lost, the images trained since the last checkpoint that are trained again and
+the seconds from the loss to this restart. The surviving ranks of a lost peer write what they had
+reached (:func:`note_loss`, ``lost.json`` in the job folder); the next run reads it and removes it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Callable
+
+import attrs
+
+from fixres_dist import io
+from fixres_dist.config import TrainerConfig
+from fixres_dist.distributed.preemption import Preempted
+from fixres_dist.distributed.rendezvous import LostPeers
+from fixres_dist.errors import FixresError, plural
+
+LOSS_FILE = "lost.json"  # in the job folder: where the survivors of a lost peer stopped (note_loss)
+
+
+def saved_data_parallel(saved: dict, ranks: int) -> int:
+    """The data-parallel ranks of the run that wrote a checkpoint (its ``config`` dict, its ``ranks``)."""
+    return ranks // (saved.get("tensor_parallel", 1) * saved.get("pipeline_stages", 1))
+
+
+def saved_global_batch(saved: dict, ranks: int) -> int:
+    """The images per optimizer step of the run that wrote a checkpoint (its ``config`` dict, its ``ranks``)."""
+    return saved.get("global_batch") or \
+        saved["batch"] * saved_data_parallel(saved, ranks) * saved.get("grad_accum_steps", 1)
+
+
+def continued(config: TrainerConfig, contents, warn: Callable[[str], None]) -> TrainerConfig:
+    """``config`` for a run that continues ``contents`` (a checkpoint's
+    :class:`~fixres_dist.training.checkpoint.Contents`, or None): with ``keep-global-batch``, the global
+    batch the checkpoint's run trained with (``global_batch`` set where this world's ``--batch`` x ranks x
+    ``--grad-accum-steps`` differs from it); ``warn`` is told when the global batch cannot be kept.
+    Raises :class:`~fixres_dist.distributed.preemption.Preempted` on fewer ranks than ``--min-world-size``
+    (exit status 3), :class:`FixresError` when a fresh job has fewer."""
+    if config.min_world_size and config.num_tasks < config.min_world_size:
+        below = f"{plural(config.num_tasks, 'rank')}, fewer than --min-world-size {config.min_world_size}"
+        if contents is None:
+            raise FixresError(f"this job has {below}")
+        raise Preempted(f"only {below}: stopped before training; the checkpoint of step {contents.global_step} "
+                        "is kept, and the job continues from it on enough ranks")
+    if contents is None or config.eval_only:
+        return config
+    wanted = saved_global_batch(contents.config, len(contents.ranks))
+    plain = attrs.evolve(config, global_batch=None)
+    if config.world_change == "keep-rank-batch" or wanted == plain.images_per_step:
+        return plain
+    if config.pipeline_stages > 1 or wanted < 2 * config.data_parallel_size:
+        why = ("pipeline stages do not accumulate micro-batches" if config.pipeline_stages > 1 else
+               f"it would leave some of the {config.data_parallel_size} data-parallel ranks fewer than 2 images")
+        warn(f"the global batch of {wanted} images is not kept ({why}): each rank keeps --batch {config.batch} "
+             "(--world-change keep-rank-batch)")
+        return plain
+    return attrs.evolve(config, global_batch=wanted)
+
+
+def note_loss(config: TrainerConfig, epoch: int, images_in_epoch: int, global_step: int, lost: str) -> None:
+    """A surviving rank of a lost peer: where training had reached (``epoch`` 0-based, images into it,
+    optimizer steps done) and what was lost, for the run that continues (:func:`read_loss`). Best effort:
+    every survivor writes the same, atomically; a failure to write loses only the figure."""
+    record = {"time": time.time(), "epoch": epoch, "images_in_epoch": images_in_epoch, "step": global_step,
+              "ranks": config.num_tasks, "lost": lost, "host": socket.gethostname()}
+    try:
+        io.write_private(config.job_folder / LOSS_FILE, json.dumps(record))
+    except OSError:
+        pass
+
+
+def read_loss(config: TrainerConfig) -> dict | None:
+    """What :func:`note_loss` wrote, once (rank 0 removes it), or None."""
+    path = config.job_folder / LOSS_FILE
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if config.global_rank == 0:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return record if isinstance(record, dict) else None
+
+
+def event(config: TrainerConfig, contents, hosts_after: list[str], images_per_epoch: int,
+          loss: dict | None) -> dict:
+    """The fields of the ``world_change`` event of a run on ``config`` continuing ``contents`` on hosts
+    ``hosts_after`` (one name per rank); ``loss``: :func:`read_loss`'s record, when ranks were lost."""
+    saved, ranks = contents.config, len(contents.ranks)
+    at = contents.epoch * images_per_epoch + contents.images_in_epoch
+    fields = {"ranks_before": ranks, "ranks_after": config.num_tasks,
+              "hosts_before": sorted({r.get("host", "?") for r in contents.ranks}),
+              "hosts_after": sorted(set(hosts_after)), "epoch": contents.epoch + 1,
+              "images_in_epoch": contents.images_in_epoch, "step": contents.global_step,
+              "global_batch_before": saved_global_batch(saved, ranks), "global_batch": config.images_per_step,
+              "accumulation": config.accumulation, "kept": config.world_change,
+              "images_lost": None, "seconds_since_loss": None}
+    if loss is not None and loss.get("step", -1) >= contents.global_step:
+        reached = loss["epoch"] * images_per_epoch + loss["images_in_epoch"]
+        fields.update(images_lost=max(0, reached - at), seconds_since_loss=round(time.time() - loss["time"], 1),
+                      lost=loss.get("lost"))
+    return fields
+
+
+def describe(fields: dict, train_images: int, split: str, lr: float) -> str:
+    """The log line of a ``world_change`` event's ``fields`` (``split``: how the ranks split the model now;
+    ``lr``: the learning rate, per the linear scaling rule, of this run's global batch)."""
+    before, after = fields["hosts_before"], fields["hosts_after"]
+    where = (f"{fields['ranks_before']} ranks on {', '.join(before)} -> {plural(fields['ranks_after'], 'rank')}"
+             f"{split} on {', '.join(after)}")
+    at = (f"epoch {fields['epoch']} continues at image {fields['images_in_epoch']} of {train_images} of the same "
+          f"permutation (no image repeated), step {fields['step']}")
+    if fields["global_batch"] == fields["global_batch_before"]:
+        micro = f", {fields['accumulation']} accumulated micro-batches per rank" if fields["accumulation"] > 1 else ""
+        batch = f"global batch of {fields['global_batch']} kept{micro}: learning rate and schedule unchanged"
+    else:
+        batch = (f"global batch {fields['global_batch_before']} -> {fields['global_batch']}: lr re-derived by "
+                 f"the linear scaling rule ({lr:g})")
+    lost = ""
+    if fields["images_lost"] is not None:
+        lost = (f"; {fields['images_lost']:,} images trained since the last checkpoint are trained again, "
+                f"{fields['seconds_since_loss']:.1f} s after the loss")
+    return f"world change: {where}: {at}; {batch}; BatchNorm statistics averaged, RNG streams restart{lost}"
+
+
+def after_failure(config: TrainerConfig, state, failure: Exception) -> None:
+    """A rank's run failed with ``failure``: when peers were lost
+    (:class:`~fixres_dist.distributed.rendezvous.LostPeers`), :func:`note_loss` where its ``state``
+    (:class:`~fixres_dist.training.state.TrainState`) had reached."""
+    if isinstance(failure, LostPeers):
+        note_loss(config, state.epoch, state.images_in_epoch, state.global_step, str(failure))

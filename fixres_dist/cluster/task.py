@@ -22,7 +22,11 @@ One protocol for both ways of launching, submitit (``slurm/submit.py``) and plai
    (:class:`~fixres_dist.distributed.rendezvous.LostPeers`; or, every peer alive, the network was interrupted:
    :class:`~fixres_dist.distributed.rendezvous.NetworkInterrupted`) and every survivor asks SLURM to requeue the job
    (the first request wins; at most ``max_requeues`` restarts in all): the job starts again, on
-   whichever nodes SLURM gives it, and resumes from its last checkpoint.
+   whichever nodes SLURM gives it, and resumes from its last checkpoint. In an elastic job
+   (``slurm/job.sbatch`` with a node range sets ``FIXRES_ELASTIC=1``) the survivors exit with
+   :data:`RESTART_STEP_EXIT_STATUS` instead, and the batch script starts the step again on the nodes
+   that still answer (``FIXRES_STEP`` counts those steps: the rendezvous file is then
+   ``rendezvous-<restart>-<step>.json``, and they count against ``max_requeues``).
 
 :class:`SlurmTask` is the callable submitit runs once per task; ``python -m fixres_dist.cluster
 main_scratch.py [options]`` (:func:`main`) is what ``slurm/job.sbatch`` starts in every task with srun.
@@ -51,6 +55,7 @@ from fixres_dist.errors import FixresError, first_line, say, user_message
 from fixres_dist.training.inputs import JobInputs, preflight
 from fixres_dist.training.trainer import Trainer
 
+RESTART_STEP_EXIT_STATUS = 4  # elastic job, peers lost: slurm/job.sbatch restarts the step on the survivors
 FOLLOWER_WAIT_S = 120    # how long a rank other than 0 waits for rank 0's requeue to stop it
 MODES = {"main_scratch.py": "scratch", "scratch": "scratch", "main_finetune.py": "finetune", "finetune": "finetune"}
 
@@ -68,11 +73,21 @@ class TaskPlace:
     local_rank: int
     num_tasks: int
     restart: int
+    step: int = 0  # the step restarts of this run of an elastic sbatch job (FIXRES_STEP)
+
+    @property
+    def restarts(self) -> int:
+        """Requeues and step restarts so far: what ``max_requeues`` bounds."""
+        return self.restart + self.step
+
+
+def _count(name: str, environ=None) -> int:
+    value = (os.environ if environ is None else environ).get(name, "0")
+    return int(value) if value.isdigit() else 0
 
 
 def restart_count(environ=None) -> int:
-    value = (os.environ if environ is None else environ).get("SLURM_RESTART_COUNT", "0")
-    return int(value) if value.isdigit() else 0
+    return _count("SLURM_RESTART_COUNT", environ)
 
 
 def current_place() -> TaskPlace:
@@ -81,12 +96,14 @@ def current_place() -> TaskPlace:
     from submitit.slurm.slurm import SlurmJobEnvironment
 
     env = SlurmJobEnvironment()
-    return TaskPlace(env.job_id, env.global_rank, env.local_rank, env.num_tasks, restart_count())
+    return TaskPlace(env.job_id, env.global_rank, env.local_rank, env.num_tasks, restart_count(),
+                     _count("FIXRES_STEP"))
 
 
-def rendezvous_file(restart: int) -> str:
-    """The rendezvous file of one run of a job (in its job folder): ``rendezvous-<restart>.json``."""
-    return f"rendezvous-{restart}.json"
+def rendezvous_file(restart: int, step: int = 0) -> str:
+    """The rendezvous file of one run of a job (in its job folder): ``rendezvous-<restart>.json``, and
+    ``rendezvous-<restart>-<step>.json`` for a step restarted on the survivors of an elastic job."""
+    return f"rendezvous-{restart}-{step}.json" if step else f"rendezvous-{restart}.json"
 
 
 def task_config(template: TrainerConfig, place: TaskPlace) -> TrainerConfig:
@@ -95,7 +112,7 @@ def task_config(template: TrainerConfig, place: TaskPlace) -> TrainerConfig:
         raise FixresError(f"SLURM started {place.num_tasks} tasks but the job was submitted for "
                           f"{template.num_tasks}; resubmit it")
     # TRAINER-SIDE: TrainerConfig.placed() / rendezvous_url() are the one place for job id and dist_url.
-    url = attrs.evolve(template, job_id=place.job_id).rendezvous_url(rendezvous_file(place.restart))
+    url = attrs.evolve(template, job_id=place.job_id).rendezvous_url(rendezvous_file(place.restart, place.step))
     return template.placed(num_tasks=place.num_tasks, global_rank=place.global_rank, local_rank=place.local_rank,
                            job_id=place.job_id, dist_url=url if place.num_tasks > 1 else None)
 
@@ -160,8 +177,14 @@ def _after_preemption(config: TrainerConfig, stops: _StopSignals, restart: int, 
     raise SystemExit(PREEMPTED_EXIT_STATUS)
 
 
-def _requeue_after_loss(config: TrainerConfig, lost: PeersUnreachable, restart: int, max_requeues: int) -> None:
-    """Step 5 of the protocol: requeue the job (any surviving rank); always raises TaskFailed."""
+def _requeue_after_loss(config: TrainerConfig, lost: PeersUnreachable, restart: int, max_requeues: int,
+                        elastic: bool = False) -> None:
+    """Step 5 of the protocol: requeue the job (any surviving rank); always raises TaskFailed, or, in
+    an elastic job, SystemExit(RESTART_STEP_EXIT_STATUS) for the batch script to restart the step."""
+    if elastic:
+        print(f"fixres_dist: job {config.job_id}: rank {config.global_rank} stops after {lost.reason}; the step "
+              "starts again on the nodes that remain, from the last checkpoint", flush=True)
+        raise SystemExit(RESTART_STEP_EXIT_STATUS)
     if restart >= max_requeues:
         raise TaskFailed(f"{lost}; not requeued: requeued {restart} time(s) already (max {max_requeues})")
     try:
@@ -178,9 +201,12 @@ def _as_dict(result) -> dict:
     return attrs.asdict(result) if attrs.has(type(result)) else dict(result)
 
 
-def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3, inputs: JobInputs | None = None) -> dict:
+def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3, inputs: JobInputs | None = None,
+             elastic: bool = False) -> dict:
     """Run the Trainer as one task of a SLURM job, with the requeue protocol (module docstring).
-    ``inputs``: what the preflight returned in this process (:class:`~fixres_dist.training.trainer.Trainer`).
+    ``inputs``: what the preflight returned in this process (:class:`~fixres_dist.training.trainer.Trainer`);
+    ``restart``: the restarts so far (requeues and step restarts); ``elastic``: peers lost, leave the
+    restart to the batch script (step 5).
 
     Returns the Trainer's result as a dict. On failure prints one line ``fixres_dist: rank R: cause``
     on stderr (and the traceback first for bugs) and raises :class:`TaskFailed`; after a
@@ -202,7 +228,7 @@ def run_task(config: TrainerConfig, restart: int = 0, max_requeues: int = 3, inp
         say(f"fixres_dist: rank {rank}: {exc}")
         if not exc.resumable:  # a peer raised an error: it would again, the job fails
             raise TaskFailed(str(exc)) from None
-        _requeue_after_loss(config, exc, restart, max_requeues)
+        _requeue_after_loss(config, exc, restart, max_requeues, elastic)
     except Exception as exc:  # one line for every failure; bugs also get their traceback
         stops.finished = True
         cause = user_message(exc)
@@ -244,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
 
     What ``slurm/job.sbatch`` runs in every task: the same options as the main script (without the
     rank flags), the same protocol as a submitit job. ``FIXRES_MAX_REQUEUES`` (default 3) bounds the
-    requeues. Exit status 0, 1 (one line on stderr), 2 (usage) or 3 (preempted, not requeued).
+    requeues. Exit status 0, 1 (one line on stderr), 2 (usage), 3 (preempted, not requeued) or 4 (elastic job, peers
+    lost: the batch script restarts the step).
     """
     argv = sys.argv[1:] if argv is None else argv
     mode = MODES.get(Path(argv[0]).name) if argv else None
@@ -263,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"fixres_dist: rank {place.global_rank}: {exc}")
         return 1
     try:
-        run_task(config, place.restart, int(max_requeues), inputs)
+        run_task(config, place.restarts, int(max_requeues), inputs, os.environ.get("FIXRES_ELASTIC") == "1")
     except TaskFailed:
         return 1
     return 0

@@ -325,10 +325,10 @@ def test_a_lost_node_ends_every_rank_within_the_timeout_naming_the_ranks_lost_an
 
 
 # ------------------------------------------------------------------------------------------ SLURM
-def sbatch(env: dict, tmp_path: Path, data: Path, shared: Path, *args) -> str:
-    """docs/cluster.md's 2-node sbatch line (``slurm/job.sbatch main_scratch.py``), then ``args``."""
-    readme = shown.argv(shown.command("sbatch --nodes 2 --ntasks-per-node 2 slurm/job.sbatch"), DATA=data,
-                        SHARED=shared, **{"slurm/job.sbatch": ROOT / "slurm" / "job.sbatch"})
+def sbatch(env: dict, tmp_path: Path, data: Path, shared: Path, *args, command: str = "") -> str:
+    """docs/cluster.md's 2-node sbatch line (``slurm/job.sbatch main_scratch.py``), or ``command``, then ``args``."""
+    command = command or shown.command("sbatch --nodes 2 --ntasks-per-node 2 slurm/job.sbatch")
+    readme = shown.argv(command, DATA=data, SHARED=shared, **{"slurm/job.sbatch": ROOT / "slurm" / "job.sbatch"})
     out = subprocess.run([readme[0], "--parsable", "--time", "10", "--output", str(tmp_path / "job.out"), *readme[1:],
                           *map(str, args)], capture_output=True, text=True, timeout=30, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -406,4 +406,37 @@ def test_a_lost_node_under_slurm_requeues_the_job_which_resumes_on_two_nodes(slu
     assert re.search(rf"job {job}: rank [01] requeued it \(restart 1 of at most 3\) after losing ranks 2-3 on n2",
                      log), log
     assert re.search(rf"job {job} restart 1: .*\n(.*\n)*resumed from ", log), log
+    assert final_eval(shared / job)["images"] == 30
+
+
+@pytest.mark.slow
+def test_with_a_node_range_under_slurm_a_lost_node_leaves_the_job_on_the_survivors_until_it_grows_back(
+        slurm_env, tiny_data, tmp_path):
+    """``sbatch --nodes 1-2``: every process of n2 (its slurmd too) killed after the first checkpoint;
+    the step starts again at once on n1 alone (2 ranks) from that checkpoint, without waiting for n2
+    (``-s`` prints how long from the loss to training again); n2 back, the job stops at a checkpoint,
+    requeues itself, grows back to 4 ranks on both nodes and completes."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    env = {**slurm_env, "FIXRES_GROW_CHECK_S": "3", "FIXRES_MIN_NODES": "1"}  # sacct: not from the nodes here
+    job = sbatch(env, tmp_path, tiny_data, shared, *flags(tiny_data, shared, epochs=12), "--ckpt-every", "2",
+                 command=shown.command("sbatch --nodes 1-2 --ntasks-per-node 2 slurm/job.sbatch"))
+    log = tmp_path / "job.out"
+    wait_for(lambda: (shared / job / "checkpoint.pth").exists(), 240, "the first checkpoint")
+    slurmd = lose_n2("killed")
+    lost = time.monotonic()
+    try:
+        resumed = rf"job {job} restart 0\.1: 2 task\(s\) on n1: .*\n(.*\n)*resumed from "
+        wait_for(lambda: re.search(resumed, log.read_text()), LOSS_WAIT, "the step to start again on n1")
+        print(f"node killed: training again on n1 {time.monotonic() - lost:.1f} s after the loss")
+    finally:
+        bring_back_n2("killed", slurmd)
+    wait_for(lambda: finished(env, job), 400, f"job {job} to finish after growing back")
+    text = log.read_text()
+    assert sacct_states(env, job) == ["RESIZING", "COMPLETED"], text  # n2 removed from the job, then requeued
+    assert re.search(rf"job {job}: rank [01] stops after losing ranks 2-3 on n2", text), text
+    assert "resuming a 4-rank checkpoint on 2 ranks" in text, text
+    assert re.search(rf"job {job}: 1 node\(s\) idle in partition debug while it runs on 1 of at most 2", text), text
+    assert f"job {job} restart 1: 4 task(s) on n[1-2]" in text, text
+    assert re.search(rf"job {job} restart 1: .*\n(.*\n)*resuming a 2-rank checkpoint on 4 ranks", text), text
     assert final_eval(shared / job)["images"] == 30

@@ -172,11 +172,13 @@ def fork_ranks(job_id: str, args: list[str], tmp_path: Path) -> list[launched.St
             for rank in range(4)]
 
 
-def events(folder: Path) -> list[dict]:
+def events(folder: Path, kind: str | None = None) -> list[dict]:
+    """The job's metrics.jsonl events (of ``kind`` only), [] while it cannot be read."""
     try:
-        return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        found = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
         return []
+    return [e for e in found if kind is None or e["event"] == kind]
 
 
 def final_eval(folder: Path) -> dict:
@@ -324,6 +326,73 @@ def test_a_lost_node_ends_every_rank_within_the_timeout_naming_the_ranks_lost_an
     assert not any("Traceback" in log or "frame #" in log for log in logs), logs
 
 
+
+def assert_kept_global_batch(folder: Path) -> list[dict]:
+    """A job of 4 ranks (2 on each node, 8 images each) that lost n2 and grew back: two ``world_change``
+    events, 4 ranks on n1, n2 -> 2 on n1 (2 micro-batches each: the same 32-image steps; images trained
+    since the last checkpoint counted) -> 4 on both; every epoch trained once, on all 80 images, and
+    the final evaluation on all 30. Returns the events."""
+    changes = events(folder, "world_change")
+    assert [(e["ranks_before"], e["ranks_after"], e["hosts_before"], e["hosts_after"], e["accumulation"])
+            for e in changes] == [(4, 2, ["n1", "n2"], ["n1"], 2), (2, 4, ["n1"], ["n1", "n2"], 1)], changes
+    assert all(e["global_batch"] == e["global_batch_before"] == 32 for e in changes), changes
+    assert changes[0]["images_lost"] is not None and changes[0]["images_lost"] >= 0, changes
+    trained = events(folder, "train")
+    assert [e["epoch"] for e in trained] == list(range(1, len(trained) + 1))
+    assert all(e["images"] == 80 for e in trained), trained
+    assert final_eval(folder)["images"] == 30
+    return changes
+
+
+@pytest.mark.slow
+def test_torchrun_elastic_continues_on_the_surviving_node_and_grows_back(nodes, tiny_data, tmp_path):
+    """docs/cluster.md's elastic torchrun line on both nodes (a LayerNorm ViT, 8 images a rank): every
+    process of n2 killed mid-training, n1's agent restarts its 2 ranks, which continue from the last
+    checkpoint with the global batch of 32 kept; n2's agent started again, the job grows back to 4 ranks at
+    a checkpoint (torchrun stops the workers with SIGTERM) and completes (``-s`` prints the time from the
+    loss to training again)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    torchrun = Path(sys.executable).with_name("torchrun")
+    readme = shown.argv(shown.command("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2"), DATA=tiny_data,
+                        SHARED=shared, **{"main_scratch.py": ROOT / "main_scratch.py"})
+    variable, value = readme[0].split("=")
+    argv = [*readme[2:], *flags(tiny_data, shared, epochs=150, architecture="timm/test_vit"), "--ckpt-every", "5"]
+
+    def agent(node: int, name: str) -> subprocess.Popen:
+        with open(tmp_path / name, "w") as out:
+            return subprocess.Popen(on_node(node, torchrun, *argv), stdout=out, stderr=subprocess.STDOUT, text=True,
+                                    env=clean_env(**{variable: value}))
+    folder = shared / "myjob"
+    n1, n2 = agent(1, "n1.log"), agent(2, "n2.log")
+    back, slurmd = None, False
+    try:
+        wait_for(lambda: (folder / "checkpoint.pth").exists(), 240, "the first checkpoint")
+        slurmd = lose_n2("killed")
+        lost = time.time()
+        wait_for(lambda: events(folder, "world_change"), LOSS_WAIT, "the job to continue on n1")
+        print(f"node killed: training again on n1 {events(folder, 'world_change')[0]['time'] - lost:.1f} s after "
+              "the loss")
+        bring_back_n2("killed", slurmd)
+        back, started = agent(2, "n2-back.log"), time.time()
+        wait_for(lambda: len(events(folder, "world_change")) == 2, 120, "the job to grow back to both nodes")
+        grown = events(folder, "world_change")[1]["time"]
+        print(f"n2's agent started again: training on both nodes {grown - started:.1f} s later")
+        assert n1.wait(timeout=300) == 0 and back.wait(timeout=60) == 0, (tmp_path / "n1.log").read_text()[-3000:]
+    finally:
+        for proc in (n1, n2, back):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        if back is None:
+            bring_back_n2("killed", slurmd)
+    assert n2.returncode == -signal.SIGKILL
+    changes = assert_kept_global_batch(folder)
+    log = (tmp_path / "n1.log").read_text()
+    assert "world change: 4 ranks on n1, n2 -> 2 ranks on n1: " in log and "lr 0.0125 = 0.1 x 32 (global batch kept: " \
+        "2 ranks x 2 accumulated) / 256" in log, log[-3000:]
+    assert "lost ranks 2-3 on n2" in changes[0]["lost"], changes
+    assert "preempted by SIGTERM" in log  # the restart point that admitted n2 again
+
 # ------------------------------------------------------------------------------------------ SLURM
 def sbatch(env: dict, tmp_path: Path, data: Path, shared: Path, *args, command: str = "") -> str:
     """docs/cluster.md's 2-node sbatch line (``slurm/job.sbatch main_scratch.py``), or ``command``, then ``args``."""
@@ -435,8 +504,8 @@ def test_with_a_node_range_under_slurm_a_lost_node_leaves_the_job_on_the_survivo
     text = log.read_text()
     assert sacct_states(env, job) == ["RESIZING", "COMPLETED"], text  # n2 removed from the job, then requeued
     assert re.search(rf"job {job}: rank [01] stops after losing ranks 2-3 on n2", text), text
-    assert "resuming a 4-rank checkpoint on 2 ranks" in text, text
+    assert "world change: 4 ranks on n1, n2 -> 2 ranks on n1: " in text, text
     assert re.search(rf"job {job}: 1 node\(s\) idle in partition debug while it runs on 1 of at most 2", text), text
     assert f"job {job} restart 1: 4 task(s) on n[1-2]" in text, text
-    assert re.search(rf"job {job} restart 1: .*\n(.*\n)*resuming a 2-rank checkpoint on 4 ranks", text), text
-    assert final_eval(shared / job)["images"] == 30
+    assert re.search(rf"job {job} restart 1: .*\n(.*\n)*world change: 2 ranks on n1 -> 4 ranks on n1, n2: ", text), text
+    assert_kept_global_batch(shared / job)

@@ -2,6 +2,7 @@
 import pytest
 
 from fixres_dist import FixresError
+from fixres_dist.distributed import placement
 from fixres_dist.distributed.placement import resolve_placement
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
@@ -91,3 +92,13 @@ def test_rank_variables_out_of_range_are_named(environ, message):
     environ = {k: v for k, v in environ.items() if not (k == "TORCHELASTIC_RUN_ID" and v == "")}
     with pytest.raises(FixresError, match=message):
         resolve_placement(environ=environ)
+
+
+def test_torchrun_elastic_with_the_store_it_shares_is_named():
+    """A torchrun worker that its agent may restart while the agent shares its rendezvous store with
+    the workers: a node that joins later would hang, so the scripts warn (docs/cluster.md)."""
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    assert placement.elastic_shared_store(shared)
+    assert not placement.elastic_shared_store({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"})
+    assert not placement.elastic_shared_store({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in placement.ELASTIC_SHARED_STORE

@@ -398,11 +398,13 @@ class TrainerConfig:
     skip_bad_images: bool = attrs.field(default=False, metadata=RESUMABLE)
     # Lose a node, keep training (fixres_dist.training.world_change): what a resume on another world size
     # keeps, the fewest ranks the job goes on with, and the global batch it keeps (set by that resume from
-    # the checkpoint; None: --batch x data-parallel ranks x --grad-accum-steps).
+    # the checkpoint; None: --batch x data-parallel ranks x --grad-accum-steps), with the data-parallel ranks of
+    # the run that set it, whose rule for an epoch's short last batch the sampler keeps (data/samplers.py).
     world_change: str = attrs.field(default="keep-global-batch", validator=attrs.validators.in_(WORLD_CHANGES),
                                     metadata=RESUMABLE)
     min_world_size: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
     global_batch: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
+    global_batch_ranks: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
 
     # Where the time goes (reporting/profiling.py): a torch.profiler trace of --profile training steps
     # after --profile-after steps of this process, on every rank.

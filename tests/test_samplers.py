@@ -256,3 +256,12 @@ def test_a_global_batch_kept_on_a_world_that_does_not_divide_it(n, world, global
         assert max(share) - min(share) <= 1 and sum(share) == sizes[step]
         assert sizes[step] == global_batch or step == len(sizes) - 1
     assert samplers[0].images_done(1) == skip + global_batch
+
+
+def test_a_kept_global_batch_cuts_its_epochs_as_the_ranks_that_set_it():
+    """26 images a step on 2 ranks cut 80 as 26, 26, 28 (a rest of 2, fewer than 2 per rank, merged);
+    on 1 rank with the rule of the 2 that set the global batch, the same: the same steps, the same schedule."""
+    two = ExactBatchSampler(80, 2, 0, 13, training=True)
+    one = ExactBatchSampler(80, 1, 0, 26, training=True, global_batch=26, accumulation=2, tail_ranks=2)
+    assert two.global_batch_sizes() == one.global_batch_sizes() == [26, 26, 28]
+    assert ExactBatchSampler(80, 1, 0, 26, training=True, global_batch=26).global_batch_sizes() == [26, 26, 26, 2]

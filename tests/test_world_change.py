@@ -61,20 +61,28 @@ def test_the_global_batch_is_kept_on_fewer_and_more_ranks_unless_asked_otherwise
 
 def test_a_loss_noted_by_the_survivors_is_counted_once_by_the_next_run(ddp_checkpoint, tmp_path):
     """What survivors of a lost node had trained since the checkpoint (step 10: the end of epoch 2) is the
-    event's ``images_lost``; the record is read once."""
+    event's ``images_lost``; the record is read once, a run that fails before it resumes keeps it, and a
+    record that note_loss could not have written is dropped rather than stopping the run."""
     contents, saved = ddp_checkpoint
     config = attrs.evolve(saved, shared_folder_path=str(tmp_path), num_tasks=1, global_rank=0)
     config.job_folder.mkdir(parents=True)
     world_change.note_loss(config, 2, 48, 13, "lost ranks 2-3 on n2")
+    world_change.note_loss(config, 0, 0, 0, "lost rank 1")  # the next run failed before it resumed
     loss = world_change.read_loss(config)
     assert world_change.read_loss(config) is None
-    fields = world_change.event(config, contents, ["n1"], 80, loss)
+    fields = world_change.event(config, contents, ["n1"], 80, loss, 0.003)
     assert fields["images_lost"] == 48 and fields["lost"] == "lost ranks 2-3 on n2"
     assert fields["ranks_before"] == 2 and fields["hosts_before"] == [socket.gethostname()]
     assert fields["hosts_after"] == ["n1"] and fields["epoch"] == 3 and fields["step"] == 10
     assert 0 <= fields["seconds_since_loss"] < 60
+    assert (fields["base_lr_before"], fields["base_lr"], fields["micro_batches_before"]) == (0.00625, 0.003, 2)
     stale = dict(loss, step=9)  # a loss before the checkpoint resumed is not this run's
-    assert world_change.event(config, contents, ["n1"], 80, stale)["images_lost"] is None
+    assert world_change.event(config, contents, ["n1"], 80, stale, 0.003)["images_lost"] is None
+    path = config.job_folder / world_change.LOSS_FILE
+    record = '{"step": 11, "epoch": 2, "images_in_epoch": 8, "time": '
+    for garbage in ('{"step": "abc"}', '{"step": 100}', '[1]', 'not json', record + '9e99}', record + '"x"}'):
+        path.write_text(garbage)
+        assert world_change.read_loss(config) is None and not path.exists(), garbage
 
 
 def test_a_job_whose_world_changes_twice_ends_as_the_uninterrupted_one(split_jobs, tiny_data, tmp_path):

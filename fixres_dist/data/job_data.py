@@ -55,6 +55,7 @@ class JobData:
         return pipeline.make_loader(dataset, transform,
                                     batch_size=cfg.batch * (cfg.accumulation if training else 1),
                                     global_batch=cfg.global_batch if training else None,
+                                    tail_ranks=cfg.global_batch_ranks if training else None,
                                     accumulation=cfg.accumulation if training else 1,
                                     reps=cfg.ra_reps if training else 1, world_size=cfg.data_parallel_size,
                                     rank=cfg.data_parallel_rank, shuffle=training, seed=cfg.seed, workers=cfg.workers,

@@ -521,11 +521,11 @@ def make_loader(dataset: ImageFolder, transform: v2.Transform, *, batch_size: in
                 world_size: int, rank: int, shuffle: bool, seed: int, workers: int,
                 pin_memory: bool = False, skip_bad_images: bool = False, training: bool = False,
                 reps: int = 1, ignored_signals: tuple[signal.Signals, ...] = (), global_batch: int | None = None,
-                accumulation: int = 1) -> DataLoader:
+                accumulation: int = 1, tail_ranks: int | None = None) -> DataLoader:
     """A DataLoader over ``dataset`` for one rank with an :class:`ExactBatchSampler` (``training``:
     its training semantics; ``reps``: repeated augmentation, K copies of each image per cycle of K
-    epochs, training only; ``global_batch``, ``accumulation``: a step's images over all ranks and its
-    micro-batches; see :mod:`fixres_dist.data.samplers`).
+    epochs, training only; ``global_batch``, ``accumulation``, ``tail_ranks``: a step's images over all
+    ranks, its micro-batches, the ranks whose last-batch rule is kept; see :mod:`fixres_dist.data.samplers`).
 
     Loader workers ignore ``ignored_signals`` (the job's stop signals): SLURM, ``timeout``, ``kill
     -- -PGID`` and Ctrl-C signal every process of a job, and a worker that died of it would take
@@ -536,7 +536,8 @@ def make_loader(dataset: ImageFolder, transform: v2.Transform, *, batch_size: in
     worker); augmentation itself is seeded per sample by :class:`SeededDataset`.
     """
     sampler = ExactBatchSampler(len(dataset), world_size, rank, batch_size, shuffle=shuffle, seed=seed,
-                                training=training, reps=reps, global_batch=global_batch, accumulation=accumulation)
+                                training=training, reps=reps, global_batch=global_batch, accumulation=accumulation,
+                                tail_ranks=tail_ranks)
     # Ranks started by torch.multiprocessing's spawn inherit "spawn" as the default start method,
     # and spawned loader workers re-import torch (seconds each on a small CPU); fork them instead,
     # with the stop signals blocked from the fork until the worker ignores them.

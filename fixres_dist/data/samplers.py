@@ -96,16 +96,18 @@ def epoch_stream(dataset_size: int, shuffle: bool, seed: int, epoch: int, reps: 
 
 
 def global_batch_sizes(remaining: int, world_size: int, batch_size: int, training: bool,
-                       global_batch: int | None = None) -> list[int]:
+                       global_batch: int | None = None, tail_ranks: int | None = None) -> list[int]:
     """Sizes of the global batches (all ranks together) that ``remaining`` images of an epoch are cut into.
 
     Full batches of ``global_batch`` images (default ``world_size x batch_size``), then the rest; a
-    rest of fewer than ``2 x world_size`` images is merged into the batch before it, or, in training when there is none,
-    left out (the sizes then sum to less than ``remaining``).
+    rest of fewer than ``2 x world_size`` images (``2 x max(world_size, tail_ranks)``: a global batch
+    kept from a run on ``tail_ranks`` ranks cuts its epochs as that run did, on as many ranks or fewer)
+    is merged into the batch before it, or, in training when there is none, left out (the sizes then
+    sum to less than ``remaining``).
     """
     step = global_batch or world_size * batch_size
     sizes = [step] * (remaining // step) + ([remaining % step] if remaining % step else [])
-    if sizes and sizes[-1] < 2 * world_size:
+    if sizes and sizes[-1] < 2 * max(world_size, tail_ranks or 0):
         tail = sizes.pop()
         if sizes:
             sizes[-1] += tail
@@ -116,7 +118,7 @@ def global_batch_sizes(remaining: int, world_size: int, batch_size: int, trainin
 
 def global_batches(dataset_size: int, world_size: int, batch_size: int, shuffle: bool,
                    seed: int, epoch: int, skip: int = 0, training: bool = False, reps: int = 1,
-                   global_batch: int | None = None) -> list[torch.Tensor]:
+                   global_batch: int | None = None, tail_ranks: int | None = None) -> list[torch.Tensor]:
     """The epoch's samples (:func:`epoch_stream`), less the first ``skip``, cut into global batches
     of :func:`global_batch_sizes`: int64 tensors (b, 2) of (index, copy).
 
@@ -124,7 +126,7 @@ def global_batches(dataset_size: int, world_size: int, batch_size: int, shuffle:
     another world size continues the same stream: no sample of the epoch is repeated.
     """
     order = epoch_stream(dataset_size, shuffle, seed, epoch, reps)
-    sizes = global_batch_sizes(dataset_size - skip, world_size, batch_size, training, global_batch)
+    sizes = global_batch_sizes(dataset_size - skip, world_size, batch_size, training, global_batch, tail_ranks)
     return list(torch.split(order[skip:skip + sum(sizes)], sizes))
 
 
@@ -146,7 +148,8 @@ class ExactBatchSampler(Sampler[list[SampleKey]]):
             an int >= 1 (ValueError otherwise), above 1 only for a shuffled training sampler.
         global_batch: images per global batch (default ``world_size x batch_size``); a rank's share
             then differs from its peers' by one image at most (a global batch kept on another world
-            size: :mod:`fixres_dist.training.world_change`).
+            size: :mod:`fixres_dist.training.world_change`). ``tail_ranks``: the ranks of the run that set
+            it, whose rule for the epoch's short last batch is kept (:func:`global_batch_sizes`).
         accumulation: micro-batches per step (``--grad-accum-steps``): the share holds ``accumulation``
             *virtual ranks* of a world ``accumulation`` times larger, one after the other: rank ``r``'s
             micro-batch ``m`` is ``chunk[r + m W :: W x accumulation]``, the images rank ``r + m W`` of
@@ -160,14 +163,14 @@ class ExactBatchSampler(Sampler[list[SampleKey]]):
 
     def __init__(self, dataset_size: int, world_size: int, rank: int, batch_size: int,
                  shuffle: bool = True, seed: int = 0, training: bool = False, reps: int = 1,
-                 global_batch: int | None = None, accumulation: int = 1):
+                 global_batch: int | None = None, accumulation: int = 1, tail_ranks: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside [0, {world_size})")
         if check_reps(reps) > 1 and not (shuffle and training):
             raise ValueError("repeated augmentation (reps > 1) is for shuffled training samplers only")
         self.dataset_size, self.world_size, self.rank = dataset_size, world_size, rank
         self.batch_size, self.shuffle, self.seed, self.training = batch_size, shuffle, seed, training
-        self.reps, self.global_batch, self.accumulation = reps, global_batch, accumulation
+        self.reps, self.global_batch, self.accumulation, self.tail_ranks = reps, global_batch, accumulation, tail_ranks
         self.epoch, self.skip = 0, 0
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
@@ -177,7 +180,7 @@ class ExactBatchSampler(Sampler[list[SampleKey]]):
     def global_batch_sizes(self) -> list[int]:
         """Images per global batch (all ranks together) of the current pass."""
         return global_batch_sizes(self.dataset_size - self.skip, self.world_size, self.batch_size, self.training,
-                                  self.global_batch)
+                                  self.global_batch, self.tail_ranks)
 
     @property
     def left_out(self) -> int:
@@ -199,7 +202,7 @@ class ExactBatchSampler(Sampler[list[SampleKey]]):
     def __iter__(self) -> Iterator[list[SampleKey]]:
         for chunk in global_batches(self.dataset_size, self.world_size, self.batch_size,
                                     self.shuffle, self.seed, self.epoch, self.skip, self.training, self.reps,
-                                    self.global_batch):
+                                    self.global_batch, self.tail_ranks):
             virtual = self.world_size * self.accumulation
             mine = torch.cat([chunk[self.rank + m * self.world_size::virtual]
                               for m in range(self.accumulation)]).tolist()

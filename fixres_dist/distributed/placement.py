@@ -230,11 +230,13 @@ def threads_per_rank(num_tasks: int, environ=None) -> int:
 
 
 # What torchrun's elastic agent does with a node that joins a running job while the agents share their
-# rendezvous store with the workers (torch's default): the new agent waits for a bootstrap address that
-# the agents already running never publish again, and the job does not grow (measured with torch 2.14).
-ELASTIC_SHARED_STORE = ("torchrun --max-restarts with its rendezvous store shared with the workers (the default): a "
-                        "node that joins later waits forever instead of being admitted; start every torchrun with "
-                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment to grow back (docs/cluster.md)")
+# rendezvous store with the workers (torch's default): the agents' next rendezvous waits for an address
+# the agents already running never publish again, and after 60 s every agent fails: the job stops
+# (its checkpoint kept) instead of growing (measured with torch 2.14).
+ELASTIC_SHARED_STORE = ("torchrun --max-restarts with its rendezvous store shared with the workers (the default): "
+                        "when a node joins later, every agent fails 60 s after and the job stops (its checkpoint "
+                        "kept) instead of growing; start every torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                        "(docs/cluster.md)")
 
 
 def elastic_shared_store(environ=None) -> bool:

@@ -38,6 +38,7 @@ from fixres_dist.distributed.preemption import (
 from fixres_dist.entry import startup
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.errors import FixresError, first_line, say, user_message
+from fixres_dist.training import world_change
 from fixres_dist.training.inputs import JobInputs, preflight
 from fixres_dist.training.trainer import RunResult, Trainer
 
@@ -278,7 +279,9 @@ def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
         config, source = build_config(mode, args)
         checked = source in ("spawn", "single") or config.global_rank == 0  # else after meeting the peers
         inputs = preflight(config) if checked else None
-        if source == "torchrun" and config.global_rank == 0 and placement.elastic_shared_store():
+        if inputs is not None and inputs.resume is None:  # a fresh job below --min-world-size: before any rank starts
+            world_change.continued(config, None, say)
+        if source == "torchrun" and config.local_rank == 0 and placement.elastic_shared_store():  # on every node
             say(f"fixres_dist: warning: {placement.ELASTIC_SHARED_STORE}")
     except FixresError as exc:
         rank = args.global_rank if args.global_rank is not None else \

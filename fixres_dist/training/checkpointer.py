@@ -15,7 +15,7 @@ import socket
 import torch
 
 from fixres_dist.config import TrainerConfig
-from fixres_dist.distributed import checkpoint_shards, collectives, sharding
+from fixres_dist.distributed import checkpoint_shards, collectives, pipeline, sharding
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.reporting.run_log import RunLog
 from fixres_dist.training import checkpoint, finite, world_change
@@ -113,10 +113,10 @@ class Checkpointer:
         hosts = collectives.gather_object(socket.gethostname(), self.control_group)  # all ranks: a collective
         if cfg.global_rank == 0:
             fields = self.run_log.record("world_change", **world_change.event(
-                cfg, contents, hosts, self.images_per_epoch, self.loss))
+                cfg, contents, hosts, self.images_per_epoch, self.loss, self.step.base_lr))
             kept = fields["global_batch"] == fields["global_batch_before"]
-            (self.run_log.log if kept else self.run_log.warn)(world_change.describe(fields, train_images, split,
-                                                                                        self.step.base_lr))
+            (self.run_log.log if kept else self.run_log.warn)(world_change.describe(
+                fields, train_images, split, pipeline.has_batchnorm(self.network.model)))
 
     def restore(self, resume, state: TrainState, train_images: int) -> None:
         """Continue from ``resume`` (:class:`~fixres_dist.training.inputs.Resume`): parameters, the
@@ -139,7 +139,7 @@ class Checkpointer:
             network.load_state_dict({**contents.model, **buffers})
             step.load_tensors(contents)
         step.load(contents, checkpoint.rank_buffers(contents.ranks, rank, "ema_buffers") if step.ema else None)
-        if not same_world:
+        if not same_world and state.epoch < cfg.epochs:
             self._world_changed(contents, state, train_images)
         if state.epoch >= cfg.epochs:
             self.run_log.log(f"{resume.path}: this job already completed its {cfg.epochs} epochs; nothing to do "

@@ -66,11 +66,12 @@ class JobInputs:
         ``--eval-only``, a classifier row for every class of the data:
         :mod:`fixres_dist.models.class_names`)."""
         root, index, classes = _read_data(config)
-        _check_accumulation(config, index)
         _check_job_folder(config)
         if config.profile:
             profiling.check_folder(config.job_folder / profiling.FOLDER)
         path, note = checkpoint.resume_source(config.job_folder, config.resume)
+        if path is None:  # a resume keeps the global batch it trained with (training.world_change)
+            _check_accumulation(config, index)
         resume = None
         if path is not None:
             state = checkpoint.load_checkpoint(path)

@@ -58,6 +58,16 @@ def saved_global_batch(saved: dict, ranks: int) -> int:
         saved["batch"] * saved_data_parallel(saved, ranks) * saved.get("grad_accum_steps", 1)
 
 
+def saved_micro_batches(saved: dict, ranks: int) -> int:
+    """The micro-batches over all data-parallel ranks of one optimizer step of the run that wrote a checkpoint:
+    its ranks x accumulated micro-batches (the *virtual ranks*; the same number on both sides of a change keeps
+    BatchNorm's batches, :mod:`fixres_dist.data.samplers`)."""
+    data_parallel, batch = saved_data_parallel(saved, ranks), saved["batch"]
+    if saved.get("global_batch"):
+        return data_parallel * max(1, -(-(-(-saved["global_batch"] // data_parallel)) // batch))
+    return data_parallel * saved.get("grad_accum_steps", 1)
+
+
 def continued(config: TrainerConfig, contents, warn: Callable[[str], None]) -> TrainerConfig:
     """``config`` for a run that continues ``contents`` (a checkpoint's
     :class:`~fixres_dist.training.checkpoint.Contents`, or None): with ``keep-global-batch``, the global
@@ -74,7 +84,7 @@ def continued(config: TrainerConfig, contents, warn: Callable[[str], None]) -> T
     if contents is None or config.eval_only:
         return config
     wanted = saved_global_batch(contents.config, len(contents.ranks))
-    plain = attrs.evolve(config, global_batch=None)
+    plain = attrs.evolve(config, global_batch=None, global_batch_ranks=None)
     if config.world_change == "keep-rank-batch" or wanted == plain.images_per_step:
         return plain
     if config.pipeline_stages > 1 or wanted < 2 * config.data_parallel_size:
@@ -83,7 +93,8 @@ def continued(config: TrainerConfig, contents, warn: Callable[[str], None]) -> T
         warn(f"the global batch of {wanted} images is not kept ({why}): each rank keeps --batch {config.batch} "
              "(--world-change keep-rank-batch)")
         return plain
-    return attrs.evolve(config, global_batch=wanted)
+    ranks = contents.config.get("global_batch_ranks") or saved_data_parallel(contents.config, len(contents.ranks))
+    return attrs.evolve(config, global_batch=wanted, global_batch_ranks=ranks)
 
 
 def note_loss(config: TrainerConfig, epoch: int, images_in_epoch: int, global_step: int, lost: str) -> None:
@@ -92,31 +103,47 @@ def note_loss(config: TrainerConfig, epoch: int, images_in_epoch: int, global_st
     every survivor writes the same, atomically; a failure to write loses only the figure."""
     record = {"time": time.time(), "epoch": epoch, "images_in_epoch": images_in_epoch, "step": global_step,
               "ranks": config.num_tasks, "lost": lost, "host": socket.gethostname()}
+    earlier = _valid(config.job_folder / LOSS_FILE)
+    if earlier is not None and earlier["step"] > global_step:  # a run that failed before it resumed: keep the loss
+        return
     try:
         io.write_private(config.job_folder / LOSS_FILE, json.dumps(record))
     except OSError:
         pass
 
 
-def read_loss(config: TrainerConfig) -> dict | None:
-    """What :func:`note_loss` wrote, once (rank 0 removes it), or None."""
-    path = config.job_folder / LOSS_FILE
+def _valid(path) -> dict | None:
+    """The record at ``path`` if it is one :func:`note_loss` could have written (else None: a loss record
+    only adds figures to a line, it never stops a run)."""
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
+    counts = ("epoch", "images_in_epoch", "step")
+    if not isinstance(record, dict) or not all(type(record.get(k)) is int and record[k] >= 0 for k in counts):
+        return None
+    if not isinstance(record.get("time"), (int, float)) or not 0 < record["time"] <= time.time() + 1:
+        return None
+    return {**record, "lost": str(record.get("lost", "?"))[:500]}
+
+
+def read_loss(config: TrainerConfig) -> dict | None:
+    """What :func:`note_loss` wrote, once (rank 0 removes the file, even one it cannot use), or None."""
+    path = config.job_folder / LOSS_FILE
+    record = _valid(path)
     if config.global_rank == 0:
         try:
             os.unlink(path)
         except OSError:
             pass
-    return record if isinstance(record, dict) else None
+    return record
 
 
 def event(config: TrainerConfig, contents, hosts_after: list[str], images_per_epoch: int,
-          loss: dict | None) -> dict:
+          loss: dict | None, lr: float) -> dict:
     """The fields of the ``world_change`` event of a run on ``config`` continuing ``contents`` on hosts
-    ``hosts_after`` (one name per rank); ``loss``: :func:`read_loss`'s record, when ranks were lost."""
+    ``hosts_after`` (one name per rank); ``loss``: :func:`read_loss`'s record, when ranks were lost; ``lr``:
+    this run's peak learning rate (linear scaling rule). ``seconds_since_loss``: since the survivors saw it."""
     saved, ranks = contents.config, len(contents.ranks)
     at = contents.epoch * images_per_epoch + contents.images_in_epoch
     fields = {"ranks_before": ranks, "ranks_after": config.num_tasks,
@@ -125,33 +152,45 @@ def event(config: TrainerConfig, contents, hosts_after: list[str], images_per_ep
               "images_in_epoch": contents.images_in_epoch, "step": contents.global_step,
               "global_batch_before": saved_global_batch(saved, ranks), "global_batch": config.images_per_step,
               "accumulation": config.accumulation, "kept": config.world_change,
+              "micro_batches_before": saved_micro_batches(saved, ranks),
+              "micro_batches": config.data_parallel_size * config.accumulation,
+              "base_lr_before": (contents.schedule or {}).get("base_lr"), "base_lr": lr,
               "images_lost": None, "seconds_since_loss": None}
-    if loss is not None and loss.get("step", -1) >= contents.global_step:
-        reached = loss["epoch"] * images_per_epoch + loss["images_in_epoch"]
-        fields.update(images_lost=max(0, reached - at), seconds_since_loss=round(time.time() - loss["time"], 1),
-                      lost=loss.get("lost"))
+    reached = loss["epoch"] * images_per_epoch + loss["images_in_epoch"] if loss is not None else -1
+    if loss is not None and loss["step"] >= contents.global_step and at <= reached <= at + 1000 * images_per_epoch:
+        fields.update(images_lost=reached - at, seconds_since_loss=round(time.time() - loss["time"], 1),
+                      lost=loss["lost"])
     return fields
 
 
-def describe(fields: dict, train_images: int, split: str, lr: float) -> str:
+def describe(fields: dict, train_images: int, split: str, batchnorm: bool) -> str:
     """The log line of a ``world_change`` event's ``fields`` (``split``: how the ranks split the model now;
-    ``lr``: the learning rate, per the linear scaling rule, of this run's global batch)."""
+    ``batchnorm``: whether the model has BatchNorm layers, whose batches and statistics may change)."""
     before, after = fields["hosts_before"], fields["hosts_after"]
-    where = (f"{fields['ranks_before']} ranks on {', '.join(before)} -> {plural(fields['ranks_after'], 'rank')}"
-             f"{split} on {', '.join(after)}")
+    where = (f"{plural(fields['ranks_before'], 'rank')} on {', '.join(before)} -> "
+             f"{plural(fields['ranks_after'], 'rank')}{split} on {', '.join(after)}")
     at = (f"epoch {fields['epoch']} continues at image {fields['images_in_epoch']} of {train_images} of the same "
           f"permutation (no image repeated), step {fields['step']}")
     if fields["global_batch"] == fields["global_batch_before"]:
         micro = f", {fields['accumulation']} accumulated micro-batches per rank" if fields["accumulation"] > 1 else ""
         batch = f"global batch of {fields['global_batch']} kept{micro}: learning rate and schedule unchanged"
     else:
-        batch = (f"global batch {fields['global_batch_before']} -> {fields['global_batch']}: lr re-derived by "
-                 f"the linear scaling rule ({lr:g})")
+        steps = [-(-train_images // fields[k]) for k in ("global_batch_before", "global_batch")]
+        old = f"{fields['base_lr_before']:g} -> " if fields["base_lr_before"] is not None else ""
+        batch = (f"global batch {fields['global_batch_before']} -> {fields['global_batch']}: peak lr {old}"
+                 f"{fields['base_lr']:g} by the linear scaling rule, {steps[0]} -> {steps[1]} steps per epoch")
+    norms = ""
+    if batchnorm:
+        same = fields["global_batch"] == fields["global_batch_before"] and \
+            fields["micro_batches"] == fields["micro_batches_before"]
+        norms = ("; BatchNorm statistics averaged" if same else
+                 f"; BatchNorm batches change ({fields['micro_batches_before']} -> {fields['micro_batches']} per step, "
+                 "over all ranks): its statistics, and so the results, drift from an uninterrupted run's")
     lost = ""
     if fields["images_lost"] is not None:
         lost = (f"; {fields['images_lost']:,} images trained since the last checkpoint are trained again, "
-                f"{fields['seconds_since_loss']:.1f} s after the loss")
-    return f"world change: {where}: {at}; {batch}; BatchNorm statistics averaged, RNG streams restart{lost}"
+                f"{fields['seconds_since_loss']:.1f} s after the survivors saw the loss")
+    return f"world change: {where}: {at}; {batch}{norms}; RNG streams restart{lost}"
 
 
 def after_failure(config: TrainerConfig, state, failure: Exception) -> None:

@@ -432,16 +432,14 @@ class TrainerConfig:
     def images_per_step(self) -> int:
         """The global batch: images per optimizer step over all data-parallel ranks (``global_batch``, kept
         from a run on another world size, else ``batch`` x :attr:`data_parallel_size` x ``grad_accum_steps``)."""
-        return self.global_batch or self.batch * self.data_parallel_size * self.grad_accum_steps
+        return steps_of(self.batch, self.data_parallel_size, self.grad_accum_steps, self.global_batch)[0]
 
     @property
     def accumulation(self) -> int:
         """Micro-batches per optimizer step on each rank: ``grad_accum_steps``, or, with a kept ``global_batch``,
         as many as keep each micro-batch at ``batch`` images or fewer (a rank's share: the global batch over
         the data-parallel ranks, rounded up)."""
-        if self.global_batch is None:
-            return self.grad_accum_steps
-        return max(1, -(-(-(-self.global_batch // self.data_parallel_size)) // self.batch))
+        return steps_of(self.batch, self.data_parallel_size, self.grad_accum_steps, self.global_batch)[1]
 
     @property
     def counts_metrics(self) -> bool:
@@ -597,6 +595,16 @@ def _check_tensor_parallel(config: TrainerConfig) -> None:
         raise FixresError(f"--tensor-parallel cannot run torchvision's {config.architecture}: its attention cannot "
                           "be split and it copies the model to change resolution; use a timm ViT (e.g. "
                           f"{TIMM_PREFIX}vit_base_patch16_224)")
+
+
+def steps_of(batch: int, data_parallel: int, grad_accum_steps: int, global_batch: int | None) -> tuple[int, int]:
+    """A run's optimizer step: (images over all data-parallel ranks, accumulated micro-batches per rank), from
+    its ``--batch``, data-parallel ranks and ``--grad-accum-steps``, or from a kept ``global_batch`` (then as
+    many micro-batches as keep each at ``batch`` images or fewer of the largest rank's share)."""
+    if global_batch is None:
+        return batch * data_parallel * grad_accum_steps, grad_accum_steps
+    share = -(-global_batch // data_parallel)
+    return global_batch, max(1, -(-share // batch))
 
 
 def _check_options(config: "TrainerConfig") -> None:

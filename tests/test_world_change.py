@@ -54,7 +54,7 @@ def test_the_global_batch_is_kept_on_fewer_and_more_ranks_unless_asked_otherwise
                                         "the checkpoint of step 10 is kept"):
         on(1, min_world_size=2)
     with pytest.raises(FixresError, match="this job has 1 rank, fewer than --min-world-size 2"):
-        world_change.continued(attrs.evolve(saved, num_tasks=1, min_world_size=2), None, warnings.append)
+        world_change.check_minimum(attrs.evolve(saved, num_tasks=1, min_world_size=2), None)
     with pytest.raises(FixresError, match="a global batch of 3 images is too small for 2 data-parallel ranks"):
         attrs.evolve(saved, global_batch=3)
 

@@ -280,7 +280,7 @@ def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
         checked = source in ("spawn", "single") or config.global_rank == 0  # else after meeting the peers
         inputs = preflight(config) if checked else None
         if inputs is not None and inputs.resume is None:  # a fresh job below --min-world-size: before any rank starts
-            world_change.continued(config, None, say)
+            world_change.check_minimum(config, None)
         if source == "torchrun" and config.local_rank == 0 and placement.elastic_shared_store():  # on every node
             say(f"fixres_dist: warning: {placement.ELASTIC_SHARED_STORE}")
     except FixresError as exc:

@@ -103,7 +103,7 @@ class Checkpointer:
         the global batch did), a note when only the split did (tensor or pipeline parallelism)."""
         cfg, saved = self.config, contents.config
         split = _split(cfg.tensor_parallel, cfg.pipeline_stages)
-        data_parallel = world_change.saved_data_parallel(saved, len(contents.ranks))
+        data_parallel = world_change.SavedRun.of(contents).data_parallel_size
         if data_parallel == cfg.data_parallel_size:
             self.run_log.log(f"resuming a {len(contents.ranks)}-rank checkpoint"
                              f"{_split(saved.get('tensor_parallel', 1), saved.get('pipeline_stages', 1))} on "

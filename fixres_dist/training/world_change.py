@@ -39,7 +39,7 @@ from typing import Callable
 import attrs
 
 from fixres_dist import io
-from fixres_dist.config import TrainerConfig
+from fixres_dist.config import TrainerConfig, steps_of
 from fixres_dist.distributed.preemption import Preempted
 from fixres_dist.distributed.rendezvous import LostPeers
 from fixres_dist.errors import FixresError, plural
@@ -47,25 +47,37 @@ from fixres_dist.errors import FixresError, plural
 LOSS_FILE = "lost.json"  # in the job folder: where the survivors of a lost peer stopped (note_loss)
 
 
-def saved_data_parallel(saved: dict, ranks: int) -> int:
-    """The data-parallel ranks of the run that wrote a checkpoint (its ``config`` dict, its ``ranks``)."""
-    return ranks // (saved.get("tensor_parallel", 1) * saved.get("pipeline_stages", 1))
+@attrs.frozen
+class SavedRun:
+    """The batches of the run that wrote a checkpoint: its data-parallel ranks, global batch (images per
+    optimizer step), micro-batches per rank, and the ranks whose last-batch rule its global batch keeps."""
+
+    data_parallel_size: int
+    images_per_step: int
+    accumulation: int
+    global_batch_ranks: int
+
+    @classmethod
+    def of(cls, contents) -> "SavedRun":
+        """From a checkpoint's :class:`~fixres_dist.training.checkpoint.Contents` (its ``config`` and ``ranks``;
+        a field absent there: its default), as :func:`fixres_dist.config.steps_of` computes a run's steps."""
+        saved = contents.config
+        data_parallel = len(contents.ranks) // (saved.get("tensor_parallel", 1) * saved.get("pipeline_stages", 1))
+        images, accumulation = steps_of(saved["batch"], data_parallel, saved.get("grad_accum_steps", 1),
+                                        saved.get("global_batch"))
+        return cls(data_parallel, images, accumulation, saved.get("global_batch_ranks") or data_parallel)
 
 
-def saved_global_batch(saved: dict, ranks: int) -> int:
-    """The images per optimizer step of the run that wrote a checkpoint (its ``config`` dict, its ``ranks``)."""
-    return saved.get("global_batch") or \
-        saved["batch"] * saved_data_parallel(saved, ranks) * saved.get("grad_accum_steps", 1)
-
-
-def saved_micro_batches(saved: dict, ranks: int) -> int:
-    """The micro-batches over all data-parallel ranks of one optimizer step of the run that wrote a checkpoint:
-    its ranks x accumulated micro-batches (the *virtual ranks*; the same number on both sides of a change keeps
-    BatchNorm's batches, :mod:`fixres_dist.data.samplers`)."""
-    data_parallel, batch = saved_data_parallel(saved, ranks), saved["batch"]
-    if saved.get("global_batch"):
-        return data_parallel * max(1, -(-(-(-saved["global_batch"] // data_parallel)) // batch))
-    return data_parallel * saved.get("grad_accum_steps", 1)
+def check_minimum(config: TrainerConfig, contents) -> None:
+    """Raises :class:`~fixres_dist.distributed.preemption.Preempted` (exit status 3) when a run continuing
+    ``contents`` has fewer ranks than ``--min-world-size``, :class:`FixresError` when a fresh job (``contents``
+    None) has; nothing otherwise."""
+    if config.min_world_size and config.num_tasks < config.min_world_size:
+        below = f"{plural(config.num_tasks, 'rank')}, fewer than --min-world-size {config.min_world_size}"
+        if contents is None:
+            raise FixresError(f"this job has {below}")
+        raise Preempted(f"only {below}: stopped before training; the checkpoint of step {contents.global_step} "
+                        "is kept, and the job continues from it on enough ranks")
 
 
 def continued(config: TrainerConfig, contents, warn: Callable[[str], None]) -> TrainerConfig:
@@ -73,17 +85,12 @@ def continued(config: TrainerConfig, contents, warn: Callable[[str], None]) -> T
     :class:`~fixres_dist.training.checkpoint.Contents`, or None): with ``keep-global-batch``, the global
     batch the checkpoint's run trained with (``global_batch`` set where this world's ``--batch`` x ranks x
     ``--grad-accum-steps`` differs from it); ``warn`` is told when the global batch cannot be kept.
-    Raises :class:`~fixres_dist.distributed.preemption.Preempted` on fewer ranks than ``--min-world-size``
-    (exit status 3), :class:`FixresError` when a fresh job has fewer."""
-    if config.min_world_size and config.num_tasks < config.min_world_size:
-        below = f"{plural(config.num_tasks, 'rank')}, fewer than --min-world-size {config.min_world_size}"
-        if contents is None:
-            raise FixresError(f"this job has {below}")
-        raise Preempted(f"only {below}: stopped before training; the checkpoint of step {contents.global_step} "
-                        "is kept, and the job continues from it on enough ranks")
+    Raises as :func:`check_minimum` does."""
+    check_minimum(config, contents)
     if contents is None or config.eval_only:
         return config
-    wanted = saved_global_batch(contents.config, len(contents.ranks))
+    saved = SavedRun.of(contents)
+    wanted = saved.images_per_step
     plain = attrs.evolve(config, global_batch=None, global_batch_ranks=None)
     if config.world_change == "keep-rank-batch" or wanted == plain.images_per_step:
         return plain
@@ -93,8 +100,7 @@ def continued(config: TrainerConfig, contents, warn: Callable[[str], None]) -> T
         warn(f"the global batch of {wanted} images is not kept ({why}): each rank keeps --batch {config.batch} "
              "(--world-change keep-rank-batch)")
         return plain
-    ranks = contents.config.get("global_batch_ranks") or saved_data_parallel(contents.config, len(contents.ranks))
-    return attrs.evolve(config, global_batch=wanted, global_batch_ranks=ranks)
+    return attrs.evolve(config, global_batch=wanted, global_batch_ranks=saved.global_batch_ranks)
 
 
 def note_loss(config: TrainerConfig, epoch: int, images_in_epoch: int, global_step: int, lost: str) -> None:
@@ -144,15 +150,15 @@ def event(config: TrainerConfig, contents, hosts_after: list[str], images_per_ep
     """The fields of the ``world_change`` event of a run on ``config`` continuing ``contents`` on hosts
     ``hosts_after`` (one name per rank); ``loss``: :func:`read_loss`'s record, when ranks were lost; ``lr``:
     this run's peak learning rate (linear scaling rule). ``seconds_since_loss``: since the survivors saw it."""
-    saved, ranks = contents.config, len(contents.ranks)
+    saved = SavedRun.of(contents)
     at = contents.epoch * images_per_epoch + contents.images_in_epoch
-    fields = {"ranks_before": ranks, "ranks_after": config.num_tasks,
+    fields = {"ranks_before": len(contents.ranks), "ranks_after": config.num_tasks,
               "hosts_before": sorted({r.get("host", "?") for r in contents.ranks}),
               "hosts_after": sorted(set(hosts_after)), "epoch": contents.epoch + 1,
               "images_in_epoch": contents.images_in_epoch, "step": contents.global_step,
-              "global_batch_before": saved_global_batch(saved, ranks), "global_batch": config.images_per_step,
+              "global_batch_before": saved.images_per_step, "global_batch": config.images_per_step,
               "accumulation": config.accumulation, "kept": config.world_change,
-              "micro_batches_before": saved_micro_batches(saved, ranks),
+              "micro_batches_before": saved.data_parallel_size * saved.accumulation,
               "micro_batches": config.data_parallel_size * config.accumulation,
               "base_lr_before": (contents.schedule or {}).get("base_lr"), "base_lr": lr,
               "images_lost": None, "seconds_since_loss": None}

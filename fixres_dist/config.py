@@ -396,6 +396,10 @@ class TrainerConfig:
     resume: str | None = attrs.field(default=None, converter=resolved_path, metadata=RESUMABLE)
     preempt_signal: str = attrs.field(default="SIGUSR2", validator=_signal_name, metadata=RESUMABLE)
     skip_bad_images: bool = attrs.field(default=False, metadata=RESUMABLE)
+    # The stall watchdog (fixres_dist.distributed.watchdog): seconds without progress before a rank is stalled;
+    # None: derived from the steps seen, 0: off.
+    stall_timeout: float | None = attrs.field(default=None, validator=attrs.validators.optional(_non_negative),
+                                              metadata=RESUMABLE)
     # Lose a node, keep training (fixres_dist.training.world_change): what a resume on another world size
     # keeps, the fewest ranks the job goes on with, and the global batch it keeps (set by that resume from
     # the checkpoint; None: --batch x data-parallel ranks x --grad-accum-steps), with the data-parallel ranks of

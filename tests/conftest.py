@@ -51,6 +51,34 @@ def pytest_unconfigure(config):
     store_threads.settle(10.0)
 
 
+STACKS_BEFORE_TIMEOUT_S = 45  # a test still running this long before pytest-timeout ends it: its stacks are taken
+
+
+@pytest.fixture(autouse=True)
+def stacks_of_a_hung_test(request, tmp_path_factory):
+    """A test that hangs (the suite's ``timeout`` in pytest.ini is near) leaves the Python stacks of this
+    process's threads and of every process it started (jobs, ranks, loader workers: py-spy) in
+    ``<basetemp>/hung/<test>.txt``, named on stderr (shown with the failure): a flake is found from its stacks."""
+    import threading
+
+    from fixres_dist.distributed import stacks
+
+    seconds = float(request.config.getini("timeout") or 0) - STACKS_BEFORE_TIMEOUT_S
+    path = tmp_path_factory.getbasetemp() / "hung" / f"{request.node.name[:120]}.txt"
+
+    def take() -> None:
+        stacks.write_stacks(path, f"{request.node.nodeid}: still running after {seconds:.0f} s")
+        print(f"stacks of the hung test and of every process it started: {path}", file=sys.stderr, flush=True)
+
+    timer = threading.Timer(seconds, take) if seconds > 0 else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    yield
+    if timer is not None:
+        timer.cancel()
+
+
 @pytest.fixture(autouse=True)
 def clean_rank_env(monkeypatch):
     """Tests run outside any launcher: no torchrun or SLURM variables leak in."""

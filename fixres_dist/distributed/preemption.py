@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing.context
 import signal
+from typing import Callable
 
 import attrs
 import torch
@@ -64,6 +65,13 @@ def ignore_signals(signals, worker_id: int | None = None) -> None:
     for signum in signals:
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
+def loader_worker_init(signals, worker_id: int | None = None) -> None:
+    """A DataLoader worker's ``worker_init_fn``: ignore the stop ``signals`` (:func:`ignore_signals`) and die
+    with its rank (SIGKILL when the rank's process ends, however: a worker stuck in a read never outlives it)."""
+    ignore_signals(signals)
+    startup.die_with_parent(signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -187,10 +195,12 @@ class StepAgreement:
       a stronger one, the first bad step never changes), so the current state contains it.
 
     Without a process group (one process) both agree at once, with nothing to wait for.
+    ``progress()``: called at each agreement reached (the stall watchdog's
+    :meth:`~fixres_dist.distributed.watchdog.StallWatchdog.progress`).
     """
 
-    def __init__(self, stops: StopSignals, group=None):
-        self.stops, self.group = stops, group
+    def __init__(self, stops: StopSignals, group=None, progress: Callable[[], None] = lambda: None):
+        self.stops, self.group, self.progress = stops, group, progress
         self._pending: tuple[object, torch.Tensor] | None = None  # (handle, flags) of the running all-reduce
 
     def after_step(self, first_bad: int | None) -> Agreed:
@@ -220,5 +230,6 @@ class StepAgreement:
         return self._read(flags)
 
     def _read(self, flags: torch.Tensor) -> Agreed:
+        self.progress()
         stop_code, bad_code = flags.tolist()
         return Agreed(self.stops.adopt(stop_code), finite.agreed_bad_step(bad_code))

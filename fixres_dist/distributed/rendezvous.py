@@ -47,6 +47,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import attrs
+import psutil
 import torch.distributed as dist
 
 from fixres_dist.distributed import joiner_hosts, network, store_clients, store_threads
@@ -55,6 +56,7 @@ from fixres_dist.io import write_private
 
 PROBE_SECONDS = 3.0
 HEARTBEAT_S = 1.0  # a rank adds to its heartbeat counter this often (seconds)
+STALL_KEY = "fixres/stall"  # set when a rank found the job stalled; its reports under STALL_KEY/<rank>
 STORE_ANSWER_S = 3.0  # after a failed collective, a store that does not answer this fast is lost
 POLL_S = 0.2  # a rank waiting to connect to a store checks for stop signals this often (seconds)
 CONNECT_GRACE_S = 30.0  # a store client's own connect timeout exceeds the rank's deadline by this (seconds)
@@ -423,6 +425,7 @@ class Rendezvous:
         self.links: dict[int, str] = {}  # rank -> "interface address", after register()
         self._beating = threading.Event()
         self.clients = None  # rank 0's ClientWatch of the store it hosts, from watch_clients()
+        self._stall_store = None  # the stall watchdog's own connection (_watch_store)
 
     def watch_clients(self, warn) -> None:
         """Rank 0 hosting the store (not torchrun's agent): name each of its clients that is none of
@@ -508,6 +511,60 @@ class Rendezvous:
         """``(rank, text)`` of the peers that announced ``kind`` ("lost" or "failed")."""
         return [(rank, store.get(f"fixres/{kind}/{rank}").decode()) for rank in range(self.world_size)
                 if rank != self.rank and store.check([f"fixres/{kind}/{rank}"])]
+
+    def _watch_store(self) -> dist.Store | None:
+        """The stall watchdog's own connection to the store (made once; None while the store does not answer)."""
+        if self._stall_store is None:
+            self._stall_store = _within(STORE_ANSWER_S, self.store.clone)
+            if self._stall_store is not None:
+                self._stall_store.set_timeout(datetime.timedelta(seconds=STORE_ANSWER_S))
+        return self._stall_store
+
+    def mark_stall(self) -> None:
+        """Tell every rank that the job stalled (:mod:`fixres_dist.distributed.watchdog`; best effort)."""
+        store = self._watch_store()
+        if store is not None:
+            _within(STORE_ANSWER_S, lambda: store.set(STALL_KEY, str(self.rank)))
+
+    def stall_marked(self) -> bool:
+        """Whether some rank marked the job stalled (False while the store does not answer)."""
+        store = self._watch_store()
+        return store is not None and bool(_within(STORE_ANSWER_S, lambda: store.check([STALL_KEY])))
+
+    def stall_reports(self, mine: dict, wait: float) -> tuple[dict[int, dict], dict[int, str]]:
+        """Publish this rank's stall report ``mine`` (JSON-able) and read every rank's, for up to ``wait``
+        seconds. Returns ``(reports by rank, silent)``: ``silent`` the ranks without a report whose
+        heartbeat did not move meanwhile (rank -> "rank R on H" and, on this host, its process state);
+        rank 0, which hosts the store, when the store does not answer."""
+        store, reports = self._watch_store(), {self.rank: mine}
+        before = _within(STORE_ANSWER_S, lambda: self._beats(store)) if store is not None else None
+        if before is None:
+            return reports, {0: self._silent(0) + ", which hosts the rendezvous store"} if self.rank else {}
+        _within(STORE_ANSWER_S, lambda: store.set(f"{STALL_KEY}/{self.rank}", json.dumps(mine)))
+        deadline = time.monotonic() + wait
+        while len(reports) < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.2)
+            for rank in set(range(self.world_size)) - set(reports):
+                text = _within(STORE_ANSWER_S, lambda rank=rank: store.get(f"{STALL_KEY}/{rank}")
+                               if store.check([f"{STALL_KEY}/{rank}"]) else None)
+                if text:
+                    reports[rank] = json.loads(text)
+        after = _within(STORE_ANSWER_S, lambda: self._beats(store)) or {}
+        return reports, {rank: self._silent(rank) for rank in range(self.world_size)
+                         if rank not in reports and after.get(rank) == before.get(rank)}
+
+    def _silent(self, rank: int) -> str:
+        host = self.hosts[rank]
+        if host.name != socket.gethostname():
+            return f"rank {rank} on {host.name}"
+        try:
+            return f"rank {rank} on {host.name} (pid {host.pid}, {psutil.Process(host.pid).status()})"
+        except psutil.Error:
+            return f"rank {rank} on {host.name} (pid {host.pid}, gone)"
+
+    def local_pids(self, ranks) -> dict[int, int]:
+        """The process ids of those of ``ranks`` that run on this host."""
+        return {rank: self.hosts[rank].pid for rank in ranks if self.hosts[rank].name == socket.gethostname()}
 
     def _beats(self, store: dist.Store) -> dict[int, int]:
         """Every peer's heartbeat count."""

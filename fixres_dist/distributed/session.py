@@ -19,7 +19,8 @@ from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import collectives, joblock, placement
 from fixres_dist.distributed.preemption import Preempted, StepAgreement, StopSignals
 from fixres_dist.distributed.rendezvous import LostPeers, NetworkInterrupted, RendezvousInterrupted
-from fixres_dist.errors import first_line, user_message
+from fixres_dist.distributed.watchdog import StallWatchdog
+from fixres_dist.errors import FixresError, first_line, user_message
 from fixres_dist.training import recipes
 
 
@@ -44,6 +45,7 @@ class RankSession:
         self.rendezvous = None  # fixres_dist.distributed.rendezvous.Rendezvous once the ranks met (world > 1)
         self.control_group = None  # gloo group for stop flags and gathered RNG states
         self.lock = None
+        self.watchdog = None  # this rank's StallWatchdog, once open() met the peers
 
     def __enter__(self) -> "RankSession":
         self.stops.__enter__()
@@ -78,7 +80,10 @@ class RankSession:
         self._meet()
         torch.manual_seed(cfg.seed + cfg.global_rank)
         self.control_group = collectives.control_group()
-        self.agreement = StepAgreement(self.stops, self.control_group)
+        self.watchdog = StallWatchdog(cfg.stall_timeout, cfg.global_rank, cfg.job_folder, lambda: self.stops.received)
+        self.watchdog.attach(self.rendezvous)
+        self.watchdog.start()
+        self.agreement = StepAgreement(self.stops, self.control_group, self.watchdog.progress)
 
     def _meet(self) -> None:
         cfg = self.config
@@ -116,6 +121,11 @@ class RankSession:
         if gone:
             self.rendezvous.announce_lost(gone)
             return LostPeers(gone)
+        stalled = self.watchdog.stalled_peers() if collectives.is_collective_failure(exc) and self.watchdog else None
+        if stalled:
+            failure = FixresError(f"stalled: {stalled}")
+            self.rendezvous.announce_failure(str(failure))
+            return failure
         if collectives.is_collective_failure(exc):
             failure = NetworkInterrupted(first_line(exc), collectives.collective_timeout(self.config.dist_timeout))
             self.rendezvous.announce_failure(str(failure))
@@ -124,7 +134,9 @@ class RankSession:
         return None
 
     def close(self) -> None:
-        """Leave the process group and release the job lock (idempotent)."""
+        """Stop the stall watchdog, leave the process group and release the job lock (idempotent)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.rendezvous is not None:
             self.rendezvous.stop_heartbeat()
         collectives.destroy_process_group()

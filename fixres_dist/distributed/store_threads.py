@@ -36,9 +36,10 @@ def start(target, name: str) -> threading.Thread:
 def settle(seconds: float = SETTLE_S) -> bool:
     """Wait up to ``seconds`` in all for the store threads to end; whether none is left running."""
     deadline = time.monotonic() + seconds
-    for thread in list(_threads):
+    others = [thread for thread in list(_threads) if thread is not threading.current_thread()]
+    for thread in others:
         thread.join(max(0.0, deadline - time.monotonic()))
-    return not any(thread.is_alive() for thread in list(_threads))
+    return not any(thread.is_alive() for thread in others)
 
 
 def end_process(status: int | str | None) -> None:

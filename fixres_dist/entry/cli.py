@@ -547,9 +547,24 @@ def _add_checkpoints(p: argparse.ArgumentParser, mode: str) -> None:
                    help="what a run resumed on another number of ranks (a node lost or back) keeps: the global batch, "
                         "by accumulating micro-batches, or each rank's --batch, with the learning rate re-derived by "
                         f"the linear scaling rule ({default('world_change')})")
+    c.add_argument("--stall-timeout", type=_stall_timeout, metavar="SECONDS",
+                   help="a rank that makes no progress (no training step, evaluation batch or checkpoint) this long "
+                        "ends the job, named, with every rank's stacks in <job folder>/stalls/ and exit status 5; "
+                        "0 or off: never (default: auto, 10 x the longest gap between two steps so far, at least "
+                        "120 s; before the first step, 20 min or this if longer; docs/checkpoints.md)")
     c.add_argument("--min-world-size", type=int, metavar="N",
                    help="the fewest ranks the job trains on: on fewer it stops before training with exit status 3, "
                         "keeping its checkpoint (default: any)")
+
+
+def _stall_timeout(text: str) -> float | None:
+    """``--stall-timeout``: seconds, ``off`` (0) or ``auto`` (None, the default)."""
+    if text.strip().lower() in ("auto", "off"):
+        return None if text.strip().lower() == "auto" else 0.0
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, auto or off, got {text!r}") from None
 
 
 def build_parser(mode: str) -> argparse.ArgumentParser:

@@ -35,6 +35,7 @@ from fixres_dist.distributed.preemption import (
     ignoring,
     stop_signals,
 )
+from fixres_dist.distributed.watchdog import REPORTS_S, STALL_EXIT_STATUS
 from fixres_dist.entry import startup
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.errors import FixresError, first_line, say, user_message
@@ -219,6 +220,8 @@ def spawn(config: TrainerConfig, index_note: str | None = None) -> None:
             signal.signal(s, handler)
         lock.release()
     codes = [p.exitcode for p in context.processes]
+    if failed is not None and failed[1] == STALL_EXIT_STATUS:  # each rank that could said which one stalled
+        raise SystemExit(STALL_EXIT_STATUS)
     if failed is not None:
         rank, code = failed
         cause = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
@@ -245,6 +248,8 @@ def _stop_ranks(processes) -> None:
 
 STOPPED = (0, PREEMPTED_EXIT_STATUS, INTERRUPTED_EXIT_STATUS)  # how a rank ends without failing
 TERMINATE_GRACE_S = 30.0  # after a rank failed, the others get SIGTERM, then SIGKILL this much later
+# ... after a rank stalled: the others still running end within the stall reports' wait, or are frozen
+STALLED_GRACE_S = REPORTS_S + 5.0
 
 
 def _wait_for_ranks(processes, every_second) -> tuple[int, int] | None:
@@ -257,7 +262,8 @@ def _wait_for_ranks(processes, every_second) -> tuple[int, int] | None:
         every_second()
         for rank, process in enumerate(processes):
             if failed is None and process.exitcode not in (None, *STOPPED):
-                failed, deadline = (rank, process.exitcode), time.monotonic() + TERMINATE_GRACE_S
+                grace = STALLED_GRACE_S if process.exitcode == STALL_EXIT_STATUS else TERMINATE_GRACE_S
+                failed, deadline = (rank, process.exitcode), time.monotonic() + grace
                 for other in processes:
                     if other.exitcode is None:
                         other.terminate()

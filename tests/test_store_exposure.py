@@ -5,13 +5,14 @@ binds."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 
 import pytest
 
 from fixres_dist import FixresError
-from fixres_dist.distributed import joiner_hosts, network, rendezvous
+from fixres_dist.distributed import joiner_hosts, network, rendezvous, store_clients
 
 
 def test_a_spawned_job_listens_on_loopback_and_refuses_a_foreign_store_client(slowed_job):
@@ -80,3 +81,19 @@ def test_rank_0_learns_where_the_joiners_run_before_opening_the_store(tmp_path):
         joiner_hosts.all_here(path, 3, give_up)
     joiner_hosts.clear(path, 3)
     assert not list(tmp_path.iterdir())
+
+
+def test_a_store_connection_shared_with_a_child_that_ended_is_not_taken_for_a_foreign_client():
+    """psutil names one process per socket, and a loader worker shares its rank's connection to the store: that
+    worker may be the one named, and may end before its parents are read. Such a connection is the rank's or
+    unknown (looked at again), never foreign: taken for one, rank 0 shut its own store connection and the
+    rank's next request failed with a broken pipe (seen: 2 looks in 300 while children came and went)."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert store_clients.of_ranks(child.pid, {os.getpid()}) is None  # gone: cannot be told
+    with subprocess.Popen(["sleep", "30"]) as alive:
+        try:
+            assert store_clients.of_ranks(alive.pid, {os.getpid()}) is True  # a child of a rank
+            assert store_clients.of_ranks(alive.pid, {2 ** 22 + 1}) is False  # a process of no rank (no such pid)
+        finally:
+            alive.kill()

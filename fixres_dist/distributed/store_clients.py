@@ -33,14 +33,13 @@ def _ip(address: str) -> str:
     return address.removeprefix("::ffff:")
 
 
-def _of_ranks(pid: int | None, rank_pids: set[int]) -> bool:
-    """Whether process ``pid`` is a rank or a child of one (a loader worker shares its sockets)."""
-    if pid is None:
-        return False
+def of_ranks(pid: int, rank_pids: set[int]) -> bool | None:
+    """Whether process ``pid`` is a rank or a child of one (a loader worker shares its sockets); None when
+    it cannot be told (the process exited since the look: a loader worker that ended, say)."""
     try:
         return pid in rank_pids or any(p.pid in rank_pids for p in psutil.Process(pid).parents())
     except psutil.Error:
-        return False
+        return None
 
 
 def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int, bool, tuple[str, int]]]:
@@ -58,18 +57,23 @@ def foreign_clients(port: int, hosts: dict) -> list[tuple[str, int, bool, tuple[
     family = {me.pid, *(p.pid for p in me.children(recursive=True))}  # loader workers inherit its sockets
     served = [c for c in connections if c.pid in family and c.laddr and c.laddr.port == port and c.raddr
               and c.status == psutil.CONN_ESTABLISHED]
-    by_local = {(_ip(c.laddr.ip), c.laddr.port): c for c in connections if c.laddr}
+    # A client's end by its local and remote address: an accepted socket shares its local address with its
+    # listener (and with its siblings), so the local address alone may name another process's socket.
+    by_ends = {((_ip(c.laddr.ip), c.laddr.port), (_ip(c.raddr.ip), c.raddr.port)): c
+               for c in connections if c.laddr and c.raddr}
     rank_pids = {h.pid for h in hosts.values() if h.name == here}
     rank_addresses = {a for h in hosts.values() if h.name != here for a in h.addresses}
     local = {address for _, address in network.interface_addresses()}
     found = []
     for server_side in served:
         remote = (_ip(server_side.raddr.ip), server_side.raddr.port)
-        client = by_local.get(remote) if remote[0] in local else None
+        client = by_ends.get((remote, (_ip(server_side.laddr.ip), port))) if remote[0] in local else None
         if remote[0] in local and (client is None or client.pid is None):
             continue  # its end not seen in this look (a connection opening or closing): the next look decides
-        if client is not None and _of_ranks(client.pid, rank_pids) or remote[0] not in local and remote[0] in \
-                rank_addresses:
+        ours = of_ranks(client.pid, rank_pids) if client is not None else False
+        if ours is None:
+            continue  # its process ended since the look: the next look decides
+        if ours or remote[0] not in local and remote[0] in rank_addresses:
             continue
         what = f"{remote[0]}:{remote[1]}"
         if client is not None and client.pid is not None:

@@ -151,6 +151,16 @@ def diagnose(reports: dict[int, Report], silent: dict[int, str], stopping: str =
             "so the collectives themselves hang (the network, or gloo/NCCL)")
 
 
+_running = []  # this process's running watchdog (one per rank), for progress()
+
+
+def progress() -> None:
+    """Progress of this process's running watchdog, from a loop that reaches no agreement (feature
+    extraction, per batch); a no-op without one."""
+    for running in _running:
+        running.progress()
+
+
 class StallWatchdog:
     """This rank's stall watchdog (module docstring). ``timeout``: ``--stall-timeout`` (None: auto,
     0: off); ``folder``: the job folder; ``stop_signal()``: the stop signal received, or None. It
@@ -177,10 +187,13 @@ class StallWatchdog:
 
     def start(self) -> None:
         if self.timeout != 0:
+            _running[:] = [self]
             store_threads.start(self._watch, "fixres-stall-watchdog")
 
     def stop(self) -> None:
         self._stopped.set()
+        if self in _running:
+            _running.remove(self)
 
     def phase(self) -> Phase:
         return phase_of_thread(self.watched)

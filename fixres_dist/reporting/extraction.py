@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fixres_dist.data.pipeline import IMAGENET_NORMALIZATION, to_device
-from fixres_dist.distributed import collectives, sharding
+from fixres_dist.distributed import collectives, sharding, watchdog
 from fixres_dist.errors import FixresError
 from fixres_dist.fixres.finetuning import eval_mode
 from fixres_dist.io import write_private
@@ -93,8 +93,8 @@ def extract(model: nn.Module, head: str, loader, device: torch.device, folder: s
         for fd, _ in writers.values():
             cleanup.callback(os.close, fd)
         ran = 0
-        for (images, labels, skipped), keys in zip(loader, loader.batch_sampler):
-            ran += 1
+        for ran, ((images, labels, skipped), keys) in enumerate(zip(loader, loader.batch_sampler), 1):
+            watchdog.progress()  # no agreement per batch here
             if skipped:
                 raise FixresError(f"{skipped} unreadable images in the split; features need every image")
             with autocast(device, amp):

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import fcntl
 import fnmatch
 import hashlib
 import io
@@ -52,6 +51,7 @@ import attrs
 import numpy as np
 from tqdm import tqdm
 
+from fixres_dist import locks
 from fixres_dist.data import pipeline, shards
 from fixres_dist.entry import startup
 from fixres_dist.errors import FixresError, first_line, plural, say
@@ -231,10 +231,8 @@ def _locked(out: Path):
     """One pack into ``out`` at a time (``flock`` on ``out/.pack.lock``, released when the process ends)."""
     descriptor = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise FixresError(f"another pack into {out} is running; wait for it to end") from None
+        if not locks.try_lock(descriptor, out / LOCK, "a second pack into it at once would not be refused"):
+            raise FixresError(f"another pack into {out} is running; wait for it to end")
         yield
     finally:
         os.close(descriptor)

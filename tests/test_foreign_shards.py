@@ -166,6 +166,17 @@ def unlabelled(folder: Path) -> str:
     return f"shard {folder / 'mydata-train-2.tar'}, sample lonely: no label (no lonely.cls member)"
 
 
+def repeated_key(folder: Path) -> str:
+    """A key written twice in one shard, apart: indexed by key, one of its images would be silently left
+    out."""
+    shard = folder / "mydata-train-2.tar"
+    write_shard(shard, [("a", "png", image_bytes(1), b"0"), ("b", "png", image_bytes(2), b"1"),
+                        ("a", "png", image_bytes(3), b"2")])
+    return (f"shard {shard}, sample a: the key is repeated: a.png (at byte 0) and a.png (at byte 4,096) are both its "
+            ".png, and one would be left out; a key names one sample in a shard: write the shard again with unique "
+            "keys")
+
+
 def val_label_no_training_class(folder: Path) -> str:
     write_shard(folder / "mydata-validation-0.tar", [("v", "png", image_bytes(1), b"7")])
     return f"shard {folder / 'mydata-validation-0.tar'}, sample v: label 7 is not a class of the train shards (0 to 2)"
@@ -200,8 +211,9 @@ def refused_in_one_line(capsys, folder: Path, expected: str, *options: str) -> N
     assert digests(folder) == before
 
 
-@pytest.mark.parametrize("damage", [truncated, unlabelled, val_label_no_training_class, number_without_training_images,
-                                    no_val_shard, written_by_pack, another_tools_manifest])
+@pytest.mark.parametrize("damage", [truncated, unlabelled, repeated_key, val_label_no_training_class,
+                                    number_without_training_images, no_val_shard, written_by_pack,
+                                    another_tools_manifest])
 def test_each_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, damage):
     folder = tmp_path / "foreign"
     foreign_shards(folder)

@@ -99,8 +99,9 @@ def index_shard(path: Path, num_classes: int | None) -> ShardIndex:
     ``.cls`` label. ``num_classes``: labels are below it (``None``: below :data:`LABEL_LIMIT`).
 
     Raises :class:`FixresError` naming the shard and the sample key for an unreadable or truncated
-    tar, a sample without an image or without a label, a label that is not a number or out of range,
-    an image whose tar header :meth:`ShardSplit.read` could not check (a tar dialect it does not know).
+    tar, a key repeated (two members of one sample with the same extension: one would be left out), a
+    sample without an image or without a label, a label that is not a number or out of range, an image
+    whose tar header :meth:`ShardSplit.read` could not check (a tar dialect it does not know).
     """
     samples: dict[str, dict[str, tarfile.TarInfo]] = collections.OrderedDict()
     try:
@@ -108,7 +109,7 @@ def index_shard(path: Path, num_classes: int | None) -> ShardIndex:
             for member in tar:
                 if member.isfile() and not member.name.rpartition("/")[2].startswith("."):
                     key, ext = split_name(member.name)
-                    samples.setdefault(key, {})[ext.lower()] = member
+                    _add_member(path, samples.setdefault(key, {}), key, ext.lower(), member)
             tar.fileobj.seek(tar.offset)  # where tarfile stopped: a complete tar ends with zero blocks
             if tar.fileobj.read(HEADER) != bytes(HEADER):
                 raise tarfile.ReadError(f"no member and no end of the archive at byte {tar.offset:,}")
@@ -141,6 +142,16 @@ def names_key(header: bytes, key: bytes) -> bool:
         name = header[345:500].split(b"\0")[0] + b"/" + name
     expected = key + b"."
     return name.startswith(expected) or (len(name) == NAME_FIELD and expected.startswith(name))
+
+
+def _add_member(path: Path, members: dict[str, tarfile.TarInfo], key: str, ext: str, member: tarfile.TarInfo) -> None:
+    """Add ``member`` to its sample's ``members`` (by lower-case extension); :class:`FixresError` when the
+    sample already has one of that extension (a key repeated in the shard)."""
+    first = members.setdefault(ext, member)
+    if first is not member:
+        raise FixresError(f"shard {path}, sample {key}: the key is repeated: {first.name} (at byte {first.offset:,}) "
+                          f"and {member.name} (at byte {member.offset:,}) are both its .{ext}, and one would be left "
+                          "out; a key names one sample in a shard: write the shard again with unique keys")
 
 
 def _image_member(path: Path, key: str, members: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import pwd
 import socket
 import stat
 import warnings
@@ -125,8 +126,32 @@ def private_folder(folder: Path) -> None:
             _make_private(os.path.join(parent, name), mode)
 
 
+def owner_name(uid: int) -> str:
+    """``name (uid N)``, or ``uid N`` for a uid without a user name, for messages."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_own_job_folder(folder: Path) -> None:
+    """Refuse an existing job ``folder`` that another user owns (root's run included: it would take
+    over that user's job). Raises :class:`FixresError` naming the owner and what to do."""
+    try:
+        owner = Path(folder).stat().st_uid
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise FixresError(f"cannot use job folder {folder}: {exc.strerror or exc}") from None
+    if owner != os.geteuid():
+        raise FixresError(f"job folder {folder} belongs to {owner_name(owner)}, not to {owner_name(os.geteuid())}: "
+                          "it is another user's job; use another --job-id or your own --shared-folder-path")
+
+
 def make_private_folder(folder: Path) -> None:
-    """:func:`private_folder` for a job folder; FixresError if it cannot be made or used."""
+    """:func:`private_folder` for a job folder; FixresError if it cannot be made or used, or belongs to
+    another user (:func:`check_own_job_folder`)."""
+    check_own_job_folder(folder)
     try:
         private_folder(folder)
     except OSError as exc:

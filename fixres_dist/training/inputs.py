@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from fixres_dist import locks
+from fixres_dist import io, locks
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import file_index, hf_datasets, pipeline, shards
 from fixres_dist.distributed import joblock, placement, tensor_parallel
@@ -129,6 +129,7 @@ def _check_accumulation(config: TrainerConfig, index) -> None:
 
 def _check_job_folder(config: TrainerConfig) -> None:
     shared = Path(config.shared_folder_path).absolute()
+    io.check_own_job_folder(shared / config.job_id)
     existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise FixresError(f"cannot create the job folder {shared / config.job_id}: {existing} is not a writable folder")

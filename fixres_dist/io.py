@@ -139,10 +139,8 @@ def check_own_job_folder(folder: Path) -> None:
     over that user's job). Raises :class:`FixresError` naming the owner and what to do."""
     try:
         owner = Path(folder).stat().st_uid
-    except FileNotFoundError:
+    except OSError:  # none there (or a file above it): nobody's, and the caller's own checks say why
         return
-    except OSError as exc:
-        raise FixresError(f"cannot use job folder {folder}: {exc.strerror or exc}") from None
     if owner != os.geteuid():
         raise FixresError(f"job folder {folder} belongs to {owner_name(owner)}, not to {owner_name(os.geteuid())}: "
                           "it is another user's job; use another --job-id or your own --shared-folder-path")

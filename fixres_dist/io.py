@@ -1,15 +1,18 @@
 """Files a run writes and reads: one atomic, owner-only writer and one safe loader.
 
-:func:`write_private` is the only way this package writes a result file: the content goes to a
-temporary file in the same folder (mode 0600), is fsynced, renamed over the target and the folder is
-fsynced, so a reader sees the complete old or the complete new file, never a partial one, whatever
-stops the writer. :func:`safe_load` reads PyTorch files with ``weights_only=True``: nothing in them
-is executed, and every failure is one :class:`FixresError` line.
+:func:`write_private` (and :func:`write_private_by_name`, for a writer that opens the file itself)
+is the only way this package writes a result file: the content goes to a temporary file in the same
+folder (mode 0600), is fsynced, renamed over the target and the folder is fsynced, so a reader sees
+the complete old or the complete new file, never a partial one, whatever stops the writer.
+:func:`safe_load` reads PyTorch files with ``weights_only=True``: nothing in them is executed, and
+every failure is one :class:`FixresError` line.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import pwd
 import socket
 import stat
 import warnings
@@ -38,6 +41,20 @@ def fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _replacing(path: Path):
+    """The temporary sibling of ``path`` to fill in the block; renamed over ``path`` when the block ends,
+    removed when it raises (then ``path`` is left as it was); the folder fsynced after the rename."""
+    tmp = temporary_name(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_folder(path.parent)
+
+
 def write_private(path: str | Path, content: str | bytes | Callable[[BinaryIO], None], mode: int = 0o600) -> Path:
     """Write ``content`` to ``path`` atomically, readable by the owner only; returns ``path``.
 
@@ -47,8 +64,7 @@ def write_private(path: str | Path, content: str | bytes | Callable[[BinaryIO], 
     temporary file; the previous ``path``, if any, is left as it was.
     """
     path = Path(path)
-    tmp = temporary_name(path)
-    try:
+    with _replacing(path) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
         with os.fdopen(fd, "wb") as f:
             if callable(content):
@@ -57,11 +73,25 @@ def write_private(path: str | Path, content: str | bytes | Callable[[BinaryIO], 
                 f.write(content.encode() if isinstance(content, str) else content)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_folder(path.parent)
+    return path
+
+
+def write_private_by_name(path: str | Path, writer: Callable[[Path], None]) -> Path:
+    """:func:`write_private` for a ``writer`` that opens the file itself by its name
+    (``torch.profiler``'s trace export): ``writer(name)`` writes the temporary file ``name``, made 0600
+    before and after it (a writer's own open keeps the mode; one that replaces the file does not),
+    which is then fsynced and renamed to ``path``. Raises ``OSError`` as :func:`write_private` does,
+    the temporary file removed."""
+    path = Path(path)
+    with _replacing(path) as tmp:
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        writer(tmp)
+        os.chmod(tmp, 0o600)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # a write the disk refused late (delayed allocation, NFS) is an OSError here
+        finally:
+            os.close(fd)
     return path
 
 
@@ -96,8 +126,30 @@ def private_folder(folder: Path) -> None:
             _make_private(os.path.join(parent, name), mode)
 
 
+def owner_name(uid: int) -> str:
+    """``name (uid N)``, or ``uid N`` for a uid without a user name, for messages."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_own_job_folder(folder: Path) -> None:
+    """Refuse an existing job ``folder`` that another user owns (root's run included: it would take
+    over that user's job). Raises :class:`FixresError` naming the owner and what to do."""
+    try:
+        owner = Path(folder).stat().st_uid
+    except OSError:  # none there (or a file above it): nobody's, and the caller's own checks say why
+        return
+    if owner != os.geteuid():
+        raise FixresError(f"job folder {folder} belongs to {owner_name(owner)}, not to {owner_name(os.geteuid())}: "
+                          "it is another user's job; use another --job-id or your own --shared-folder-path")
+
+
 def make_private_folder(folder: Path) -> None:
-    """:func:`private_folder` for a job folder; FixresError if it cannot be made or used."""
+    """:func:`private_folder` for a job folder; FixresError if it cannot be made or used, or belongs to
+    another user (:func:`check_own_job_folder`)."""
+    check_own_job_folder(folder)
     try:
         private_folder(folder)
     except OSError as exc:

@@ -321,9 +321,17 @@ def read_only_folder(folder: Path):
         yield folder
         folder.chmod(0o700)
         return
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a read-only folder here")
+    yield from tmpfs(folder, "ro,size=1m", "a read-only folder")
+
+
+def tmpfs(folder: Path, options: str, what: str):
+    """A tmpfs mounted on ``folder`` (which exists) with ``options`` (``size=64k``: a small disk that
+    fills up) while the generator is suspended; skips the test, naming ``what`` it needed, where it
+    cannot be mounted (not root). For fixtures: ``yield from tmpfs(...)``."""
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
+                           text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount {what} here (a tmpfs: root is needed): {mount.stderr.strip()}")
     yield folder
     subprocess.run(["umount", str(folder)], capture_output=True)
 

@@ -5,6 +5,7 @@ shard named ``shard:key`` by a run's dataset, or skipped and counted. In-process
 from __future__ import annotations
 
 import errno
+import gzip
 import hashlib
 import io
 import json
@@ -166,6 +167,27 @@ def unlabelled(folder: Path) -> str:
     return f"shard {folder / 'mydata-train-2.tar'}, sample lonely: no label (no lonely.cls member)"
 
 
+def repeated_key(folder: Path) -> str:
+    """A key written twice in one shard, apart: indexed by key, one of its images would be silently left
+    out."""
+    shard = folder / "mydata-train-2.tar"
+    write_shard(shard, [("a", "png", image_bytes(1), b"0"), ("b", "png", image_bytes(2), b"1"),
+                        ("a", "png", image_bytes(3), b"2")])
+    return (f"shard {shard}, sample a: the key is repeated: a.png (at byte 0) and a.png (at byte 4,096) are both its "
+            ".png, and one would be left out; a key names one sample in a shard: write the shard again with unique "
+            "keys")
+
+
+def compressed_shard(folder: Path) -> str:
+    """A shard gzipped as some tools write them: not read, and not to be silently left out either."""
+    shard = folder / "mydata-train-2.tar"
+    (folder / "mydata-train-2.tar.gz").write_bytes(gzip.compress(shard.read_bytes()))
+    shard.unlink()
+    return (f"{folder}/mydata-train-2.tar.gz: compressed shards (.tar.gz) are not read, only uncompressed .tar shards "
+            f"(a sample is read at its byte offset); decompress them (gunzip {folder}/*.tar.gz) and index them, or "
+            "pack the images with python -m fixres_dist.data.packing pack")
+
+
 def val_label_no_training_class(folder: Path) -> str:
     write_shard(folder / "mydata-validation-0.tar", [("v", "png", image_bytes(1), b"7")])
     return f"shard {folder / 'mydata-validation-0.tar'}, sample v: label 7 is not a class of the train shards (0 to 2)"
@@ -200,8 +222,9 @@ def refused_in_one_line(capsys, folder: Path, expected: str, *options: str) -> N
     assert digests(folder) == before
 
 
-@pytest.mark.parametrize("damage", [truncated, unlabelled, val_label_no_training_class, number_without_training_images,
-                                    no_val_shard, written_by_pack, another_tools_manifest])
+@pytest.mark.parametrize("damage", [truncated, unlabelled, repeated_key, compressed_shard, val_label_no_training_class,
+                                    number_without_training_images, no_val_shard, written_by_pack,
+                                    another_tools_manifest])
 def test_each_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, damage):
     folder = tmp_path / "foreign"
     foreign_shards(folder)
@@ -234,6 +257,10 @@ def test_a_missing_folder_a_file_and_a_folder_without_shards_are_named(tmp_path,
         status, out, err = index_command(capsys, folder)
         assert status == 1 and err.startswith(f"fixres_dist: {message}") and err.count("\n") == 1, err
     assert os.listdir(tmp_path) == ["file.tar"]
+    (tmp_path / "file.tar").rename(tmp_path / "file-train.tar.bz2")  # chosen by a glob: still compressed
+    status, out, err = index_command(capsys, tmp_path, "--train", "*train*")
+    assert status == 1 and err.startswith(f"fixres_dist: {tmp_path}/file-train.tar.bz2: compressed shards (.tar.bz2) "
+                                          f"are not read") and f"(bunzip2 {tmp_path}/*.tar.bz2)" in err, err
 
 
 def test_a_read_only_folder_is_refused_and_a_folder_of_links_to_it_indexed(tmp_path, capsys, monkeypatch):

@@ -238,3 +238,32 @@ def test_the_commands_shown(tiny_data, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data: Hugging Face dataset (saved): 80 train and 30 validation images in 10 classes" in result.stdout
 
+
+
+def test_a_refused_parquet_dataset_leaves_the_files_on_disk_as_they_were(hf_saved, tmp_path, capsys, monkeypatch):
+    """Refused after its conversion (a class without training images): the conversion is removed, with
+    the folders made for it (the whole shared folder of a first run), an earlier conversion of the same
+    dataset is kept, and the library's own caches are not written."""
+    for name in ("HF_DATASETS_CACHE", "HF_MODULES_CACHE", "DOWNLOADED_DATASETS_PATH", "EXTRACTED_DATASETS_PATH"):
+        monkeypatch.setattr(datasets.config, name, tmp_path / "library" / name.lower())
+    rows = datasets.load_from_disk(str(hf_saved))
+    root = tmp_path / "parquet"
+
+    def write(train):
+        for name, split in (("train", train), ("validation", rows["validation"])):
+            split.to_parquet(str(root / "data" / f"{name}-00000-of-00001.parquet"))
+
+    def files():
+        return {str(p.relative_to(tmp_path)): p.is_dir() or (p.stat().st_size, p.stat().st_mtime_ns)
+                for p in tmp_path.rglob("*")}
+
+    write(rows["train"])
+    hf_datasets.open_hf_dataset(root, tmp_path / "runs" / "file_index")  # an earlier run's conversion
+    write(rows["train"].filter(lambda row: row["label"] != 9, keep_in_memory=True))
+    before = files()
+    for shared in ("runs", "fresh"):
+        status, err = run_main(capsys, "scratch", "--data-path", root, "--shared-folder-path", tmp_path / shared,
+                               "--job-id", "j", "--epochs", 1)
+        assert status == 1 and err == (f"fixres_dist: rank 0: Hugging Face dataset {root}: class '9_ankle_boot' has "
+                                       "no training images\n"), err
+        assert files() == before

@@ -1,4 +1,5 @@
-"""The job lock's record of a run whose ranks have met (fixres_dist/distributed/joblock.py), with real flocks."""
+"""The job lock's record of a run whose ranks have met (fixres_dist/distributed/joblock.py), with real flocks;
+a filesystem that cannot lock (a real one: tests/nolock_fs.py) said to be so, not taken for a run in use."""
 import fcntl
 import json
 import os
@@ -7,6 +8,9 @@ import time
 
 import pytest
 
+import nolock_fs
+from conftest import run_script
+from fixres_dist import locks
 from fixres_dist.distributed import joblock
 from fixres_dist.errors import FixresError
 
@@ -49,3 +53,59 @@ def test_a_finished_runs_record_is_not_believed_while_a_new_launch_takes_the_loc
         writer.join()
         os.close(new)
     assert joblock.read_holder(tmp_path)["pid"] == previous["pid"] + 1  # the new holder's record
+
+
+@pytest.fixture
+def cannot_lock(tmp_path, monkeypatch):
+    """A real filesystem whose flock fails with ENOLCK, as NFS's does without its lock daemon
+    (tests/nolock_fs.py, FUSE), with FIXRES_NO_LOCKS unset."""
+    monkeypatch.delenv(locks.ENV, raising=False)
+    with nolock_fs.mounted(tmp_path / "nfs") as folder:
+        yield folder
+
+
+def test_a_filesystem_that_cannot_lock_is_said_so_at_once_not_taken_for_a_run_in_use(cannot_lock, tmp_path):
+    job = cannot_lock / "job"
+    job.mkdir()
+    started = time.monotonic()
+    with pytest.raises(locks.NoLocks) as refused:
+        joblock.JobLock.acquire(job, 2)
+    assert time.monotonic() - started < joblock.ACQUIRE_SECONDS  # no wait for a holder that cannot exist
+    assert str(refused.value) == (
+        f"{job} is on a filesystem that cannot lock files (flock: No locks available; NFS without its lock daemon?), "
+        "and without the lock a second launch of this job would not be refused (two runs would overwrite each "
+        "other's checkpoints): use a folder on a filesystem with locks (a node-local disk for a one-node job), ask "
+        "for NFS locking (lockd), or set FIXRES_NO_LOCKS=1 to go on without locks at your own risk "
+        "(docs/checkpoints.md)")
+    assert os.listdir(job) == []  # the lock file it made is gone
+    # a "met" record left there is no live job: nobody can hold the lock, so a joining rank may join
+    (job / joblock.LOCK_FILE).write_text(json.dumps({"host": "h", "pid": 1, "started": 0, "num_tasks": 2, "met": True}))
+    assert not joblock.is_held(job)
+    started = time.monotonic()
+    joblock.check_joinable(job, 1)
+    assert time.monotonic() - started < joblock.CONFIRM_SECONDS
+    # where locks work, a live holder is still a run in use
+    held = joblock.JobLock.acquire(tmp_path, 2)
+    with pytest.raises(FixresError, match=rf"^job folder {tmp_path} in use by another run \(pid {os.getpid()} on "):
+        joblock.JobLock.acquire(tmp_path, 2)
+    held.release()
+
+
+def test_a_run_on_it_is_refused_in_one_line_leaving_nothing_or_goes_on_unlocked_when_asked(cannot_lock, tiny_data):
+    shared = cannot_lock / "shared"
+    command = ["--num-tasks", 2, "--job-id", "nfs", "--shared-folder-path", shared, "--data-path", tiny_data,
+               "--architecture", "resnet20", "--input-size", 16, "--batch", 8, "--epochs", 1, "--workers", 0,
+               "--no-progress"]
+    refused = run_script("scratch", *command)
+    assert refused.returncode == 1 and refused.stderr == (
+        f"fixres_dist: rank 0: {shared / 'nfs'} is on a filesystem that cannot lock files (flock: No locks available; "
+        f"NFS without its lock daemon?), and without the lock {joblock.UNGUARDED}: use a folder on a filesystem with "
+        "locks (a node-local disk for a one-node job), ask for NFS locking (lockd), or set FIXRES_NO_LOCKS=1 to go "
+        "on without locks at your own risk (docs/checkpoints.md)\n"), refused.stderr
+    assert os.listdir(cannot_lock) == []  # refused before anything was written
+    unlocked = run_script("scratch", *command, env={locks.ENV: "1"})
+    assert unlocked.returncode == 0, unlocked.stderr[-3000:]
+    assert unlocked.stderr == (f"fixres_dist: warning: {shared / 'nfs'} is on a filesystem that cannot lock files "
+                               "(flock: No locks available; NFS without its lock daemon?): going on without locks "
+                               f"(FIXRES_NO_LOCKS=1), so {joblock.UNGUARDED}\n")
+    assert (shared / "nfs" / "checkpoint.pth").is_file()

@@ -3,8 +3,10 @@ they came from; a run on them equal to the run on the folder; a killed pack cont
 one line naming the shard or sample."""
 from __future__ import annotations
 
+import gzip
 import io
 import json
+import os
 import re
 import shutil
 import tarfile
@@ -109,6 +111,25 @@ def test_a_damaged_pack_is_refused_in_one_line_before_any_rank_starts(packed, tm
                            "--job-id", "j", *SCRATCH)
     assert status == 1 and err.count("\n") == 1 and expected in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_compressed_shards_are_refused_saying_what_is_read_and_how_to_get_it(packed, tmp_path, capsys):
+    """Shards gzipped as a download may hold them, without an index: the run and verify say that
+    compressed shards are not read and how to decompress them, in one line, writing nothing."""
+    out = tmp_path / "gz"
+    out.mkdir()
+    for shard in packed.glob("*.tar"):
+        (out / f"{shard.name}.gz").write_bytes(gzip.compress(shard.read_bytes()))
+    before = sorted(os.listdir(out))
+    line = (f"{out}/train-000000.tar.gz and {len(before) - 1} more: compressed shards (.tar.gz) are not read, only "
+            f"uncompressed .tar shards (a sample is read at its byte offset); decompress them (gunzip {out}/*.tar.gz) "
+            "and index them, or pack the images with python -m fixres_dist.data.packing pack")
+    status, err = run_main(capsys, "scratch", "--data-path", out, "--shared-folder-path", tmp_path / "runs",
+                           "--job-id", "j", *SCRATCH)
+    assert status == 1 and err == f"fixres_dist: rank 0: {line}\n", err
+    assert packing.main(["verify", str(out), "--no-progress"]) == 1
+    assert capsys.readouterr().err == f"fixres_dist: {line}\n"
+    assert sorted(os.listdir(out)) == before and not (tmp_path / "runs").exists()
 
 
 def test_verify_finds_a_changed_byte_that_keeps_the_size(packed, tmp_path):

@@ -1,14 +1,18 @@
 """Owner-only means every file: whatever a run writes in its job folder is 0600, every folder 0700,
-whatever the umask."""
+whatever the umask; another user's job folder is refused, naming its owner."""
 from __future__ import annotations
 
 import os
+import pwd
+import re
 import shutil
 import stat
 
 import pytest
 
-from conftest import SCRATCH, run_script
+from conftest import SCRATCH, run_main, run_script
+from fixres_dist import io
+from fixres_dist.errors import FixresError
 
 
 @pytest.fixture
@@ -47,3 +51,32 @@ def test_a_rerun_makes_what_an_older_run_left_readable_to_others_owner_only(scra
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     modes = {path.name: stat.S_IMODE(path.lstat().st_mode) for path in [folder, *folder.rglob("*")]}
     assert modes == {path.name: 0o700 if path.is_dir() else 0o600 for path in [folder, *folder.rglob("*")]}
+
+
+def unnamed_uid() -> int:
+    return next(uid for uid in range(40000, 50000) if uid not in {user.pw_uid for user in pwd.getpwall()})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root (chown)")
+@pytest.mark.parametrize("uid", [65534, unnamed_uid()])
+def test_another_users_job_folder_is_refused_naming_its_owner(tmp_path, tiny_data, capsys, uid):
+    """Root's run included (it could use the folder): the line names the owner, by name or by uid."""
+    folder = tmp_path / "theirs"
+    folder.mkdir(mode=0o700)
+    (folder / "checkpoint.pth").write_bytes(b"their work")
+    os.chown(folder, uid, uid)
+    try:
+        owner = f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        owner = f"uid {uid}"
+    me = f"{pwd.getpwuid(os.geteuid()).pw_name} (uid {os.geteuid()})"
+    line = (f"job folder {folder} belongs to {owner}, not to {me}: it is another user's job; use another --job-id or "
+            "your own --shared-folder-path")
+    status, err = run_main(capsys, "scratch", "--job-id", "theirs", "--shared-folder-path", tmp_path, "--data-path",
+                           tiny_data, *SCRATCH)
+    assert status == 1 and err == f"fixres_dist: rank 0: {line}\n", err
+    with pytest.raises(FixresError, match=f"^{re.escape(line)}$"):  # a rank started by hand, past the preflight
+        io.make_private_folder(folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs"]  # nothing written, the file index included
+    assert os.listdir(folder) == ["checkpoint.pth"] and (folder / "checkpoint.pth").read_bytes() == b"their work"
+    assert folder.stat().st_uid == uid and stat.S_IMODE(folder.stat().st_mode) == 0o700

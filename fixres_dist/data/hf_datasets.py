@@ -212,12 +212,12 @@ def open_hf_dataset(root: str | Path, cache_folder: str | Path | None = None, mi
     Raises :class:`FixresError` in one line for a dataset that cannot be read, a missing train or
     evaluation split, a split without one image and one class-label column, train and val with
     different class names, a label outside the class list, a class without training images, or
-    fewer than ``min_train_images`` training images.
+    fewer than ``min_train_images`` training images. A parquet dataset refused leaves nothing behind:
+    the conversion this call made is removed (:func:`_conversion`).
     """
     root = Path(root)
     datasets = library()
     if (root / SAVED).is_file() or (root / "state.json").is_file():
-        form = "saved"
         with _unreadable(root):
             loaded = datasets.load_from_disk(str(root))
         if not isinstance(loaded, datasets.DatasetDict):
@@ -226,17 +226,23 @@ def open_hf_dataset(root: str | Path, cache_folder: str | Path | None = None, mi
         names = _split_names(loaded.keys(), root)
         tables = {split: loaded[name] for split, name in names.items()}
         files = {split: [Path(f["filename"]) for f in tables[split].cache_files] for split in SPLITS}
-    else:
-        form = "parquet"
-        found, left_out = parquet_splits(root)
-        names = _split_names(found.keys(), root, left_out)
-        files = {split: found[name] for split, name in names.items()}
-        left_out += [path for name, paths in found.items() if name not in names.values() for path in paths]
+        return _checked(datasets, root, "saved", tables, names, files, [], min_train_images)
+    found, left_out = parquet_splits(root)
+    names = _split_names(found.keys(), root, left_out)
+    files = {split: found[name] for split, name in names.items()}
+    left_out += [path for name, paths in found.items() if name not in names.values() for path in paths]
+    with _conversion(root, files, cache_folder) as cache_dir:
         with _unreadable(root):
             loaded = datasets.load_dataset("parquet", data_files={name: [str(p) for p in files[split]]
                                                                   for split, name in names.items()},
-                                           cache_dir=_conversion_folder(root, files, cache_folder))
+                                           cache_dir=cache_dir)
         tables = {split: loaded[name] for split, name in names.items()}
+        return _checked(datasets, root, "parquet", tables, names, files, left_out, min_train_images)
+
+
+def _checked(datasets, root: Path, form: str, tables: dict, names: dict[str, str], files: dict[str, list[Path]],
+             left_out: list[Path], min_train_images: int) -> HFData:
+    """The dataset's splits (``tables``, by our split name) checked (:func:`open_hf_dataset`'s errors)."""
     splits = {split: _split(datasets, table, root, names[split], files[split]) for split, table in tables.items()}
     train, val = splits["train"], splits["val"]
     if train.classes != val.classes:
@@ -252,32 +258,46 @@ def open_hf_dataset(root: str | Path, cache_folder: str | Path | None = None, mi
     if len(train) < min_train_images:
         raise FixresError(f"{root} holds {len(train)} training images, too few for the ranks "
                           f"(at least {min_train_images}: 2 per rank)")
-    return HFData(root, form, splits, names, files, left_out if form == "parquet" else [])
+    return HFData(root, form, splits, names, files, left_out)
 
 
-def _conversion_folder(root: Path, files: dict[str, list[Path]], cache_folder: str | Path | None) -> str | None:
-    """Where the parquet files of ``root`` are converted: ``<cache_folder>/hf_datasets/<root>/<version>``,
-    the version a digest of each file's path, size, modification and change times and inode, so a
-    file rewritten (its change time moves even when its modification time is kept) is converted again;
-    the conversions of earlier versions of ``root`` are removed. Raises :class:`FixresError` when the
-    folder cannot be made."""
+@contextlib.contextmanager
+def _conversion(root: Path, files: dict[str, list[Path]], cache_folder: str | Path | None):
+    """Where the parquet files of ``root`` are converted (the ``cache_dir`` of ``load_dataset``, None
+    without ``cache_folder``): ``<cache_folder>/hf_datasets/<root>/<version>``, the version a digest of
+    each file's path, size, modification and change times and inode, so a file rewritten (its change
+    time moves even when its modification time is kept) is converted again. When the block ends, the
+    conversions of earlier versions of ``root`` are removed; when it raises (the dataset refused,
+    Ctrl-C), what it made is removed instead (the version folder and the folders above it that it
+    made): a refused dataset leaves nothing behind. Raises :class:`FixresError` when the folder cannot
+    be made."""
     if cache_folder is None:
-        return None
+        yield None
+        return
     stats = [(str(p), (st := p.stat()).st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
              for split in SPLITS for p in files[split]]
     place = Path(cache_folder) / CACHE / hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
     folder = place / hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise FixresError(f"cannot make {folder} ({exc.strerror}): the parquet files of {root} are converted there "
                           "(--shared-folder-path holds the data cache); give a writable --shared-folder-path") from None
+    if not any(folder.iterdir()):  # said before the minutes it can take at ImageNet's size
+        print(f"data: converting the parquet files of {root} once, into {folder}", flush=True)
+    try:
+        yield str(folder)
+    except BaseException:
+        if made:
+            shutil.rmtree(folder, ignore_errors=True)
+        for parent in made[1:]:
+            with contextlib.suppress(OSError):  # not empty: another run's meanwhile
+                parent.rmdir()
+        raise
     for earlier in place.iterdir():
         if earlier != folder:
             shutil.rmtree(earlier, ignore_errors=True)
-    if not any(folder.iterdir()):  # said before the minutes it can take at ImageNet's size
-        print(f"data: converting the parquet files of {root} once, into {folder}", flush=True)
-    return str(folder)
 
 
 @contextlib.contextmanager

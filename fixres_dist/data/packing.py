@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import fcntl
 import fnmatch
 import hashlib
 import io
@@ -52,6 +51,7 @@ import attrs
 import numpy as np
 from tqdm import tqdm
 
+from fixres_dist import locks
 from fixres_dist.data import pipeline, shards
 from fixres_dist.entry import startup
 from fixres_dist.errors import FixresError, first_line, plural, say
@@ -231,10 +231,8 @@ def _locked(out: Path):
     """One pack into ``out`` at a time (``flock`` on ``out/.pack.lock``, released when the process ends)."""
     descriptor = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise FixresError(f"another pack into {out} is running; wait for it to end") from None
+        if not locks.try_lock(descriptor, out / LOCK, "a second pack into it at once would not be refused"):
+            raise FixresError(f"another pack into {out} is running; wait for it to end")
         yield
     finally:
         os.close(descriptor)
@@ -347,8 +345,10 @@ def shard_names(folder: Path, patterns: dict[str, str | None]) -> dict[str, list
     """The shards of each split in ``folder``, by file name in natural order (numbers by value): those
     matching the split's pattern (:mod:`fnmatch`), by default the ``*.tar`` files whose name contains the
     split's (``val`` also in ``validation``; case aside); ``"all"``: every file name there, hidden
-    files aside. Raises :class:`FixresError` for a missing folder, a split without shards, a pattern
-    with a ``/`` or matching a file that is not ``.tar``, a shard taken for both splits."""
+    files aside. Raises :class:`FixresError` for a missing folder, a split without shards, compressed
+    shards (:func:`fixres_dist.data.shards.refuse_compressed`: not read, and by default they would be
+    left out), a pattern with a ``/`` or matching a file that is not ``.tar``, a shard taken for both
+    splits."""
     if not folder.is_dir():
         raise FixresError(f"{folder} is {'not a folder' if folder.exists() else 'missing'}: give the folder that "
                           "holds the shards")
@@ -362,9 +362,12 @@ def shard_names(folder: Path, patterns: dict[str, str | None]) -> dict[str, list
             raise FixresError(f"--{split} {pattern!r}: a pattern of file names in {folder}, without a '/'")
         found[split] = sorted((n for n in files if fnmatch.fnmatchcase(n, pattern)) if pattern is not None else
                               (n for n in files if n.endswith(".tar") and split in n.lower()), key=_natural)
+        if pattern is None:  # compressed shards of the split would be left out
+            shards.refuse_compressed(folder, [n for n in files if split in n.lower()])
         looked = f"no file matching {pattern!r}" if pattern is not None else f"no *.tar file named *{split}*"
         if not found[split]:
             raise FixresError(f"no {split} shards in {folder} ({looked}); choose them with --{split} GLOB")
+        shards.refuse_compressed(folder, found[split])
         odd = [n for n in found[split] if not shards.is_shard_name(n)]
         if odd:
             raise FixresError(f"--{split} {pattern!r} matches {folder / odd[0]}, which is not a .tar shard")

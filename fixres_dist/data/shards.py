@@ -52,6 +52,10 @@ HASH_CHUNK = 1 << 22
 HEADER = 512  # a tar member's header: the block before its data, its name in the first 100 bytes
 NAME_FIELD = 100
 LABEL_LIMIT = 2 ** 31  # labels are below it, class list or not
+# Compressed tar files, which are not read (no byte offset to read a sample at), and what decompresses
+# them in place into .tar files.
+COMPRESSED = {".tar.gz": "gunzip", ".tgz": "gunzip", ".tar.bz2": "bunzip2", ".tbz2": "bunzip2", ".tar.xz": "unxz",
+              ".txz": "unxz", ".tar.zst": "unzstd --rm"}
 PACKED = ("packed", "pack the data again")  # what made a folder's index, and what to do when it no longer holds
 INDEXED = ("indexed", "index the shards again")
 
@@ -99,8 +103,9 @@ def index_shard(path: Path, num_classes: int | None) -> ShardIndex:
     ``.cls`` label. ``num_classes``: labels are below it (``None``: below :data:`LABEL_LIMIT`).
 
     Raises :class:`FixresError` naming the shard and the sample key for an unreadable or truncated
-    tar, a sample without an image or without a label, a label that is not a number or out of range,
-    an image whose tar header :meth:`ShardSplit.read` could not check (a tar dialect it does not know).
+    tar, a key repeated (two members of one sample with the same extension: one would be left out), a
+    sample without an image or without a label, a label that is not a number or out of range, an image
+    whose tar header :meth:`ShardSplit.read` could not check (a tar dialect it does not know).
     """
     samples: dict[str, dict[str, tarfile.TarInfo]] = collections.OrderedDict()
     try:
@@ -108,7 +113,7 @@ def index_shard(path: Path, num_classes: int | None) -> ShardIndex:
             for member in tar:
                 if member.isfile() and not member.name.rpartition("/")[2].startswith("."):
                     key, ext = split_name(member.name)
-                    samples.setdefault(key, {})[ext.lower()] = member
+                    _add_member(path, samples.setdefault(key, {}), key, ext.lower(), member)
             tar.fileobj.seek(tar.offset)  # where tarfile stopped: a complete tar ends with zero blocks
             if tar.fileobj.read(HEADER) != bytes(HEADER):
                 raise tarfile.ReadError(f"no member and no end of the archive at byte {tar.offset:,}")
@@ -141,6 +146,16 @@ def names_key(header: bytes, key: bytes) -> bool:
         name = header[345:500].split(b"\0")[0] + b"/" + name
     expected = key + b"."
     return name.startswith(expected) or (len(name) == NAME_FIELD and expected.startswith(name))
+
+
+def _add_member(path: Path, members: dict[str, tarfile.TarInfo], key: str, ext: str, member: tarfile.TarInfo) -> None:
+    """Add ``member`` to its sample's ``members`` (by lower-case extension); :class:`FixresError` when the
+    sample already has one of that extension (a key repeated in the shard)."""
+    first = members.setdefault(ext, member)
+    if first is not member:
+        raise FixresError(f"shard {path}, sample {key}: the key is repeated: {first.name} (at byte {first.offset:,}) "
+                          f"and {member.name} (at byte {member.offset:,}) are both its .{ext}, and one would be left "
+                          "out; a key names one sample in a shard: write the shard again with unique keys")
 
 
 def _image_member(path: Path, key: str, members: dict[str, tarfile.TarInfo]) -> tarfile.TarInfo:
@@ -281,10 +296,31 @@ class PackedData:
 
 
 def is_packed(root: str | Path) -> bool:
-    """Whether ``root`` is a packed data folder (it holds :data:`MANIFEST`), or holds tar shards
-    without it (then :func:`open_packed` says why it cannot be read)."""
+    """Whether ``root`` is a packed data folder (it holds :data:`MANIFEST`), or holds tar shards,
+    compressed ones included, without it (then :func:`open_packed` says why it cannot be read)."""
     root = Path(root)
-    return (root / MANIFEST).is_file() or (not (root / "train").is_dir() and any(root.glob("*.tar")))
+    return (root / MANIFEST).is_file() or (not (root / "train").is_dir() and (
+        any(root.glob("*.tar")) or bool(compressed([p.name for p in root.glob("*")]))))
+
+
+def compressed(names: list[str]) -> list[str]:
+    """The compressed tar files among the file ``names`` (:data:`COMPRESSED`), in order."""
+    return [name for name in names if name.lower().endswith(tuple(COMPRESSED))]
+
+
+def refuse_compressed(folder: Path, names: list[str]) -> None:
+    """Raise :class:`FixresError` in one line when the file ``names`` of ``folder`` hold compressed tar
+    shards: which, that only uncompressed ``.tar`` shards are read (a sample is read at its byte
+    offset), and how to get them (decompress them in place, or pack the images)."""
+    found = compressed(names)
+    if not found:
+        return
+    suffix = next(s for s in COMPRESSED if found[0].lower().endswith(s))
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    raise FixresError(f"{folder / found[0]}{more}: compressed shards ({suffix}) are not read, only uncompressed .tar "
+                      f"shards (a sample is read at its byte offset); decompress them ({COMPRESSED[suffix]} "
+                      f"{folder}/*{suffix}) and index them, or pack the images with python -m "
+                      "fixres_dist.data.packing pack")
 
 
 def open_packed(root: str | Path, min_train_images: int = 1) -> PackedData:
@@ -313,9 +349,12 @@ def _require(condition, problem: str) -> None:
 
 
 def read_manifest(root: Path) -> dict:
-    """``root/shards.json``, its fields checked. Raises :class:`FixresError` (see :func:`open_packed`)."""
+    """``root/shards.json``, its fields checked. Raises :class:`FixresError` (see :func:`open_packed`;
+    compressed shards without it: :func:`refuse_compressed`)."""
     path = root / MANIFEST
     if not path.is_file():
+        if not any(root.glob("*.tar")):
+            refuse_compressed(root, sorted(p.name for p in root.glob("*")))
         raise FixresError(f"{root} holds tar shards but no {MANIFEST}: a pack that did not finish (run the "
                           "pack command again: it continues) or shards written by another tool; index them with "
                           f"python -m fixres_dist.data.packing index {root}")

@@ -7,24 +7,29 @@ launch of the same job is refused at once with "job folder ... in use", before i
 rendezvous file or anything else, and the running job is not disturbed. The lock dies with its
 process (``kill -9``, a lost node), so a crashed run never blocks the rerun that resumes it.
 
+A filesystem that cannot lock (NFS without its lock daemon: ``flock`` fails with ENOLCK) is no lock held
+by another run: it is refused in one line that says so (:mod:`fixres_dist.locks`), or, with
+``FIXRES_NO_LOCKS=1``, the job runs without its lock after one warning line.
+
 The lock file also says who holds it and, once every rank has arrived, that the ranks have met
 (:func:`record_met`). A non-zero rank of a second launch checks that first
 (:func:`check_joinable`): a job whose ranks have all met has no place for it.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
 import time
 from pathlib import Path
 
+from fixres_dist import locks
 from fixres_dist.errors import FixresError
 
 LOCK_FILE = ".lock"
 ACQUIRE_SECONDS = 2.0  # a joining rank's probe holds a shared lock for microseconds: retry that long
 CONFIRM_SECONDS = 1.0  # how long a joining rank watches a "met" record before it believes it
+UNGUARDED = "a second launch of this job would not be refused (two runs would overwrite each other's checkpoints)"
 
 
 def _describe(info: dict | None) -> str:
@@ -52,18 +57,18 @@ def _write_holder(folder: Path, info: dict) -> None:
 
 
 def is_held(folder: Path) -> bool:
-    """Whether a live process holds the job lock of ``folder`` (probes without keeping a lock)."""
+    """Whether a live process holds the job lock of ``folder`` (probes without keeping a lock). False
+    on a filesystem that cannot lock (:func:`fixres_dist.locks.held_elsewhere`): nobody holds it."""
     try:
         fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
+        return locks.held_elsewhere(fd)
+    except OSError:  # any other failure of the probe: as before, taken for a holder that cannot be named
         return True
     finally:
         os.close(fd)  # releases the probe's shared lock, if it got one
-    return False
 
 
 class JobLock:
@@ -76,21 +81,27 @@ class JobLock:
     def acquire(cls, folder: str | Path, num_tasks: int) -> "JobLock":
         """Lock ``folder`` (which must exist) for this launch of a ``num_tasks``-rank job.
 
-        Raises :class:`FixresError` "job folder ... in use by another run" when a live process holds it.
+        Raises :class:`FixresError` "job folder ... in use by another run" when a live process holds it,
+        and :class:`fixres_dist.locks.NoLocks` on a filesystem that cannot lock (unless
+        ``FIXRES_NO_LOCKS=1``), having removed the lock file if it made it.
         """
         folder = Path(folder)
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd, made = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            fd, made = os.open(folder / LOCK_FILE, os.O_RDWR), False
         deadline = time.monotonic() + ACQUIRE_SECONDS
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError:
+        try:
+            while not locks.try_lock(fd, folder / LOCK_FILE, UNGUARDED):
                 if time.monotonic() > deadline:
-                    os.close(fd)
                     raise FixresError(f"job folder {folder} in use by another run ({_describe(read_holder(folder))}); "
-                                      "wait for it to end, stop it, or use another --job-id") from None
+                                      "wait for it to end, stop it, or use another --job-id")
                 time.sleep(0.05)
+        except BaseException as exc:
+            os.close(fd)
+            if made and isinstance(exc, locks.NoLocks):  # nothing left behind by a launch that cannot lock
+                (folder / LOCK_FILE).unlink(missing_ok=True)
+            raise
         os.fchmod(fd, 0o600)
         lock = cls(folder, fd)
         _write_holder(folder, {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),

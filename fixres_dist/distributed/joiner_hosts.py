@@ -12,7 +12,6 @@ taken as it is, which at worst opens the store beyond loopback, as before.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from fixres_dist import locks
 from fixres_dist.errors import FixresError
 
 _held: list[int] = []  # this process' announcements, locked while it lives
@@ -50,15 +50,19 @@ def announcement(path: Path, rank: int) -> Path:
 def announce(path: Path, rank: int, world_size: int) -> None:
     """Write where this rank runs (owner-only) and hold the file locked while the process lives: rank 0
     reads the joiners' before it opens the store (its own says that it waits). Raises
-    :class:`FixresError` when another live process already announced itself as ``rank``."""
+    :class:`FixresError` when another live process already announced itself as ``rank``, and
+    :class:`fixres_dist.locks.NoLocks` on a filesystem that cannot lock (unless ``FIXRES_NO_LOCKS=1``)."""
     file = announcement(path, rank)
     fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        taken = locks.try_lock(fd, file, f"a second process started as rank {rank} would not be refused", warn=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not taken:
         os.close(fd)
         raise FixresError(f"another process already joined this job as rank {rank} of {world_size}: is this rank "
-                          "(or the whole job) started twice?") from None
+                          "(or the whole job) started twice?")
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps(_here()).encode())
     _held.append(fd)  # the lock lasts as long as this process

@@ -4,10 +4,14 @@ The window: ``--profile N`` steps after ``--profile-after W`` steps of this proc
 the first steps pay for allocations, cuDNN's search and compilation). Each rank writes, into
 ``<job folder>/profile/``:
 
-* ``rank<R>.<timestamp>.pt.trace.json``: the Chrome trace (``torch.profiler.tensorboard_trace_handler``),
-  which Chrome's and Perfetto's trace viewers open, and TensorBoard's profiler plugin reads from the
-  folder (``tensorboard --logdir <job folder>/profile``);
+* ``rank<R>.<timestamp>.pt.trace.json``: the Chrome trace (named as ``torch.profiler.tensorboard_trace_handler``
+  names it), which Chrome's and Perfetto's trace viewers open, and TensorBoard's profiler plugin reads
+  from the folder (``tensorboard --logdir <job folder>/profile``);
 * ``rank<R>.txt``: the top operators by self time (CPU, and CUDA on a GPU): ``key_averages().table``.
+
+Both are written as every file of the job folder is (:mod:`fixres_dist.io`): owner-only (0600), whole
+or not at all. A profile is optional: a trace that cannot be written (a full disk) is a warning line
+naming the file and the cause, nothing partial is left, and training goes on.
 
 Each step of the window is a ``ProfilerStep#K`` span: the time between two steps, so the loader's
 wait for data shows before the step's forward, backward and optimizer operators. CPU activity is
@@ -19,11 +23,14 @@ trace's timeline with matplotlib, for a page or a report where no trace viewer r
 """
 from __future__ import annotations
 
+import errno
+import inspect
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
-from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from fixres_dist import io
 from fixres_dist.errors import FixresError
@@ -56,14 +63,19 @@ def check_folder(folder: Path) -> None:
 class StepProfiler:
     """The profiler of one rank's training steps (module docstring): ``steps`` recorded after ``after``
     steps of this process, written into ``folder`` as ``rank<rank>...``; ``log``: rank 0's log, which
-    says where the files went. Call :meth:`after_step` after each optimizer step; the profiler stops by
-    itself after its window, and :meth:`close` stops it early (a run that ends inside the window writes
-    what it recorded)."""
+    says where the files went; ``warn``: every rank's warning line (a file that could not be written).
+    Call :meth:`after_step` after each optimizer step; the profiler stops by itself after its window,
+    and :meth:`close` stops it early (a run that ends inside the window writes what it recorded).
+    Raises :class:`FixresError` when ``folder`` cannot be made."""
 
     def __init__(self, folder: Path, rank: int, steps: int, after: int, device: str,
-                 log: Callable[[str], None]):
-        self.folder, self.rank, self.log = Path(folder), rank, log
-        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # inside the owner-only job folder
+                 log: Callable[[str], None], warn: Callable[[str], None]):
+        self.folder, self.rank, self.log, self.warn = Path(folder), rank, log, warn
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # inside the owner-only job folder
+        except OSError as exc:
+            raise FixresError(f"--profile: cannot make {self.folder} ({exc.strerror or exc}); free space there or run "
+                              "without --profile") from None
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         warmup = 1 if after else 0  # the profiler's own warm-up step, taken from the steps before the window
         self.profiler = profile(activities=activities, record_shapes=False,
@@ -78,11 +90,18 @@ class StepProfiler:
             self.profiler.step()
 
     def _write(self, done: profile) -> None:
-        tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}")(done)
-        sort = "self_cuda_time_total" if ProfilerActivity.CUDA in done.activities else "self_cpu_time_total"
-        table = done.key_averages().table(sort_by=sort, row_limit=TOP_OPERATORS)
-        io.write_private(self.folder / f"rank{self.rank}.txt", table.encode())
         self.running = False
+        writing = self.folder / f"rank{self.rank}.{time.time_ns()}.pt.trace.json"
+        try:
+            io.write_private_by_name(writing, lambda name: export_trace(done, name))
+            writing = self.folder / f"rank{self.rank}.txt"
+            sort = "self_cuda_time_total" if ProfilerActivity.CUDA in done.activities else "self_cpu_time_total"
+            io.write_private(writing, done.key_averages().table(sort_by=sort, row_limit=TOP_OPERATORS).encode())
+        except OSError as exc:  # a full disk: the profile is left out, the training goes on
+            self.warn(f"--profile: cannot write {writing} ({exc.strerror or exc}): nothing partial is kept, and "
+                      f"training goes on without this rank's {'trace' if writing.suffix == '.json' else 'table'}; "
+                      f"free space in {self.folder}, or run without --profile")
+            return
         self.log(f"profile: {self.folder} (a Chrome trace and the top operators of each rank; "
                  f"tensorboard --logdir {self.folder})")
 
@@ -91,6 +110,22 @@ class StepProfiler:
         if not self.stopped:
             self.stopped = True
             self.profiler.stop()
+
+
+def export_trace(done: profile, path: Path) -> None:
+    """Write the Chrome trace of ``done`` into the file ``path``. Raises OSError when it cannot be
+    written whole: torch's Python writer says why; kineto's (torch without it) leaves its temporary
+    ``<path>.tmp`` instead of renaming it, which is removed (the cause then told by the free space)."""
+    if "use_python_export" in inspect.signature(done.export_chrome_trace).parameters:
+        done.export_chrome_trace(str(path), use_python_export=True)
+        return
+    done.export_chrome_trace(str(path))
+    left = Path(f"{path}.tmp")
+    if left.exists():
+        full = os.statvfs(path.parent).f_bavail == 0
+        left.unlink()
+        code = errno.ENOSPC if full else errno.EIO
+        raise OSError(code, os.strerror(code) if full else "torch's trace writer failed (its log says why)")
 
 
 def _outermost(events: list[dict]) -> list[dict]:

@@ -14,7 +14,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from fixres_dist.config import CONFIG_FILE, TrainerConfig
-from fixres_dist.errors import FixresWarning
+from fixres_dist.errors import FixresWarning, say
 from fixres_dist.io import write_private
 from fixres_dist.reporting.metrics import METRICS_FILE, MetricsLog
 from fixres_dist.reporting.step_times import findings as step_times_findings
@@ -111,7 +111,8 @@ class RunLog:
         if self.config.profile:
             from fixres_dist.reporting.profiling import FOLDER, StepProfiler
             self.profiler = StepProfiler(self.config.job_folder / FOLDER, self.config.global_rank, self.config.profile,
-                                         self.config.profile_after, self.config.device, self.log)
+                                         self.config.profile_after, self.config.device, self.log,
+                                         lambda line: say(f"fixres_dist: rank {config.global_rank}: warning: {line}"))
         if not self.rank0:
             return
         write_private(self.config.job_folder / CONFIG_FILE, self.config.to_json() + "\n")

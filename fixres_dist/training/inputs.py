@@ -16,9 +16,10 @@ from pathlib import Path
 import attrs
 import torch
 
+from fixres_dist import io, locks
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import file_index, hf_datasets, pipeline, shards
-from fixres_dist.distributed import placement, tensor_parallel
+from fixres_dist.distributed import joblock, placement, tensor_parallel
 from fixres_dist.distributed.pipeline import check_schedule, check_starts, has_batchnorm, pieces, virtual_stages
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
@@ -60,13 +61,14 @@ class JobInputs:
 
     @classmethod
     def read(cls, config: TrainerConfig) -> "JobInputs":
-        """The checks that building the run makes anyway: the data and their index, a too large
-        ``--grad-accum-steps``, the job folder, the checkpoint continued (its configuration, and its
+        """The checks that building the run makes anyway: the job folder (writable, on a filesystem
+        that can lock: :mod:`fixres_dist.locks`), the data and their index, a too large
+        ``--grad-accum-steps``, the checkpoint continued (its configuration, and its
         classes: the data's, in the same order), the features folder, the weight file (with
         ``--eval-only``, a classifier row for every class of the data:
         :mod:`fixres_dist.models.class_names`)."""
-        root, index, classes = _read_data(config)
         _check_job_folder(config)
+        root, index, classes = _read_data(config)
         if config.profile:
             profiling.check_folder(config.job_folder / profiling.FOLDER)
         path, note = checkpoint.resume_source(config.job_folder, config.resume)
@@ -127,9 +129,15 @@ def _check_accumulation(config: TrainerConfig, index) -> None:
 
 def _check_job_folder(config: TrainerConfig) -> None:
     shared = Path(config.shared_folder_path).absolute()
+    io.check_own_job_folder(shared / config.job_id)
     existing = next(p for p in (shared / config.job_id, *(shared / config.job_id).parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise FixresError(f"cannot create the job folder {shared / config.job_id}: {existing} is not a writable folder")
+    try:  # the job lock's filesystem, before anything is written
+        locks.check_lockable(shared / config.job_id, joblock.UNGUARDED, existing)
+    except OSError as exc:
+        raise FixresError(f"cannot create the job folder {shared / config.job_id}: {existing}: "
+                          f"{exc.strerror or exc}") from None
 
 
 def preflight(config: TrainerConfig) -> JobInputs:

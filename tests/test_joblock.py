@@ -1,5 +1,5 @@
 """The job lock's record of a run whose ranks have met (fixres_dist/distributed/joblock.py), with real flocks;
-a filesystem that cannot lock (a real one: tests/nolock_fs.py) said to be so, not taken for a run in use."""
+a filesystem that cannot lock (a real one: tests/hung_fs.py) said to be so, not taken for a run in use."""
 import fcntl
 import json
 import os
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-import nolock_fs
+import hung_fs
 from conftest import run_script
 from fixres_dist import locks
 from fixres_dist.distributed import joblock
@@ -58,9 +58,9 @@ def test_a_finished_runs_record_is_not_believed_while_a_new_launch_takes_the_loc
 @pytest.fixture
 def cannot_lock(tmp_path, monkeypatch):
     """A real filesystem whose flock fails with ENOLCK, as NFS's does without its lock daemon
-    (tests/nolock_fs.py, FUSE), with FIXRES_NO_LOCKS unset."""
+    (tests/hung_fs.py, FUSE), with FIXRES_NO_LOCKS unset."""
     monkeypatch.delenv(locks.ENV, raising=False)
-    with nolock_fs.mounted(tmp_path / "nfs") as folder:
+    with hung_fs.mounted(tmp_path / "nfs") as folder:
         yield folder
 
 

@@ -21,6 +21,7 @@ import psutil
 import torch
 from test_signals import EXIT_S, GROUPS, events, no_job_left_running, start_group, wait_for_group_exit  # noqa: F401
 
+import hung_fs
 from conftest import run_script, wait_for
 from fixres_dist.distributed import stacks, watchdog
 from fixres_dist.distributed.watchdog import STALL_EXIT_STATUS, Phase, Report, diagnose, limit, phase_of_thread
@@ -123,41 +124,52 @@ def test_a_frozen_rank_is_named_as_not_answering_and_the_job_ends(tiny_data, tmp
     wait_for_group_exit(job.pid)
 
 
-def data_with_a_pipe(source: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
-    """A copy of ``source`` whose first validation image is a named pipe (opening it blocks until a writer
-    comes: a read that never returns); returns ``(data, the pipe, the image it replaced)``."""
-    data = tmp_path / "data"
-    shutil.copytree(source, data)
-    pipe = sorted((data / "val").rglob("*.png"))[0]
-    image = tmp_path / pipe.name
-    shutil.move(pipe, image)
-    os.mkfifo(pipe)
-    return data, pipe, image
-
-
-def test_a_rank_stuck_in_a_read_dies_with_its_killed_launcher_and_the_next_launch_resumes(tiny_data, tmp_path):
-    """A rank blocked reading a validation image (a named pipe, as a hung network filesystem), the launcher then
-    killed with SIGKILL (the OOM killer, a scheduler's last kill): the ranks get SIGTERM, cannot reach a step,
-    and end within the timeout (nothing outlives the launcher); meanwhile a second launch is told that the lock is
-    held by processes of a run whose launcher is gone; once they are gone, the same command resumes from the
-    last checkpoint and completes."""
-    data, pipe, image = data_with_a_pipe(tiny_data, tmp_path)
-    args = job_args("r", tmp_path, data, 0)
-    job = start_group(*args)
-    wait_for(lambda: len(events(tmp_path / "r", "train")) >= 1, 180, "the first epoch")
-    everything = descendants(job.pid)
-    time.sleep(2)  # into the evaluation, blocked on the pipe
-    os.kill(job.pid, signal.SIGKILL)
-    refused = run_script("scratch", *args)
-    assert refused.returncode == 1 and f"launcher (pid {job.pid}) is gone" in refused.stderr, refused.stderr[-3000:]
-    gone, alive = psutil.wait_procs(everything, timeout=ENDS_WITHIN_S)
-    assert not alive, alive
-    assert "reading images (in the rank's own process) (evaluating, epoch 1)" in stall_line(job.stderr)
-    assert "after SIGTERM" in stall_line(job.stderr)
-    pipe.unlink()
-    shutil.move(image, pipe)
-    resumed = run_script("scratch", *args)
+def test_a_rank_stuck_in_a_read_ends_with_its_killed_launcher_and_the_next_launch_resumes(tiny_data, tmp_path):
+    """A rank blocked reading a validation image on a filesystem whose server stopped answering (a real FUSE
+    filesystem, tests/hung_fs.py, as a hard NFS mount), the launcher then killed with SIGKILL (the OOM killer, a
+    scheduler's last kill): the ranks get SIGTERM, cannot reach a step, and end within the timeout with the line
+    and their stacks. The read itself cannot be interrupted (the kernel waits for the server, as for NFS): the
+    stuck rank's process is left with only that thread, asleep in the kernel, and goes as soon as the
+    filesystem answers (here: is aborted). Meanwhile a second launch is told that the lock is held by what is
+    left of a run whose launcher is gone, with the pids; then the same command, on a copy of the data that
+    answers, resumes from the last checkpoint and completes."""
+    data = shutil.copytree(tiny_data, tmp_path / "data")
+    first = sorted((data / "val").rglob("*.png"))[0]
+    first.rename(first.with_name("hung.png"))  # the one file of that name
+    with hung_fs.mounted(tmp_path / "nfs", hung=("hung.png",)) as mount:
+        shutil.copytree(data, mount / "data")
+        args = job_args("r", tmp_path, mount / "data", 0)
+        job = start_group(*args)
+        wait_for(lambda: len(events(tmp_path / "r", "train")) >= 1, 180, "the first epoch")
+        everything = descendants(job.pid)
+        time.sleep(2)  # into the evaluation, blocked in the read
+        os.kill(job.pid, signal.SIGKILL)
+        refused = run_script("scratch", *args)
+        assert refused.returncode == 1, refused.stderr[-3000:]
+        assert f"whose launcher (pid {job.pid} on " in refused.stderr and "is gone: pid " in refused.stderr, \
+            refused.stderr[-3000:]
+        wait_for(lambda: all(p.status() == psutil.STATUS_DISK_SLEEP and p.num_threads() == 1
+                             for p in alive(everything)), ENDS_WITHIN_S,
+                 "every process to end but the thread waiting for the filesystem")
+        assert len(alive(everything)) <= 1
+    gone, left = psutil.wait_procs(everything, timeout=30)  # the filesystem aborted, the read returns
+    assert not left, left
+    line = stall_line(job.stderr)
+    assert "after its launcher's end, reading images (in the rank's own process) (evaluating)" in line
+    assert_stacks(tmp_path / "r", 2)
+    resumed = run_script("scratch", *job_args("r", tmp_path, data, 0))
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    found = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def test_a_peer_stuck_past_the_collective_timeout_is_named_by_the_rank_whose_collective_failed(tiny_data, tmp_path):
@@ -228,6 +240,7 @@ def test_a_stacks_file_holds_this_process_threads_and_a_stopped_child_and_is_pri
     child = psutil.Popen(["sleep", "30"])
     try:
         child.send_signal(signal.SIGSTOP)
+        wait_for(lambda: child.status() == psutil.STATUS_STOPPED, 10, "the child to stop")
         path = stacks.write_stacks(tmp_path / "s" / "rank0.txt", "header", others=[child.pid])
         text = path.read_text()
         assert text.startswith("header\n") and "Thread MainThread" in text and "test_stalls.py" in text

@@ -23,6 +23,8 @@ import socket
 import time
 from pathlib import Path
 
+import psutil
+
 from fixres_dist import locks
 from fixres_dist.errors import FixresError
 
@@ -37,6 +39,34 @@ def _describe(info: dict | None) -> str:
         return "holder unknown"
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("started", 0)))
     return f"pid {info.get('pid')} on {info.get('host')}, since {started}"
+
+
+def _holders(path: Path) -> list[psutil.Process]:
+    """The processes of this host that have ``path`` open (those this user may look at)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if any(os.path.samefile(f.path, path) for f in process.open_files() if f.path.endswith(LOCK_FILE)):
+                found.append(process)
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
+def in_use(folder: Path) -> FixresError:
+    """The refusal of a launch whose job lock is held: by another run, or by processes left by a run whose
+    launcher is gone (its ranks still ending: they end within their stall watchdog's limit), named."""
+    info = read_holder(folder)
+    launcher = info.get("pid") if info and info.get("host") == socket.gethostname() else None
+    if not isinstance(launcher, int) or psutil.pid_exists(launcher):
+        return FixresError(f"job folder {folder} in use by another run ({_describe(info)}); wait for it to end, "
+                           "stop it, or use another --job-id")
+    left = [p.pid for p in _holders(folder / LOCK_FILE) if p.pid != os.getpid()]
+    named = ", ".join(f"pid {pid}" for pid in left) or "processes this user cannot see"
+    kill = f", or end them now (kill -9 {' '.join(map(str, left))})" if left else ""
+    return FixresError(f"job folder {folder} is still locked by what is left of a run whose launcher "
+                       f"({_describe(info)}) is gone: {named}; its ranks end by themselves within --stall-timeout "
+                       f"(30 s by default) of their launcher's end{kill}; then run the same command again to resume")
 
 
 def read_holder(folder: Path) -> dict | None:
@@ -94,8 +124,7 @@ class JobLock:
         try:
             while not locks.try_lock(fd, folder / LOCK_FILE, UNGUARDED):
                 if time.monotonic() > deadline:
-                    raise FixresError(f"job folder {folder} in use by another run ({_describe(read_holder(folder))}); "
-                                      "wait for it to end, stop it, or use another --job-id")
+                    raise in_use(folder)
                 time.sleep(0.05)
         except BaseException as exc:
             os.close(fd)

@@ -109,7 +109,7 @@ def phase_of_thread(ident: int) -> Phase:
 def limit(timeout: float | None, phase: Phase, agreements: int, longest_gap: float, stopping: bool) -> float:
     """Seconds without progress after which a rank in ``phase`` is stalled (module docstring):
     ``timeout`` (None: auto) after ``agreements`` agreements whose longest gap was ``longest_gap``
-    seconds; ``stopping``: a stop signal was received."""
+    seconds; ``stopping``: a stop signal was received or the launcher is gone."""
     if not agreements:
         seconds = max(timeout or 0.0, AUTO_STARTUP_S)
     elif timeout is not None:
@@ -137,7 +137,8 @@ class Report:
 def diagnose(reports: dict[int, Report], silent: dict[int, str], stopping: str = "") -> str:
     """Who stalled, in words: ``silent`` ranks (rank -> "rank R on H (state)") first, as not answering;
     else the ranks that do not wait for their peers, with their phase; else every rank waits.
-    ``stopping``: the stop signal received, when the stall is a rank that did not reach its stop."""
+    ``stopping``: why the ranks should be stopping (a stop signal, the launcher's end), when the stall is a rank
+    that did not reach its stop."""
     after = f" after {stopping}" if stopping else ""
     if silent:
         return f"{'; '.join(silent.values())}: no report and no heartbeat (stopped, frozen, or cut off from the " \
@@ -169,6 +170,7 @@ class StallWatchdog:
 
     def __init__(self, timeout: float | None, rank: int, folder: Path, stop_signal: Callable[[], object]):
         self.timeout, self.rank, self.folder, self.stop_signal = timeout, rank, Path(folder), stop_signal
+        self.parent = os.getppid()  # the launcher (or its forkserver, torchrun's agent, slurmstepd)
         self.watched = threading.get_ident()
         self.rendezvous = None
         self.last, self.longest, self.agreements = time.monotonic(), 0.0, 0
@@ -195,6 +197,14 @@ class StallWatchdog:
         if self in _running:
             _running.remove(self)
 
+    def stopping(self) -> str:
+        """Why this rank should be stopping: the stop signal its handler recorded, or its launcher's end
+        (its parent gone: the handler of the SIGTERM that follows runs only once the main thread moves), or ""."""
+        received = self.stop_signal()
+        if received is not None:
+            return getattr(received, "name", str(received))
+        return "its launcher's end" if os.getppid() != self.parent else ""
+
     def phase(self) -> Phase:
         return phase_of_thread(self.watched)
 
@@ -206,7 +216,7 @@ class StallWatchdog:
             if self.rendezvous is not None and self.rendezvous.stall_marked():
                 return self._end(idle, self.phase())
             phase = self.phase()
-            if idle > limit(self.timeout, phase, self.agreements, self.longest, self.stop_signal() is not None):
+            if idle > limit(self.timeout, phase, self.agreements, self.longest, bool(self.stopping())):
                 if self.rendezvous is not None:
                     self.rendezvous.mark_stall()
                 return self._end(idle, phase)
@@ -215,8 +225,7 @@ class StallWatchdog:
         """Write this rank's stacks, exchange reports, name the stalled rank, end the process."""
         if self._stopped.is_set():
             return
-        received = self.stop_signal()
-        stopping = getattr(received, "name", "") or ""
+        stopping = self.stopping()
         folder = self.folder / STALLS_FOLDER
         try:
             stacks.write_stacks(folder / f"rank{self.rank}.txt", f"rank {self.rank}: {phase.what}; no progress for "

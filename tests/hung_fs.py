@@ -1,10 +1,13 @@
-"""A real filesystem whose ``flock`` fails as NFS's does without its lock daemon (errno ENOLCK).
+"""A real filesystem that fails as a network filesystem does: ``flock`` refused with ENOLCK (NFS without
+its lock daemon), and reads of chosen files that never return (a hung server).
 
-``python tests/nolock_fs.py MOUNTPOINT`` (root: it mounts) serves an in-memory FUSE filesystem at
-MOUNTPOINT, speaking the kernel's FUSE protocol on ``/dev/fuse`` itself (no libfuse), prints
+``python tests/hung_fs.py MOUNTPOINT [NAME...]`` (root: it mounts) serves an in-memory FUSE filesystem
+at MOUNTPOINT, speaking the kernel's FUSE protocol on ``/dev/fuse`` itself (no libfuse), prints
 ``mounted`` and serves until it is unmounted. Files and folders behave as on any filesystem; it
 advertises flock support, and answers every lock request (``flock``, ``fcntl`` locks) with ENOLCK,
 so that the kernel's ``flock(2)`` fails with ENOLCK exactly where an NFS mount without ``lockd`` would.
+A read of a file named one of the NAMEs is never answered: the reader waits in the kernel, as on a hard
+NFS mount whose server stopped answering (a fatal signal still ends it).
 
 :func:`mounted` runs it for a test and unmounts it after, or skips the test with the reason where it
 cannot be mounted (not root, no ``/dev/fuse``).
@@ -43,6 +46,7 @@ class Node:
         self.number, self.mode, self.uid, self.gid = number, mode, uid, gid
         self.data, self.children = bytearray(), {}
         self.mtime = time.time_ns()
+        self.hangs = False  # a read of it is never answered
 
     def attr(self) -> bytes:
         seconds, nanoseconds = divmod(self.mtime, 10 ** 9)
@@ -51,10 +55,11 @@ class Node:
                          nanoseconds, self.mode, 2 if stat.S_ISDIR(self.mode) else 1, self.uid, self.gid, 0, 4096, 0)
 
 
-class NoLockFilesystem:
-    def __init__(self):
+class HungFilesystem:
+    def __init__(self, hung: tuple[str, ...] = ()):
         self.nodes = {ROOT: Node(ROOT, stat.S_IFDIR | 0o755, os.getuid(), os.getgid())}
         self.next = ROOT + 1
+        self.hung = set(hung)  # reads of files of these names are never answered
 
     def entry(self, node: Node) -> bytes:
         return ENTRY.pack(node.number, 0, 0, 0, 0, 0) + node.attr()
@@ -63,10 +68,11 @@ class NoLockFilesystem:
         node = self.nodes[self.next] = Node(self.next, mode, uid, gid)
         self.next += 1
         parent.children[name] = node.number
+        node.hangs = name in self.hung
         return node
 
-    def handle(self, opcode: int, node: Node, uid: int, gid: int, body: bytes) -> bytes | int:
-        """The reply's body, or a positive errno."""
+    def handle(self, opcode: int, node: Node, uid: int, gid: int, body: bytes) -> bytes | int | None:
+        """The reply's body, a positive errno, or None for no reply (a hung read)."""
         name = body.split(b"\0")[0].decode(errors="surrogateescape")
         if opcode == INIT:
             major, minor, readahead, _ = struct.unpack_from("<IIII", body)
@@ -121,6 +127,8 @@ class NoLockFilesystem:
         if opcode in (OPEN, OPENDIR):
             return OPEN_OUT.pack(0, 0, 0)
         if opcode == READ:
+            if node.hangs:
+                return None  # never answered: the reader waits
             _, offset, size, *_ = RW_IN.unpack_from(body)
             return bytes(node.data[offset:offset + size])
         if opcode == WRITE:
@@ -166,6 +174,8 @@ class NoLockFilesystem:
                 continue
             node = self.nodes.get(ROOT if opcode == INIT else number)  # INIT names no node
             reply = errno.ENOENT if node is None else self.handle(opcode, node, uid, gid, request[IN_HEADER.size:])
+            if reply is None:
+                continue
             if isinstance(reply, int):
                 message = OUT_HEADER.pack(OUT_HEADER.size, -reply, unique)
             else:
@@ -185,7 +195,7 @@ def mount(mountpoint: str) -> int:
     """Open ``/dev/fuse`` and mount it at ``mountpoint``; returns the device's descriptor. Raises OSError."""
     device = os.open("/dev/fuse", os.O_RDWR)
     options = f"fd={device},rootmode=40000,user_id={os.getuid()},group_id={os.getgid()}".encode()
-    if _libc().mount(b"nolockfs", mountpoint.encode(), b"fuse", 6, options) != 0:  # MS_NOSUID | MS_NODEV
+    if _libc().mount(b"hungfs", mountpoint.encode(), b"fuse", 6, options) != 0:  # MS_NOSUID | MS_NODEV
         code = ctypes.get_errno()
         os.close(device)
         raise OSError(code, os.strerror(code), mountpoint)
@@ -197,13 +207,14 @@ def unmount(mountpoint: Path) -> None:
 
 
 @contextlib.contextmanager
-def mounted(mountpoint: Path):
-    """The filesystem served at ``mountpoint`` (made if need be) by a child process while the block runs;
-    skips the calling test, saying why, where it cannot be mounted."""
+def mounted(mountpoint: Path, hung: tuple[str, ...] = ()):
+    """The filesystem served at ``mountpoint`` (made if need be) by a child process while the block runs,
+    reads of files named in ``hung`` never answered; skips the calling test, saying why, where it cannot be
+    mounted."""
     import pytest
 
     mountpoint.mkdir(parents=True, exist_ok=True)
-    server = subprocess.Popen([sys.executable, __file__, str(mountpoint)], stdout=subprocess.PIPE,
+    server = subprocess.Popen([sys.executable, __file__, str(mountpoint), *hung], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     ready = server.stdout.readline().strip()
     if ready != "mounted":
@@ -214,7 +225,11 @@ def mounted(mountpoint: Path):
         yield mountpoint
     finally:
         unmount(mountpoint)
-        server.wait(10)
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:  # a reader still waits on a hung read: the server goes anyway
+            server.kill()
+            server.wait()
 
 
 if __name__ == "__main__":
@@ -224,4 +239,4 @@ if __name__ == "__main__":
         print(f"cannot mount {sys.argv[1]}: {exc.strerror}", file=sys.stderr)
         raise SystemExit(1) from None
     print("mounted", flush=True)
-    NoLockFilesystem().serve(fd)
+    HungFilesystem(tuple(sys.argv[2:])).serve(fd)

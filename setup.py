@@ -10,8 +10,9 @@ setup(
     packages=find_packages(include=["fixres_dist", "fixres_dist.*"]),
     package_data={"fixres_dist": ["embedded_data/*/LICENSE", "embedded_data/*/*/*/*.png"]},
     py_modules=["main_scratch", "main_finetune"],
+    # py-spy: the stall watchdog's stacks of loader workers and frozen ranks (fixres_dist.distributed.stacks)
     install_requires=["torch>=2.4", "torchvision>=0.19", "submitit>=1.5", "attrs>=23.1", "numpy", "tqdm",
-                      "matplotlib", "psutil"],
+                      "matplotlib", "psutil", "py-spy"],
     extras_require={
         # ruff: the linter .ci/run runs (ruff.toml); one minor release, since a newer one can add rules
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "ruff>=0.17,<0.18"],

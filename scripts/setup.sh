@@ -25,7 +25,8 @@ WANT_BUILD="import torch, sys; sys.exit((torch.version.cuda is None) != bool($CP
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))" \
        $NEEDED 2>/dev/null \
    || ! .venv/bin/python -c "import torch, torchvision, fixres_dist" 2>/dev/null \
-   || ! .venv/bin/python -c "$WANT_BUILD" 2>/dev/null; then
+   || ! .venv/bin/python -c "$WANT_BUILD" 2>/dev/null \
+   || [ ! -x .venv/bin/py-spy ]; then
     .venv/bin/pip install -q --upgrade pip
     if [ "$CPU" = 1 ]; then
         INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}

@@ -97,16 +97,39 @@ def make_subset(dest: Path, train_per_class: int, val_per_class: int, classes: i
     return dest
 
 
+def once_per_run(tmp_path_factory, name: str, make):
+    """``make(folder)`` (a new folder ``name``), computed once per test run and shared by the session
+    fixtures of every process that runs tests: this one, or each pytest-xdist worker, the first that
+    needs it computing it while the others wait on a file lock and read its (pickled) result. Its files
+    are the same for all: read them, copy them to change them."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return make(tmp_path_factory.mktemp(name))
+    import pickle
+
+    import filelock
+
+    shared = tmp_path_factory.getbasetemp().parent / "once"  # one per run, beside the workers' own
+    shared.mkdir(exist_ok=True)
+    done = shared / f"{name}.pickle"
+    with filelock.FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            folder = shared / name
+            shutil.rmtree(folder, ignore_errors=True)  # of a worker that failed to make it
+            folder.mkdir()
+            done.write_bytes(pickle.dumps(make(folder)))
+        return pickle.loads(done.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """10 classes, 8 train and 3 val images per class (80 train, 30 val)."""
-    return make_subset(tmp_path_factory.mktemp("tiny"), 8, 3)
+    return once_per_run(tmp_path_factory, "tiny", lambda folder: make_subset(folder, 8, 3))
 
 
 @pytest.fixture(scope="session")
 def odd_val_data(tmp_path_factory) -> Path:
     """5 classes with 7 val images each: 35 images, divisible by neither 2 nor 3."""
-    return make_subset(tmp_path_factory.mktemp("odd"), 4, 7, classes=5)
+    return once_per_run(tmp_path_factory, "odd", lambda folder: make_subset(folder, 4, 7, classes=5))
 
 
 # A short scratch run on tiny_data: 2 epochs of 5 steps (16 images a step on 2 ranks), loader workers.
@@ -119,11 +142,12 @@ def scratch_job(tiny_data, tmp_path_factory) -> Path:
     on :func:`tiny_data` with :data:`SCRATCH` (job id ``straight``). Shared by the whole session:
     read it, copy it (``shutil.copytree``) to change or resume it, or pass its checkpoint.pth as
     ``--weight-path``."""
-    shared = tmp_path_factory.mktemp("scratch_job")
-    result = run_script("scratch", "--num-tasks", 2, "--job-id", "straight", "--shared-folder-path", shared,
-                        "--data-path", tiny_data, *SCRATCH)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return shared / "straight"
+    def make(shared: Path) -> Path:
+        result = run_script("scratch", "--num-tasks", 2, "--job-id", "straight", "--shared-folder-path", shared,
+                            "--data-path", tiny_data, *SCRATCH)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return shared / "straight"
+    return once_per_run(tmp_path_factory, "scratch_job", make)
 
 
 def free_port() -> int:
@@ -234,6 +258,11 @@ def slowed_job(tiny_data, tmp_path_factory):
     0's refusal, and sees its connection ended. Returns a SimpleNamespace: ``folder``, ``stdout``, ``stderr``,
     ``store`` (``(host, port)``), ``listening`` (``{(address, port)}``), ``foreign_ports`` (the
     client's own ports), ``keys`` (what it listed), ``refused`` (whether rank 0 ended its connection)."""
+    return once_per_run(tmp_path_factory, "slowed", lambda folder: run_slowed_job(tiny_data, folder))
+
+
+def run_slowed_job(tiny_data: Path, folder: Path):
+    """:func:`slowed_job`'s job, run in ``folder``."""
     import datetime
     import re
     import types
@@ -241,7 +270,6 @@ def slowed_job(tiny_data, tmp_path_factory):
     import psutil
     import torch.distributed as dist
 
-    folder = tmp_path_factory.mktemp("slowed")
     job = start_script("scratch", "--num-tasks", 4, "--job-id", "slowed", "--shared-folder-path", folder,
                        "--data-path", tiny_data, "--architecture", "resnet20", "--input-size", 32, "--batch", 2,
                        "--epochs", 1, "--workers", 0, "--no-progress",
@@ -336,9 +364,20 @@ def tmpfs(folder: Path, options: str, what: str):
     subprocess.run(["umount", str(folder)], capture_output=True)
 
 
+# Tests of the clusters this machine runs (the local SLURM, the nodes of network namespaces and their SLURM):
+# one pytest-xdist worker runs them all, one after the other.
+CLUSTER_TESTS = ("test_slurm.py::", "test_multinode.py::", "test_readme.py::test_every_launcher_shown")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """``slow`` tests (minutes on 2 CPU cores) run only with FIXRES_RUN_SLOW=1 (``.ci/run`` runs them
-    after the README's command: ``FIXRES_RUN_SLOW=1 pytest -q -m slow``)."""
+    after the README's command: ``FIXRES_RUN_SLOW=1 pytest -q -m slow``). Under pytest-xdist
+    (``--dist loadgroup``, pytest.ini) each file's tests run in one worker, in order, sharing its module
+    fixtures; the cluster tests (:data:`CLUSTER_TESTS`) in one worker together."""
+    for item in items:
+        cluster = any(part in item.nodeid for part in CLUSTER_TESTS)
+        item.add_marker(pytest.mark.xdist_group("cluster" if cluster else item.nodeid.split("::")[0]))
     if os.environ.get("FIXRES_RUN_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow on a 2-core CPU; run with FIXRES_RUN_SLOW=1")

@@ -8,7 +8,7 @@ import attrs
 import pytest
 
 import shown_commands as shown
-from conftest import make_subset, run_main, run_script
+from conftest import make_subset, once_per_run, run_main, run_script
 from split_models import events
 
 
@@ -17,7 +17,7 @@ def few_data(tmp_path_factory) -> Path:
     """:func:`conftest.tiny_data`'s 10 classes with 2 train and 1 val image each (20 train, 10 val):
     for jobs where what is checked does not depend on how much they train or evaluate (a
     :func:`conftest.scratch_job` checkpoint fits it)."""
-    return make_subset(tmp_path_factory.mktemp("few"), 2, 1)
+    return once_per_run(tmp_path_factory, "few", lambda folder: make_subset(folder, 2, 1))
 
 
 @attrs.frozen
@@ -33,12 +33,13 @@ def finetune_job(scratch_job, few_data, tmp_path_factory) -> FinishedJob:
     """A finished 2-rank FixRes finetune (job id ``f``) of :func:`conftest.scratch_job`'s checkpoint
     (resnet18 trained at 32 px) at 48 px on :func:`few_data`: 1 epoch, loader workers, the default
     scope (head+last-norm), no sweep. Read it; copy it to change it."""
-    shared = tmp_path_factory.mktemp("finetune_job")
-    result = run_script("finetune", "--num-tasks", 2, "--job-id", "f", "--shared-folder-path", shared,
-                        "--data-path", few_data, "--weight-path", scratch_job / "checkpoint.pth",
-                        "--input-size", 48, "--batch", 8, "--epochs", 1, "--workers", 1, "--no-progress")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return FinishedJob(shared / "f", result.stdout)
+    def make(shared: Path) -> FinishedJob:
+        result = run_script("finetune", "--num-tasks", 2, "--job-id", "f", "--shared-folder-path", shared,
+                            "--data-path", few_data, "--weight-path", scratch_job / "checkpoint.pth",
+                            "--input-size", 48, "--batch", 8, "--epochs", 1, "--workers", 1, "--no-progress")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return FinishedJob(shared / "f", result.stdout)
+    return once_per_run(tmp_path_factory, "finetune_job", make)
 
 
 # The split jobs (tensor parallelism, pipeline stages) and the DDP job they equal: a LayerNorm ViT, clipped,
@@ -57,13 +58,14 @@ def job(folder, data, name, *extra, world=2, fault=None, script="scratch"):
 def split_jobs(tiny_data, tmp_path_factory) -> Path:
     """The same job under DDP on 2 ranks (``ddp``), on 2 tensor groups of 2 ranks (``tp``) and on 2
     pipelines of 2 stages (``pp``); each job's stdout in ``<name>.out``."""
-    folder = tmp_path_factory.mktemp("split_jobs")
-    for name, extra, world in (("ddp", (), 2), ("tp", ("--tensor-parallel", 2), 4),
-                               ("pp", ("--pipeline-stages", 2), 4)):
-        result = job(folder, tiny_data, name, *extra, world=world)
-        assert result.returncode == 0, result.stderr[-3000:]
-        (folder / f"{name}.out").write_text(result.stdout)
-    return folder
+    def make(folder: Path) -> Path:
+        for name, extra, world in (("ddp", (), 2), ("tp", ("--tensor-parallel", 2), 4),
+                                   ("pp", ("--pipeline-stages", 2), 4)):
+            result = job(folder, tiny_data, name, *extra, world=world)
+            assert result.returncode == 0, result.stderr[-3000:]
+            (folder / f"{name}.out").write_text(result.stdout)
+        return folder
+    return once_per_run(tmp_path_factory, "split_jobs", make)
 
 
 def assert_refused_before_start(capsys, data, folder, args, message) -> None:

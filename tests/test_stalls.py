@@ -249,3 +249,31 @@ def test_a_stacks_file_holds_this_process_threads_and_a_stopped_child_and_is_pri
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_rank_handling_its_peers_failure_is_waiting_not_stalled():
+    """A rank finding out which peer failed (the rendezvous' lost-peer search, on a real store, here of a peer
+    that is silent) counts as waiting for its peers and as already ending: it is neither named as the stalled
+    rank nor ended by another's stall."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from fixres_dist.distributed import network, rendezvous
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10))
+    here = rendezvous.Host(socket.gethostname(), os.getpid(), ())
+    peer = rendezvous.Host("elsewhere", 1, ())
+    meeting = rendezvous.Rendezvous(store, 0, 2, f"127.0.0.1:{store.port}", {0: here, 1: peer},
+                                    network.Link("lo", "127.0.0.1", "all ranks on this host"))
+    found = []
+    thread = threading.Thread(target=lambda: found.append(meeting.lost_peers(wait=4.0)))
+    thread.start()
+    try:
+        phase = wait_for(lambda: phase_of_thread(thread.ident).failing and phase_of_thread(thread.ident), 10,
+                         "the thread to look for lost peers")
+        assert phase.waits and phase == watchdog.FAILING
+    finally:
+        thread.join()
+    assert found and "rank 1 on elsewhere" in found[0]

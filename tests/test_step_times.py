@@ -64,10 +64,11 @@ def _summary(data_s: float, compute_s: float, steps: int = 5) -> dict:
 
 
 def test_a_loader_bound_job_says_how_many_workers_would_keep_up():
-    measured = _summary(0.03, 0.01)
+    measured = _summary(0.05, 0.005)
     ranks = [dict(measured, rank=r) for r in range(2)]  # alike: no straggler, both waiting for data
     assert ranks[0]["ms_per_step"]["collectives"] is None  # no DDP hook: not measured
-    assert 30 <= ranks[0]["ms_per_step"]["data"] < 60 and 10 <= ranks[0]["ms_per_step"]["compute"] < 40
+    # at least what was slept (a loaded machine sleeps longer: no upper bound on times)
+    assert ranks[0]["ms_per_step"]["data"] >= 50 and ranks[0]["ms_per_step"]["compute"] >= 5
     [line] = step_times.findings(ranks, epoch=3, workers=2)
     assert line.startswith("loader-bound: in epoch 3 the ranks waited ") and "the loaders are the bottleneck" in line
     # 2 workers deliver a batch every data + other ms, so one batch takes a worker 2 x (data + other)

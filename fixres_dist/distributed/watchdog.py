@@ -57,16 +57,21 @@ REPORTS_S = 5.0  # how long the ranks' reports of a stall are awaited (several h
 @attrs.frozen
 class Phase:
     """What a rank's watched thread is doing: ``what`` (words), whether it ``waits`` for its peers
-    (in a collective), whether it is ``patient`` (long by nature: checkpoint files, compiling)."""
+    (in a collective), whether it is ``patient`` (long by nature: checkpoint files, compiling), whether it
+    is ``failing`` (already ending: handling a peer's failure, which it will name itself)."""
 
     what: str
     waits: bool = False
     patient: bool = False
+    failing: bool = False
 
 
 WAITS = Phase("in a collective, waiting for its peers", waits=True)
+FAILING = Phase("handling a failure of its peers", waits=True, failing=True)
 # (fragment of a frame's file name, phase): the innermost frame that matches names the phase.
 RULES = (
+    ("fixres_dist/distributed/session.py", FAILING),  # RankSession.failed: finding who failed, telling the others
+    ("fixres_dist/distributed/rendezvous.py", FAILING),
     ("torch/_dynamo/", Phase("compiling the model (torch.compile)", patient=True)),
     ("torch/_inductor/", Phase("compiling the model (torch.compile)", patient=True)),
     ("torch/distributed/checkpoint/", Phase("writing or reading a sharded checkpoint", patient=True)),
@@ -216,13 +221,15 @@ class StallWatchdog:
             if self.rendezvous is not None and self.rendezvous.stall_marked():
                 return self._end(idle, self.phase())
             phase = self.phase()
-            if idle > limit(self.timeout, phase, self.agreements, self.longest, bool(self.stopping())):
+            stalled = idle > limit(self.timeout, phase, self.agreements, self.longest, bool(self.stopping()))
+            if stalled and not phase.failing:
                 if self.rendezvous is not None:
                     self.rendezvous.mark_stall()
                 return self._end(idle, phase)
 
     def _end(self, idle: float, phase: Phase) -> None:
-        """Write this rank's stacks, exchange reports, name the stalled rank, end the process."""
+        """Write this rank's stacks, exchange reports, name the stalled rank, end the process (a rank
+        already ending through its failure path only reports)."""
         if self._stopped.is_set():
             return
         stopping = self.stopping()
@@ -241,7 +248,7 @@ class StallWatchdog:
             here = [r.rank for r in reports.values() if r.host == me.host]
             if self.rank == min(here):  # one rank per host reads the silent ones that run here
                 self._stacks_of_silent(silent, folder)
-        if self._stopped.is_set():  # the run ended meanwhile (its last agreement came late)
+        if self._stopped.is_set() or phase.failing:  # the run ended meanwhile, or ends through its failure path
             return
         say(f"fixres_dist: rank {self.rank}: stalled: {diagnose(reports, silent, stopping)}; {where}; the last "
             f"checkpoint is kept: run the same command to resume (exit status {STALL_EXIT_STATUS}, --stall-timeout: "

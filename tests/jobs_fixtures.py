@@ -28,17 +28,27 @@ class FinishedJob:
     stdout: str
 
 
+def _finetune(scratch_job, few_data, shared, *extra) -> FinishedJob:
+    result = run_script("finetune", "--num-tasks", 2, "--job-id", "f", "--shared-folder-path", shared,
+                        "--data-path", few_data, "--weight-path", scratch_job / "checkpoint.pth",
+                        "--input-size", 48, "--batch", 8, "--epochs", 1, "--workers", 1, "--no-progress", *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return FinishedJob(shared / "f", result.stdout)
+
+
 @pytest.fixture(scope="session")
 def finetune_job(scratch_job, few_data, tmp_path_factory) -> FinishedJob:
     """A finished 2-rank FixRes finetune (job id ``f``) of :func:`conftest.scratch_job`'s checkpoint
     (resnet18 trained at 32 px) at 48 px on :func:`few_data`: 1 epoch, loader workers, the default
     scope (head+last-norm), no sweep. Read it; copy it to change it."""
-    shared = tmp_path_factory.mktemp("finetune_job")
-    result = run_script("finetune", "--num-tasks", 2, "--job-id", "f", "--shared-folder-path", shared,
-                        "--data-path", few_data, "--weight-path", scratch_job / "checkpoint.pth",
-                        "--input-size", 48, "--batch", 8, "--epochs", 1, "--workers", 1, "--no-progress")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return FinishedJob(shared / "f", result.stdout)
+    return _finetune(scratch_job, few_data, tmp_path_factory.mktemp("finetune_job"))
+
+
+@pytest.fixture(scope="session")
+def finetune_job_other(scratch_job, few_data, tmp_path_factory) -> FinishedJob:
+    """:func:`finetune_job` again with the other memory format (``--channels-last``): the same computation
+    in another summation order (:func:`split_models.assert_same_run`)."""
+    return _finetune(scratch_job, few_data, tmp_path_factory.mktemp("finetune_job_other"), "--channels-last")
 
 
 # The split jobs (tensor parallelism, pipeline stages) and the DDP job they equal: a LayerNorm ViT, clipped,
@@ -55,10 +65,12 @@ def job(folder, data, name, *extra, world=2, fault=None, script="scratch"):
 
 @pytest.fixture(scope="session")
 def split_jobs(tiny_data, tmp_path_factory) -> Path:
-    """The same job under DDP on 2 ranks (``ddp``), on 2 tensor groups of 2 ranks (``tp``) and on 2
-    pipelines of 2 stages (``pp``); each job's stdout in ``<name>.out``."""
+    """The same job under DDP on 2 ranks (``ddp``), again with the other memory format (``ddp-other``: the
+    same computation in another summation order, :func:`split_models.assert_same_run`), on 2 tensor groups
+    of 2 ranks (``tp``) and on 2 pipelines of 2 stages (``pp``); each job's stdout in ``<name>.out``."""
     folder = tmp_path_factory.mktemp("split_jobs")
-    for name, extra, world in (("ddp", (), 2), ("tp", ("--tensor-parallel", 2), 4),
+    for name, extra, world in (("ddp", (), 2), ("ddp-other", ("--channels-last",), 2),
+                               ("tp", ("--tensor-parallel", 2), 4),
                                ("pp", ("--pipeline-stages", 2), 4)):
         result = job(folder, tiny_data, name, *extra, world=world)
         assert result.returncode == 0, result.stderr[-3000:]

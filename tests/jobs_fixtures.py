@@ -28,18 +28,30 @@ class FinishedJob:
     stdout: str
 
 
+def finetune_of(scratch_job, few_data, shared: Path, *extra) -> FinishedJob:
+    """The finetune of :func:`finetune_job` in ``shared``, with ``extra`` options."""
+    result = run_script("finetune", "--num-tasks", 2, "--job-id", "f", "--shared-folder-path", shared,
+                        "--data-path", few_data, "--weight-path", scratch_job / "checkpoint.pth",
+                        "--input-size", 48, "--batch", 8, "--epochs", 1, "--workers", 1, "--no-progress", *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return FinishedJob(shared / "f", result.stdout)
+
+
 @pytest.fixture(scope="session")
 def finetune_job(scratch_job, few_data, tmp_path_factory) -> FinishedJob:
     """A finished 2-rank FixRes finetune (job id ``f``) of :func:`conftest.scratch_job`'s checkpoint
     (resnet18 trained at 32 px) at 48 px on :func:`few_data`: 1 epoch, loader workers, the default
     scope (head+last-norm), no sweep. Read it; copy it to change it."""
-    def make(shared: Path) -> FinishedJob:
-        result = run_script("finetune", "--num-tasks", 2, "--job-id", "f", "--shared-folder-path", shared,
-                            "--data-path", few_data, "--weight-path", scratch_job / "checkpoint.pth",
-                            "--input-size", 48, "--batch", 8, "--epochs", 1, "--workers", 1, "--no-progress")
-        assert result.returncode == 0, result.stderr[-3000:]
-        return FinishedJob(shared / "f", result.stdout)
-    return once_per_run(tmp_path_factory, "finetune_job", make)
+    return once_per_run(tmp_path_factory, "finetune_job",
+                        lambda shared: finetune_of(scratch_job, few_data, shared))
+
+
+@pytest.fixture(scope="session")
+def finetune_job_other(scratch_job, few_data, tmp_path_factory) -> FinishedJob:
+    """:func:`finetune_job` again with the other memory format (``--channels-last``): the same computation
+    in another summation order (:func:`split_models.assert_same_run`)."""
+    return once_per_run(tmp_path_factory, "finetune_job_other",
+                        lambda shared: finetune_of(scratch_job, few_data, shared, "--channels-last"))
 
 
 # The split jobs (tensor parallelism, pipeline stages) and the DDP job they equal: a LayerNorm ViT, clipped,
@@ -56,10 +68,12 @@ def job(folder, data, name, *extra, world=2, fault=None, script="scratch"):
 
 @pytest.fixture(scope="session")
 def split_jobs(tiny_data, tmp_path_factory) -> Path:
-    """The same job under DDP on 2 ranks (``ddp``), on 2 tensor groups of 2 ranks (``tp``) and on 2
-    pipelines of 2 stages (``pp``); each job's stdout in ``<name>.out``."""
+    """The same job under DDP on 2 ranks (``ddp``), again with the other memory format (``ddp-other``: the
+    same computation in another summation order, :func:`split_models.assert_same_run`), on 2 tensor groups
+    of 2 ranks (``tp``) and on 2 pipelines of 2 stages (``pp``); each job's stdout in ``<name>.out``."""
     def make(folder: Path) -> Path:
-        for name, extra, world in (("ddp", (), 2), ("tp", ("--tensor-parallel", 2), 4),
+        for name, extra, world in (("ddp", (), 2), ("ddp-other", ("--channels-last",), 2),
+                                   ("tp", ("--tensor-parallel", 2), 4),
                                    ("pp", ("--pipeline-stages", 2), 4)):
             result = job(folder, tiny_data, name, *extra, world=world)
             assert result.returncode == 0, result.stderr[-3000:]

@@ -24,6 +24,7 @@ from fixres_dist.fixres import finetuning, sweep
 from fixres_dist.models import architectures, batchnorm
 from fixres_dist.reporting import extraction
 from fixres_dist.training.checkpoint import load_checkpoint
+from numeric import assert_near_reference, assert_settled_ranking, assert_within_spread, evaluation
 
 
 def _events(folder):
@@ -86,20 +87,29 @@ def _synchronised_bn_rank(rank, world, port, out):
     collectives.destroy_process_group()
 
 
-def test_all_ranks_batchnorm_equals_one_process_on_the_union(tmp_path):
-    mp.start_processes(_synchronised_bn_rank, args=(2, free_port(), tmp_path), nprocs=2, start_method=start_method())
+def _batchnorm_on_the_union(dtype):
+    """nn.BatchNorm2d in one process on the union batch of :func:`_synchronised_bn_rank` (in ``dtype``):
+    its output, the input's gradient and the running statistics."""
     torch.manual_seed(0)
-    x = (torch.randn(8, 3, 5, 5) * 3 + 2).requires_grad_()
-    weights = torch.randn(8, 3, 5, 5)
-    reference = nn.BatchNorm2d(3)
-    y = reference(x)
+    x = (torch.randn(8, 3, 5, 5) * 3 + 2).to(dtype).requires_grad_()
+    weights = torch.randn(8, 3, 5, 5).to(dtype)
+    bn = nn.BatchNorm2d(3).to(dtype)
+    y = bn(x)
     (y * weights).sum().backward()
+    return {"y": y.detach(), "grad": x.grad, "mean": bn.running_mean, "var": bn.running_var}
+
+
+@pytest.mark.numeric
+def test_all_ranks_batchnorm_equals_one_process_on_the_union(tmp_path):
+    """Each rank's output, input gradient and running statistics are one process's on the union batch,
+    to rounding: within :data:`numeric.FACTOR` of that process's float32 error from float64."""
+    mp.start_processes(_synchronised_bn_rank, args=(2, free_port(), tmp_path), nprocs=2, start_method=start_method())
+    baseline, reference = _batchnorm_on_the_union(torch.float32), _batchnorm_on_the_union(torch.float64)
     for rank in range(2):
         got = torch.load(tmp_path / f"bn{rank}.pt")
-        torch.testing.assert_close(got["y"], y.detach()[rank::2], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got["grad"], x.grad[rank::2], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(got["mean"], reference.running_mean)
-        torch.testing.assert_close(got["var"], reference.running_var)
+        mine = {k: v[rank::2] if k in ("y", "grad") else v for k, v in baseline.items()}
+        assert_near_reference(got, mine, {k: v[rank::2] if k in ("y", "grad") else v for k, v in reference.items()},
+                              f"rank {rank}")
 
 
 def test_synchronise_keeps_parameters_and_state_dict_keys():
@@ -110,24 +120,28 @@ def test_synchronise_keeps_parameters_and_state_dict_keys():
     assert list(model.state_dict()) == keys and type(model.layer4[1].bn1) is nn.BatchNorm2d
 
 
+@pytest.mark.numeric
 def test_two_rank_finetune_equals_one_process_on_the_union(few_data, scratch_checkpoint, tmp_path):
     """2 ranks x 8 images per step == 1 process x 16 images: same head, same last-BN statistics (20
-    images: a full step, then one of 2 + 2)."""
+    images: a full step, then one of 2 + 2), to rounding: within :data:`numeric.FACTOR` of the spread of
+    the one process in two summation orders (its two memory formats)."""
     common = ["--data-path", few_data, "--weight-path", scratch_checkpoint, "--input-size", 40,
               "--epochs", 1, "--workers", 0, "--no-progress", "--shared-folder-path", tmp_path,
               "--learning-rate", 0.5]
     two, _ = run_two_ranks_and_one("finetune", *common)
     assert "BatchNorm statistics over all 2 ranks' images: layer4.1.bn2" in two.stdout
-    a, b = load_checkpoint(tmp_path / "two" / "checkpoint.pth"), load_checkpoint(tmp_path / "one" / "checkpoint.pth")
+    a, b, other = (load_checkpoint(tmp_path / job / "checkpoint.pth") for job in ("two", "one", "one-other"))
     start = load_checkpoint(scratch_checkpoint)["model"]
     moved = [k for k in start if not torch.equal(start[k], b["model"][k])]
     assert set(moved) == {"fc.weight", "fc.bias", "layer4.1.bn2.weight", "layer4.1.bn2.bias",
                           "layer4.1.bn2.running_mean", "layer4.1.bn2.running_var", "layer4.1.bn2.num_batches_tracked"}
-    for key in moved:
-        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-4, atol=1e-5, msg=key)
+    assert torch.equal(a["model"]["layer4.1.bn2.num_batches_tracked"], b["model"]["layer4.1.bn2.num_batches_tracked"])
+    trained = [k for k in moved if b["model"][k].is_floating_point()]
+    assert_within_spread(*({k: state["model"][k] for k in trained} for state in (a, b, other)), "2 ranks vs 1")
+    var = "layer4.1.bn2.running_var"
     for rank in a["ranks"]:  # every rank holds the union's statistics, not its own
-        torch.testing.assert_close(rank["buffers"]["layer4.1.bn2.running_var"], b["model"]["layer4.1.bn2.running_var"],
-                                   rtol=1e-4, atol=1e-5)
+        assert_within_spread({var: rank["buffers"][var]}, {var: b["model"][var]}, {var: other["model"][var]},
+                             "a rank's statistics vs 1 process's")
 
 
 # ----------------------------------------------------------------------- finetune augmentation
@@ -195,10 +209,13 @@ def test_finetune_auto_sweeps_plots_and_finetunes_at_the_best(few_data, scratch_
     assert "apparent-object-size estimate" in result.stdout and f"finetuning at {chosen} px" in result.stdout
 
 
+@pytest.mark.numeric
 def test_eval_only_sweep_and_features_are_exact_on_any_world_size(few_data, scratch_checkpoint, tmp_path):
-    """--eval-only on 1 and 2 ranks: the same sweep, and features in dataset order, each image once
-    (20 images in batches of 7: the ranks' last batches are uneven). The 1-rank run replaces an earlier
-    run's logits.npy, as --overwrite allows (refused without it: the next test)."""
+    """--eval-only on 1 and 2 ranks: the same sweep (top-1: exact, the float64 evaluation's), and features
+    in dataset order, each image once (20 images in batches of 7: the ranks' last batches are uneven),
+    each row the model's outputs on its image to rounding (:func:`numeric.assert_near_reference`). The
+    1-rank run replaces an earlier run's logits.npy, as --overwrite allows (refused without it: the next
+    test)."""
     tops, arrays = {}, {}
     earlier = tmp_path / "features1" / "logits.npy"
     earlier.parent.mkdir()
@@ -221,20 +238,26 @@ def test_eval_only_sweep_and_features_are_exact_on_any_world_size(few_data, scra
         assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == \
             {f"{name}.npy": 0o600 for name in ("logits", "embeddings", "labels")} | {"features.json": 0o600}
     assert tops[1] == tops[2] and [t[0] for t in tops[1]] == [32, 48] and all(t[2] == 10 for t in tops[1])
+    model = architectures.build_model("resnet18", 10)
+    model.load_state_dict(load_checkpoint(scratch_checkpoint)["model"])
+    for size, top1, _ in tops[1]:  # counts, compared exactly: no image of these is within rounding of changing class
+        exact, plain = (evaluation(model, "resnet18", few_data, "val", size, dtype) for dtype in (torch.float64,
+                                                                                                   torch.float32))
+        assert_settled_ranking(exact["logits"], plain["logits"], f"{size} px", ks=(1,))
+        assert top1 == exact["top1"]
     targets = pipeline.image_folder(few_data, "train").targets
     for ranks in (1, 2):
         assert arrays[ranks]["logits"].shape == (20, 10) and arrays[ranks]["embeddings"].shape == (20, 512)
         assert arrays[ranks]["labels"].tolist() == targets
         assert np.abs(arrays[ranks]["embeddings"]).sum(axis=1).min() > 0  # every row written
-    np.testing.assert_allclose(arrays[1]["logits"], arrays[2]["logits"], rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(arrays[1]["embeddings"], arrays[2]["embeddings"], rtol=1e-4, atol=1e-5)
-    model = architectures.build_model("resnet18", 10)
-    model.load_state_dict(load_checkpoint(scratch_checkpoint)["model"])
-    model.eval()
-    image = pipeline.test_transform(40)(pipeline.image_folder(few_data, "train")[17][0])
-    with torch.no_grad():
-        expected = model(pipeline.normalize(image[None]))[0].numpy()
-    np.testing.assert_allclose(arrays[2]["logits"][17], expected, rtol=1e-4, atol=1e-4)
+    # every row the model's outputs on that image of the dataset, to rounding (rows in other batches)
+    exact, plain = (evaluation(model, "resnet18", few_data, "train", 40, dtype, head="fc")
+                    for dtype in (torch.float64, torch.float32))
+    features = ("logits", "embeddings")
+    for ranks in (1, 2):
+        assert_near_reference({k: torch.from_numpy(arrays[ranks][k]) for k in features},
+                              {k: plain[k] for k in features}, {k: exact[k] for k in features},
+                              f"features on {ranks} rank(s)")
 
 
 def test_extraction_refuses_existing_results_unless_overwrite(few_data, scratch_checkpoint, tmp_path, capsys):

@@ -212,6 +212,7 @@ def test_without_the_library_the_error_says_how_to_install_it(hf_saved, monkeypa
         hf_datasets.open_hf_dataset(hf_saved)
 
 
+@pytest.mark.numeric
 @pytest.mark.slow
 def test_a_run_on_the_dataset_stopped_mid_epoch_resumes_bit_identically(scratch_job, hf_saved, tmp_path):
     """The session's 2-rank scratch job on the saved dataset, stopped mid-epoch and resumed: equal to the
@@ -220,6 +221,7 @@ def test_a_run_on_the_dataset_stopped_mid_epoch_resumes_bit_identically(scratch_
                                      "train and 30 validation images in 10 classes")
 
 
+@pytest.mark.numeric
 @pytest.mark.slow
 def test_evaluation_on_parquet_is_exact_on_1_and_3_ranks(scratch_job, hf_parquet, tmp_path):
     """The parquet form's 30 validation images on 1 and 3 ranks (2: the resume above): the folder's

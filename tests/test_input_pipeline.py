@@ -104,6 +104,7 @@ def test_broken_jpeg_is_unreadable_or_skipped(tmp_path, content):
     assert skipping[SampleKey(0, 0)] is None
 
 
+@pytest.mark.numeric
 def test_normalize_in_place_is_exact_and_keeps_channels_last():
     images = torch.randint(0, 256, (2, 3, 9, 7), dtype=torch.uint8)
     mean = torch.tensor(pipeline.IMAGENET_MEAN).view(1, 3, 1, 1) * 255

@@ -204,6 +204,7 @@ def test_the_pack_command_refuses_what_it_would_overwrite(tiny_data, packed, tmp
                                        "tar shards)\n")
 
 
+@pytest.mark.numeric
 @pytest.mark.slow
 def test_a_run_on_the_shards_stopped_mid_epoch_resumes_bit_identically(scratch_job, packed, tmp_path):
     """The session's 2-rank scratch job (loader workers, 2 epochs) on the packed data, stopped mid-epoch
@@ -212,6 +213,7 @@ def test_a_run_on_the_shards_stopped_mid_epoch_resumes_bit_identically(scratch_j
                                      "classes")
 
 
+@pytest.mark.numeric
 @pytest.mark.slow
 def test_evaluation_on_the_shards_is_exact_on_1_2_and_3_ranks(scratch_job, packed, tmp_path):
     """30 validation images on 1, 2 and 3 ranks (3 does not divide 30 into equal batches of 4): every

@@ -24,6 +24,7 @@ from fixres_dist.errors import FixresError
 from fixres_dist.models.architectures import build_model
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE
 from jobs_fixtures import assert_refused_before_start, job, run_shown_split_command
+from numeric import assert_near_reference, floating
 from split_models import (
     CONVNEXT,
     LR,
@@ -40,11 +41,12 @@ from split_models import (
 STEPS = 3
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("architecture", [VIT, "resnet20", "resnet18", TORCHVISION_VIT, CONVNEXT])
 def test_stages_in_a_row_are_the_model(architecture):
     """Every family: its pieces cover every parameter and buffer, stages of any cut hold disjoint
     parts of the whole model's state_dict under the whole model's names, and run in a row they give
-    the model's logits."""
+    the model's logits, bit for bit (the same modules on the same tensors: the same kernels)."""
     model = model_of(architecture).eval()
     every = pp.pieces(model, architecture)
     assert every[0].name == "stem" and every[-1].name == "head" and len(every) >= 5
@@ -58,7 +60,7 @@ def test_stages_in_a_row_are_the_model(architecture):
         y = x
         for stage in stages:
             y = stage(y)
-        torch.testing.assert_close(y, model(x))
+        assert torch.equal(y, model(x))
 
 
 def test_the_split_balances_forward_flops():
@@ -164,43 +166,52 @@ def whole(folder, name, step=STEPS):
     return checkpoint_shards.read_full(folder / name / checkpoint_shards.folder_name(step))["model"]
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", list(SPLITS))
 def test_a_split_model_steps_as_the_unsplit_one(split_runs, name):
     """Same weights, same batches: the mean loss of the last stages' ranks is the unsplit step's, the
     stages' checkpoint, read whole, holds the unsplit model's weights after the steps, and the logits
-    evaluated through the pipeline (each data-parallel rank its share) are the unsplit model's."""
+    evaluated through the pipeline (each data-parallel rank its share) are the unsplit model's: each
+    within rounding of the unsplit model's float32 steps, both measured against the same steps in
+    float64 (:func:`numeric.assert_near_reference`)."""
     architecture, stages, _, virtual, microbatches = SPLITS[name]
     data = 4 // stages
     losses, describe = recorded(split_runs, name)
     assert len(losses) == data and describe.startswith(f"pipeline: {stages * virtual} stages")
     # BatchNorm sees micro-batches: the reference accumulates over the same ones
-    reference, model, _ = unsplit_steps(architecture, range(STEPS), microbatches * data if architecture == "resnet20"
-                                     else 1)
-    for step in range(STEPS):
-        assert sum(run[step] for run in losses) / data == pytest.approx(reference[step], rel=1e-5)
+    accumulated = microbatches * data if architecture == "resnet20" else 1
+    baseline, model, _ = unsplit_steps(architecture, range(STEPS), accumulated)
+    reference, model64, _ = unsplit_steps(architecture, range(STEPS), accumulated, dtype=torch.float64)
+    mean = [sum(run[step] for run in losses) / data for step in range(STEPS)]
+    assert_near_reference({"loss": mean}, {"loss": baseline}, {"loss": reference}, f"{name}: losses")
     if architecture != "resnet20":  # evaluated through the pipeline: the unsplit model's logits
         runs = [json.loads(p.read_text()) for p in sorted((split_runs / name).glob("*-rank*.json"))]
         logits = torch.cat([torch.tensor(run["logits"]) for run in runs if run["logits"] is not None])
+        images = batch(99)[0]
         with torch.no_grad():
-            torch.testing.assert_close(logits, model.eval()(batch(99)[0]), rtol=1e-4, atol=1e-5)
-    weights = whole(split_runs, name)
-    for key, value in model.state_dict().items():
-        if "running" in key or "num_batches" in key:
-            continue  # BatchNorm statistics: each data-parallel rank's own (averaged by the Trainer per epoch)
-        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+            assert_near_reference({"logits": logits}, {"logits": model.eval()(images)},
+                                  {"logits": model64.eval()(images.double())}, f"{name}: logits")
+    # BatchNorm statistics: each data-parallel rank's own (averaged by the Trainer per epoch), not compared
+    trained = {k: v for k, v in floating(model.state_dict()).items() if "running" not in k}
+    assert_near_reference({k: whole(split_runs, name)[k] for k in trained}, trained,
+                          {k: model64.state_dict()[k] for k in trained}, f"{name}: weights")
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("resumed", ["resumed", "from-unsplit"])
 def test_a_checkpoint_resumes_on_another_split(split_runs, resumed):
     """2 stages x 2 data-parallel ranks, 3 steps, checkpointed, resumed as 4 stages x 1; and the unsplit
     model's checkpoint after 3 steps resumed as 2 stages x 2: the 4th step equals the unsplit model's
-    4th (loss and weights). The split run's checkpoint read whole: the test above."""
+    4th (loss and weights, within rounding of the unsplit float32 steps against float64). The split
+    run's checkpoint read whole: the test above."""
     losses, _ = recorded(split_runs, resumed)
-    reference, model, _ = unsplit_steps(VIT, range(STEPS + 1))
-    assert sum(run[0] for run in losses) / len(losses) == pytest.approx(reference[-1], rel=1e-5)
+    baseline, model, _ = unsplit_steps(VIT, range(STEPS + 1))
+    reference, model64, _ = unsplit_steps(VIT, range(STEPS + 1), dtype=torch.float64)
+    assert_near_reference({"loss": [sum(run[0] for run in losses) / len(losses)]}, {"loss": baseline[-1:]},
+                          {"loss": reference[-1:]}, f"{resumed}: loss")
     weights = whole(split_runs, resumed, STEPS + 1)
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert_near_reference({k: weights[k] for k in model.state_dict()}, model.state_dict(), model64.state_dict(),
+                          f"{resumed}: weights")
 
 
 def test_the_split_is_measured_without_touching_batchnorm():
@@ -215,17 +226,19 @@ def test_the_split_is_measured_without_touching_batchnorm():
 
 
 # ------------------------------------------------------------------ the scripts
+@pytest.mark.numeric
 def test_a_pipeline_job_trains_as_ddp(split_jobs):
     """Same seed, same 16-image global batches, on 2 pipelines of 2 stages: losses, learning rates, top-1
     (30 images counted once, on the last stages; a rank's 15 in batches of 8 and 7, the 7 as one
     micro-batch) and the final weights, gathered from the stages into checkpoint.pth, are DDP's."""
-    assert_same_run(split_jobs / "pp", split_jobs / "ddp", ema=False)
+    assert_same_run(split_jobs / "pp", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
     out = (split_jobs / "pp.out").read_text()
     assert "--pipeline-stages 2: pipeline: 2 stages x 2 data-parallel ranks, Schedule1F1B, 2 micro-batches per " \
            "step; this rank holds stage 0: stem .. blocks.2; 174,784 parameters on this rank" in out
     assert "lr 0.00625 = 0.1 x 8 x 2 / 256" in out  # the linear scaling rule counts data-parallel ranks
 
 
+@pytest.mark.numeric
 def test_a_pipeline_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data, tmp_path):
     """Stopped after step 3 on 2 pipelines of 2 stages cut by hand (by the last stage of the first), resumed on 2 plain
     DDP ranks: it ends as the uninterrupted job (its checkpoint is the whole model's, its optimizer's
@@ -240,9 +253,10 @@ def test_a_pipeline_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data,
     assert "resuming a 4-rank checkpoint (2 pipeline stages) on 2 ranks: the same 2 data-parallel rank(s), " \
            "batches and learning rate" in resumed.stdout, resumed.stdout[-2000:]
     assert "resumed from" in resumed.stdout and "step 3" in resumed.stdout
-    assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
+    assert_same_run(tmp_path / "s", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
 
 
+@pytest.mark.numeric
 @pytest.mark.slow
 def test_a_ddp_job_stopped_mid_epoch_resumes_in_stages(split_jobs, tiny_data, tmp_path):
     """And back: stopped on 2 DDP ranks, resumed on 2 pipelines of 2 stages (rank 0 is not the rank that
@@ -251,7 +265,7 @@ def test_a_ddp_job_stopped_mid_epoch_resumes_in_stages(split_jobs, tiny_data, tm
     assert stopped.returncode == 3, stopped.stderr[-3000:]
     resumed = job(tmp_path, tiny_data, "s", "--pipeline-stages", 2, world=4)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
+    assert_same_run(tmp_path / "s", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
 
 
 @pytest.mark.slow
@@ -270,7 +284,8 @@ def test_a_pipeline_job_resumed_on_as_many_ranks_cut_otherwise_says_what_changed
 
 
 
-def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, finetune_job, few_data, tmp_path):
+@pytest.mark.numeric
+def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, finetune_job, finetune_job_other, few_data, tmp_path):
     """The session's DDP finetune (:func:`jobs_fixtures.finetune_job`: resnet18 at 48 px on 2 ranks) again
     as 2 pipelines of 2 stages (GPipe, one micro-batch: BatchNorm sees what DDP's does): the first stage
     wholly frozen (nothing to train on its ranks), the head and last BatchNorm on the last, that
@@ -282,7 +297,7 @@ def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, finetune_job, few_da
                         "--pipeline-schedule", "gpipe", "--pipeline-microbatches", 1)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "BatchNorm statistics over all 2 data-parallel ranks' images: layer4.1.bn2" in result.stdout
-    assert_same_run(tmp_path / "f", finetune_job.folder, ema=False)
+    assert_same_run(tmp_path / "f", finetune_job.folder, finetune_job_other.folder, ema=False)
 
 
 @pytest.mark.parametrize("args, message", [

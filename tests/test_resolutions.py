@@ -23,6 +23,7 @@ def _evals(folder):
             if json.loads(line)["event"] == "eval"]
 
 
+@pytest.mark.numeric
 @pytest.mark.slow
 @needs_timm
 def test_timm_vit_trains_at_32_px_and_is_tested_up_to_224_px(few_data, tmp_path):

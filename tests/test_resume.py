@@ -65,6 +65,7 @@ def assert_resumed_at(run, epoch, image):
         run.stdout[-3000:]
 
 
+@pytest.mark.numeric
 def test_a_job_stopped_and_killed_at_known_steps_resumes_each_time_and_ends_bit_identical(
         straight, tiny_data, tmp_path):
     """The preemption signal on one rank after step S: every rank stops after the same step, S or
@@ -108,7 +109,7 @@ def test_a_job_stopped_and_killed_at_known_steps_resumes_each_time_and_ends_bit_
         [("train", 1), ("eval", 1), ("train", 2), ("eval", 2)]
     # each interrupted epoch's loss covers all its images, before and after the stops
     straight_losses = [e["loss"] for e in straight["metrics"] if e["event"] == "train"]
-    assert [e["loss"] for e in logged if e["event"] == "train"] == pytest.approx(straight_losses, rel=1e-9)
+    assert [e["loss"] for e in logged if e["event"] == "train"] == straight_losses  # exact float64 sums
     assert all(e["img_per_s"] > 0 for e in logged if e["event"] == "train")
 
 

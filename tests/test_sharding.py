@@ -3,7 +3,6 @@ stopped and resumed under another strategy and world size, FixRes-finetuned, and
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
@@ -15,6 +14,7 @@ from fixres_dist.models.architectures import build_model
 from fixres_dist.models.blocks import blocks
 from fixres_dist.training import export
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from numeric import assert_near_reference, assert_settled_ranking, evaluation
 from split_models import assert_same_run, events, full
 
 # A LayerNorm ViT (timm's 6-block test model, 0.3 M parameters): no BatchNorm, so the gradient of a
@@ -32,21 +32,25 @@ def run(folder, data, job, *extra, world=2, fault=None):
 
 @pytest.fixture(scope="module")
 def vit_jobs(tiny_data, tmp_path_factory):
-    """The same 2-rank ViT job (:data:`VIT`) under DDP (job ``ddp``) and fully sharded (``full``)."""
+    """The same 2-rank ViT job (:data:`VIT`) under DDP (job ``ddp``), again with the other memory format
+    (``ddp-other``: the same computation in another summation order, :func:`split_models.assert_same_run`)
+    and fully sharded (``full``)."""
     folder = tmp_path_factory.mktemp("vit")
-    for job, sharding in (("ddp", "ddp"), ("full", "full")):
-        result = run(folder, tiny_data, job, "--sharding", sharding)
+    for job, sharding, extra in (("ddp", "ddp", ()), ("ddp-other", "ddp", ("--channels-last",)), ("full", "full", ())):
+        result = run(folder, tiny_data, job, "--sharding", sharding, *extra)
         assert result.returncode == 0, result.stderr[-3000:]
     return folder
 
 
+@pytest.mark.numeric
 def test_full_shard_trains_as_ddp(vit_jobs):
     """Same seed, same data: the sharded run's losses, top-1, EMA and weights are DDP's."""
-    assert_same_run(vit_jobs / "full", vit_jobs / "ddp")
+    assert_same_run(vit_jobs / "full", vit_jobs / "ddp", vit_jobs / "ddp-other")
     config = json.loads((vit_jobs / "full" / "config.json").read_text())
     assert config["sharding"] == "full"
 
 
+@pytest.mark.numeric
 @pytest.mark.slow
 def test_hybrid_shard_on_4_ranks_with_activation_checkpointing_trains_as_ddp_on_2(vit_jobs, tiny_data, tmp_path):
     """A 2 x 2 mesh (shard within pairs, replicate across them), 4 images a rank and every block
@@ -57,7 +61,7 @@ def test_hybrid_shard_on_4_ranks_with_activation_checkpointing_trains_as_ddp_on_
     assert "--sharding hybrid: 6 blocks and the root sharded over a mesh of 2 replicate x 2 shard ranks" \
         in result.stdout
     assert "activation checkpointing: 6 blocks" in result.stdout
-    assert_same_run(tmp_path / "hybrid", vit_jobs / "ddp")
+    assert_same_run(tmp_path / "hybrid", vit_jobs / "ddp", vit_jobs / "ddp-other")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +73,7 @@ def stopped_sharded(tiny_data, tmp_path_factory):
     return folder / "s"
 
 
+@pytest.mark.numeric
 def test_a_sharded_job_stopped_mid_epoch_resumes_under_ddp_as_if_uninterrupted(vit_jobs, stopped_sharded, tiny_data,
                                                                                tmp_path):
     """Stopped after step 3 of 5 fully sharded on 2 ranks, resumed under DDP on 2 ranks: it ends as the
@@ -77,7 +82,7 @@ def test_a_sharded_job_stopped_mid_epoch_resumes_under_ddp_as_if_uninterrupted(v
     resumed = run(tmp_path, tiny_data, "s", "--sharding", "ddp")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "image 48 of the epoch" in resumed.stdout, resumed.stdout[-2000:]
-    assert_same_run(tmp_path / "s", vit_jobs / "ddp")
+    assert_same_run(tmp_path / "s", vit_jobs / "ddp", vit_jobs / "ddp-other")
 
 
 @pytest.mark.slow
@@ -123,9 +128,12 @@ def test_fixres_finetune_of_a_sharded_checkpoint_trains_the_head_and_last_norm_o
     assert [(e["resolution"], e["images"]) for e in events(folder / "ft", "eval")][-1] == (48, 3)
 
 
+@pytest.mark.numeric
 def test_eval_only_of_a_sharded_checkpoint_runs_sharded_and_agrees(sharded_finetune):
     """``--eval-only --sharding full`` on 2 ranks evaluates the finetuned shards without ever
-    building the model unsharded for a forward, and measures what the finetune's last evaluation did."""
+    building the model unsharded for a forward, and measures what the finetune's last evaluation (on 4
+    ranks) did: the same top-1 (a count: exact, and the float64 evaluation's, no image being within
+    rounding of changing class) and the same loss to rounding (:func:`numeric.assert_near_reference`)."""
     folder, _ = sharded_finetune
     result = run_script("finetune", "--eval-only", "--num-tasks", 2, "--job-id", "ev", "--shared-folder-path",
                         folder, "--data-path", folder / "data", "--weight-path", folder / "ft" / CHECKPOINT_FILE,
@@ -135,7 +143,13 @@ def test_eval_only_of_a_sharded_checkpoint_runs_sharded_and_agrees(sharded_finet
     assert result.stdout.index("--sharding full: 6 blocks") < result.stdout.index("eval sweep @48px")
     ours, finetuned = events(folder / "ev", "eval")[-1], events(folder / "ft", "eval")[-1]
     assert (ours["resolution"], ours["images"], ours["top1"]) == (48, 3, finetuned["top1"])
-    assert math.isclose(ours["loss"], finetuned["loss"], rel_tol=1e-5)
+    model = build_model("timm/test_vit", 3, image_size=48)
+    model.load_state_dict(full(folder / "ft" / CHECKPOINT_FILE)["model"])
+    exact, plain = (evaluation(model, "timm/test_vit", folder / "data", "val", 48, dtype)
+                    for dtype in (torch.float64, torch.float32))
+    assert_settled_ranking(exact["logits"], plain["logits"], "3 images at 48 px", ks=(1,))
+    assert finetuned["top1"] == exact["top1"]
+    assert_near_reference({"loss": ours["loss"]}, {"loss": finetuned["loss"]}, {"loss": exact["loss"]}, "loss")
 
 
 @pytest.mark.parametrize("damage, message", [

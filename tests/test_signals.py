@@ -209,6 +209,7 @@ def test_a_signal_while_the_script_starts_is_one_line(tmp_path, signum, status):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.numeric
 def test_a_signal_during_evaluation_stops_it_and_resumes_bit_identical(scratch_job, tiny_data, tmp_path):
     """The preemption signal at the end-of-epoch evaluation: checkpoint of the trained epoch, exit 3;
     the rerun evaluates it and goes on, ending with the same weights as a run never stopped

@@ -21,6 +21,7 @@ from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE
 from jobs_fixtures import assert_refused_before_start, job, run_shown_split_command
+from numeric import assert_near_reference
 from split_models import (
     LR,
     MOMENTUM,
@@ -109,22 +110,28 @@ def tensor_runs(tmp_path_factory):
     return folder
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("name", list(RUNS))
 def test_a_split_model_steps_as_the_unsplit_one(tensor_runs, name):
     """The mean loss over the data-parallel groups is the unsplit step's, every rank of a tensor group
-    has the same loss, and the weights gathered whole are the unsplit model's after the (clipped) steps."""
+    has the same loss, and the weights gathered whole are the unsplit model's after the (clipped) steps:
+    within rounding of the unsplit model's float32 steps, both measured against the same steps in
+    float64 (:func:`numeric.assert_near_reference`)."""
     architecture, ranks, resumed = RUNS[name]
     recorded = json.loads((tensor_runs / f"{name}.json").read_text())
     losses = [json.loads((tensor_runs / f"{name}-losses{r}.json").read_text()) for r in range(4)]
     groups = [losses[g * ranks:(g + 1) * ranks] for g in range(4 // ranks)]
     assert all(group.count(group[0]) == ranks for group in groups)  # the ranks of a tensor group agree
-    reference, model, _ = unsplit_steps(architecture, range(STEPS + 1 if resumed else STEPS), clip=CLIP)
+    steps = range(STEPS + 1 if resumed else STEPS)
+    baseline, model, _ = unsplit_steps(architecture, steps, clip=CLIP)
+    reference, model64, _ = unsplit_steps(architecture, steps, clip=CLIP, dtype=torch.float64)
+    first = STEPS if resumed else 0
     mean = [sum(group[0][i] for group in groups) / len(groups) for i in range(len(losses[0]))]
-    assert mean == pytest.approx(reference[STEPS:] if resumed else reference, rel=1e-5)
+    assert_near_reference({"loss": mean}, {"loss": baseline[first:]}, {"loss": reference[first:]}, f"{name}: losses")
     blocks = 3 if architecture == TORCHVISION_VIT else 6
     assert recorded["split"] == [blocks, 0 if architecture == TORCHVISION_VIT else blocks]
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(torch.tensor(recorded["weights"][key]), value, rtol=1e-5, atol=1e-6, msg=key)
+    assert_near_reference({k: torch.tensor(v) for k, v in recorded["weights"].items()}, model.state_dict(),
+                          model64.state_dict(), f"{name}: weights")
 
 
 def test_what_cannot_be_split_is_refused(tensor_runs):
@@ -137,16 +144,18 @@ def test_what_cannot_be_split_is_refused(tensor_runs):
 
 
 # ------------------------------------------------------------------ the scripts
+@pytest.mark.numeric
 def test_a_tensor_parallel_job_trains_as_ddp(split_jobs):
     """Same seed, same 16-image global batches: losses, learning rates, top-1 (30 images counted once,
     not once per rank of a tensor group) and the final weights, gathered whole into checkpoint.pth."""
-    assert_same_run(split_jobs / "tp", split_jobs / "ddp", ema=False)
+    assert_same_run(split_jobs / "tp", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
     out = (split_jobs / "tp.out").read_text()
     assert "--tensor-parallel 2: 6 MLPs and 6 attentions (by heads) split over tensor groups of 2 ranks, 2 " \
            "data-parallel group(s)" in out
     assert "lr 0.00625 = 0.1 x 8 x 2 / 256" in out  # the linear scaling rule counts data-parallel ranks
 
 
+@pytest.mark.numeric
 def test_a_tensor_parallel_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data, tmp_path):
     """Stopped after step 3 on 2 tensor groups of 2, resumed on 2 plain DDP ranks: it ends as the
     uninterrupted job (its checkpoint is the unsplit model's)."""
@@ -158,9 +167,10 @@ def test_a_tensor_parallel_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tin
     assert "resuming a 4-rank checkpoint (2 ranks per tensor group) on 2 ranks: the same 2 data-parallel rank(s), " \
            "batches and learning rate" \
         in resumed.stdout and "warning: resuming" not in resumed.stdout
-    assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
+    assert_same_run(tmp_path / "s", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
 
 
+@pytest.mark.numeric
 @pytest.mark.slow
 def test_a_ddp_job_stopped_mid_epoch_resumes_tensor_parallel(split_jobs, tiny_data, tmp_path):
     """And back: stopped on 2 DDP ranks, resumed on 2 tensor groups of 2: the same end."""
@@ -168,18 +178,20 @@ def test_a_ddp_job_stopped_mid_epoch_resumes_tensor_parallel(split_jobs, tiny_da
     assert stopped.returncode == 3, stopped.stderr[-3000:]
     resumed = job(tmp_path, tiny_data, "s", "--tensor-parallel", 2, world=4)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_same_run(tmp_path / "s", split_jobs / "ddp", ema=False)
+    assert_same_run(tmp_path / "s", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
 
 
+@pytest.mark.numeric
 @pytest.mark.slow
 def test_fixres_finetune_of_a_tensor_parallel_model(split_jobs, tiny_data, tmp_path):
     """main_finetune.py on the DDP job's weights at 48 px: split over 2 tensor groups of 2, the same
     finetune as on 2 DDP ranks (head and last norm trained, the rest frozen and split)."""
-    for name, extra, world in (("ft-ddp", (), 2), ("ft-tp", ("--tensor-parallel", 2), 4)):
+    for name, extra, world in (("ft-ddp", (), 2), ("ft-ddp-other", ("--channels-last",), 2),
+                               ("ft-tp", ("--tensor-parallel", 2), 4)):
         result = job(tmp_path, tiny_data, name, "--weight-path", split_jobs / "ddp" / CHECKPOINT_FILE,
                      "--input-size", 48, "--epochs", 1, *extra, world=world, script="finetune")
         assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_run(tmp_path / "ft-tp", tmp_path / "ft-ddp", ema=False)
+    assert_same_run(tmp_path / "ft-tp", tmp_path / "ft-ddp", tmp_path / "ft-ddp-other", ema=False)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -85,6 +85,7 @@ def test_a_loss_noted_by_the_survivors_is_counted_once_by_the_next_run(ddp_check
         assert world_change.read_loss(config) is None and not path.exists(), garbage
 
 
+@pytest.mark.numeric
 def test_a_job_whose_world_changes_twice_ends_as_the_uninterrupted_one(split_jobs, tiny_data, tmp_path):
     """Stopped on 2 ranks after step 4 (mid-epoch 1), continued on 1 rank accumulating 2 micro-batches
     (the images of the 2 ranks) and stopped after step 7, then finished on 3 ranks (shares of 6, 5 and 5):
@@ -107,4 +108,4 @@ def test_a_job_whose_world_changes_twice_ends_as_the_uninterrupted_one(split_job
     assert changes == [
         {"ranks_before": 2, "ranks_after": 1, "step": 4, "global_batch": 16, "accumulation": 2, "images_lost": None},
         {"ranks_before": 1, "ranks_after": 3, "step": 7, "global_batch": 16, "accumulation": 1, "images_lost": None}]
-    assert_same_run(tmp_path / "w", split_jobs / "ddp", ema=False)
+    assert_same_run(tmp_path / "w", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)

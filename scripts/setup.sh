@@ -26,7 +26,8 @@ if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(any(importlib.uti
        $NEEDED 2>/dev/null \
    || ! .venv/bin/python -c "import torch, torchvision, fixres_dist" 2>/dev/null \
    || ! .venv/bin/python -c "$WANT_BUILD" 2>/dev/null \
-   || [ ! -x .venv/bin/py-spy ]; then
+   || [ ! -x .venv/bin/py-spy ] \
+   || ! .venv/bin/python -c "import pytest, sys; sys.exit(tuple(map(int, pytest.__version__.split('.')[:2])) >= (9, 2))"; then
     .venv/bin/pip install -q --upgrade pip
     if [ "$CPU" = 1 ]; then
         INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}

@@ -69,16 +69,22 @@ for ns in $(ip netns list | awk '$1 ~ /^fxnode[0-9]+$/ {print $1}'); do  # nodes
         ip netns del "$ns"; rm -rf "/etc/netns/$ns"
     fi
 done
+link_node() {  # node $1's link: this machine's end fxv$1 on the bridge, the node's end fxp$1 in namespace $2
+    ip link del "fxv$1" 2>/dev/null || true  # a removed node's link that lingers
+    ip netns exec "$2" ip link del "fxp$1" 2>/dev/null || true
+    ip link add "fxv$1" type veth peer name "fxp$1"
+    ip link set "fxp$1" netns "$2"
+    ip link set "fxv$1" master "$BRIDGE"
+    ip netns exec "$2" ip addr add "$NET.$1/24" dev "fxp$1"
+}
 for ((i = 1; i <= NODES; i++)); do
     ns=fxnode$i
     if ! ip netns list | grep -qw "$ns"; then
         ip netns add "$ns" || die "cannot create the network namespace $ns"
-        ip link del "fxv$i" 2>/dev/null || true  # a removed node's link that lingers
-        ip link add "fxv$i" type veth peer name "fxp$i"
-        ip link set "fxp$i" netns "$ns"
-        ip link set "fxv$i" master "$BRIDGE"
-        ip netns exec "$ns" ip addr add "$NET.$i/24" dev "fxp$i"
+        link_node "$i" "$ns"
         ip netns exec "$ns" ip link set lo up
+    elif ! ip link show "fxv$i" >/dev/null 2>&1; then  # a node whose link went with a removal under way
+        link_node "$i" "$ns"
     fi
     ip link set "fxv$i" up
     ip netns exec "$ns" ip link set "fxp$i" up

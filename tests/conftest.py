@@ -385,15 +385,32 @@ def tmpfs(folder: Path, options: str, what: str):
 CLUSTER_TESTS = ("test_slurm.py::", "test_multinode.py::", "test_readme.py::test_every_launcher_shown")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def is_cluster_test(item) -> bool:
+    return any(part in item.nodeid for part in CLUSTER_TESTS)
+
+
+def pytest_itemcollected(item):
+    """Under pytest-xdist (``--dist loadgroup``, pytest.ini) each file's tests run in one worker, in order,
+    sharing its module fixtures; the cluster tests (:data:`CLUSTER_TESTS`) in one worker together. (The
+    group is set as each test is collected: pytest-xdist reads it in its own modifyitems hook.)"""
+    group = "cluster" if is_cluster_test(item) else Path(item.nodeid.split("::")[0]).stem
+    item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_configure(config):
+    """Refuse to run side by side where pytest-xdist's groups are lost (pytest 9.2: xdist issue 1386), rather
+    than run the cluster tests in two workers at once."""
+    side_by_side = config.getoption("dist", "no") == "loadgroup" and config.getoption("numprocesses", None)
+    if side_by_side and tuple(map(int, pytest.__version__.split(".")[:2])) >= (9, 2):
+        raise pytest.UsageError(f"pytest {pytest.__version__} loses pytest-xdist's test groups (xdist issue 1386): "
+                                "run bash scripts/setup.sh (it installs pytest < 9.2), or add -n 0")
+
+
 def pytest_collection_modifyitems(config, items):
     """``slow`` tests (minutes on 2 CPU cores) run only with FIXRES_RUN_SLOW=1 (``.ci/run`` runs them
-    after the README's command: ``FIXRES_RUN_SLOW=1 pytest -q -m slow``). Under pytest-xdist
-    (``--dist loadgroup``, pytest.ini) each file's tests run in one worker, in order, sharing its module
-    fixtures; the cluster tests (:data:`CLUSTER_TESTS`) in one worker together."""
-    for item in items:
-        cluster = any(part in item.nodeid for part in CLUSTER_TESTS)
-        item.add_marker(pytest.mark.xdist_group("cluster" if cluster else item.nodeid.split("::")[0]))
+    after the README's command: ``FIXRES_RUN_SLOW=1 pytest -q -m slow``). The cluster tests first: the
+    longest group (SLURM's and the nodes' latencies) starts at once."""
+    items.sort(key=lambda item: not is_cluster_test(item))
     if os.environ.get("FIXRES_RUN_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow on a 2-core CPU; run with FIXRES_RUN_SLOW=1")

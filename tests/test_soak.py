@@ -29,7 +29,7 @@ def test_a_failing_round_is_reported_with_its_tests_and_stacks(tmp_path):
     tests.parent.mkdir()
     tests.write_text(FLAKY)
     reports = tmp_path / "reports"
-    done = subprocess.run(shown.argv(shown.command("bash scripts/soak.sh"), TESTS=tests), cwd=ROOT, text=True,
+    done = subprocess.run(shown.argv(shown.command("bash scripts/soak.sh"), TESTS=f"-n 0 {tests}"), cwd=ROOT, text=True,
                           capture_output=True, timeout=300,
                           env=shown.shell_env(SOAK_LOAD="1", SOAK_DIR=str(reports)))
     assert done.returncode == 1, done.stdout + done.stderr

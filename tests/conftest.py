@@ -20,6 +20,12 @@ startup.quiet_native_logs()  # before torch loads, as the scripts do (the jobs' 
 
 import torch
 
+# One intra-op thread in the test processes: pytest-xdist's 4 workers and the ranks they start share the
+# machine's cores, where OpenMP threads that wait by spinning would take turns with them (a test of 3 s
+# alone took 73 s in the suite so); one thread also sums in the same order on any machine, whatever its
+# core count. (The ranks the tests start take their own share: fixres_dist.distributed.session.)
+torch.set_num_threads(1)
+
 import launched  # imports torch
 from fixres_dist.data.images import read_image
 from fixres_dist.data.pipeline import ToUint8Tensor, embedded_data_path, image_folder
@@ -380,37 +386,58 @@ def tmpfs(folder: Path, options: str, what: str):
     subprocess.run(["umount", str(folder)], capture_output=True)
 
 
-# Tests of the clusters this machine runs (the local SLURM, the nodes of network namespaces and their SLURM):
-# one pytest-xdist worker runs them all, one after the other.
-CLUSTER_TESTS = ("test_slurm.py::", "test_multinode.py::", "test_readme.py::test_every_launcher_shown")
+# Tests of the clusters this machine runs: the local SLURM (one node, its 2 CPUs shared by the jobs of
+# test_slurm.py and the srun line of the README), and the nodes of network namespaces with their own
+# slurmctld (test_multinode.py). Each cluster's tests run in one pytest-xdist worker, one after the other.
+# The two clusters run side by side where the local SLURM is up when the run starts (as .ci/run starts it):
+# otherwise test_slurm.py may start it and stop it again, and the nodes' SLURM borrows its munged and
+# slurmdbd, so all of them run in one worker.
+CLUSTERS = {"slurm": ("test_slurm.py::", "test_readme.py::test_every_launcher_shown"),
+            "multinode": ("test_multinode.py::",)}
+CLUSTERS_APART = "FIXRES_TEST_CLUSTERS_APART"  # set by the controlling process, read by its workers
 
 
-def is_cluster_test(item) -> bool:
-    return any(part in item.nodeid for part in CLUSTER_TESTS)
+def cluster_of(item) -> str | None:
+    """The cluster a test runs on (a key of :data:`CLUSTERS`), or None."""
+    return next((name for name, parts in CLUSTERS.items() if any(part in item.nodeid for part in parts)), None)
+
+
+def local_slurm_up() -> bool:
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and bool(out.stdout.split())
 
 
 def pytest_itemcollected(item):
     """Under pytest-xdist (``--dist loadgroup``, pytest.ini) each file's tests run in one worker, in order,
-    sharing its module fixtures; the cluster tests (:data:`CLUSTER_TESTS`) in one worker together. (The
-    group is set as each test is collected: pytest-xdist reads it in its own modifyitems hook.)"""
-    group = "cluster" if is_cluster_test(item) else Path(item.nodeid.split("::")[0]).stem
-    item.add_marker(pytest.mark.xdist_group(group))
+    sharing its module fixtures; the cluster tests (:data:`CLUSTERS`) in one worker per cluster, or in one
+    together. (The group is set as each test is collected: pytest-xdist reads it in its own modifyitems
+    hook. It is part of the test's id, so every worker must choose the same: the controlling process
+    decides once, :func:`pytest_configure`.)"""
+    cluster = cluster_of(item)
+    if cluster is not None and os.environ.get(CLUSTERS_APART) != "1":
+        cluster = "cluster"
+    item.add_marker(pytest.mark.xdist_group(cluster or Path(item.nodeid.split("::")[0]).stem))
 
 
 def pytest_configure(config):
     """Refuse to run side by side where pytest-xdist's groups are lost (pytest 9.2: xdist issue 1386), rather
-    than run the cluster tests in two workers at once."""
+    than run the cluster tests in two workers at once. Decide whether the two clusters' tests run apart."""
     side_by_side = config.getoption("dist", "no") == "loadgroup" and config.getoption("numprocesses", None)
     if side_by_side and tuple(map(int, pytest.__version__.split(".")[:2])) >= (9, 2):
         raise pytest.UsageError(f"pytest {pytest.__version__} loses pytest-xdist's test groups (xdist issue 1386): "
                                 "run bash scripts/setup.sh (it installs pytest < 9.2), or add -n 0")
+    if side_by_side and not hasattr(config, "workerinput"):  # the controlling process; its workers inherit
+        os.environ[CLUSTERS_APART] = "1" if local_slurm_up() else "0"
 
 
 def pytest_collection_modifyitems(config, items):
     """``slow`` tests (minutes on 2 CPU cores) run only with FIXRES_RUN_SLOW=1 (``.ci/run`` runs them
     after the README's command: ``FIXRES_RUN_SLOW=1 pytest -q -m slow``). The cluster tests first: the
     longest group (SLURM's and the nodes' latencies) starts at once."""
-    items.sort(key=lambda item: not is_cluster_test(item))
+    items.sort(key=lambda item: cluster_of(item) is None)
     if os.environ.get("FIXRES_RUN_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow on a 2-core CPU; run with FIXRES_RUN_SLOW=1")

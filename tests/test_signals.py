@@ -87,9 +87,18 @@ def wait_for_epoch(folder: Path, epoch: int = 1):
 
 def catches(pid: int, signum: int) -> bool:
     """Whether process ``pid`` has a handler for ``signum`` (its SigCgt mask in /proc)."""
+    return in_signal_mask(pid, "SigCgt", signum)
+
+
+def ignores(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` ignores ``signum`` (its SigIgn mask in /proc)."""
+    return in_signal_mask(pid, "SigIgn", signum)
+
+
+def in_signal_mask(pid: int, mask: str, signum: int) -> bool:
     with open(f"/proc/{pid}/status") as f:
-        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
-    return bool(mask >> (signum - 1) & 1)
+        bits = next(int(line.split()[1], 16) for line in f if line.startswith(f"{mask}:"))
+    return bool(bits >> (signum - 1) & 1)
 
 
 def group_is_gone(pgid: int) -> bool:
@@ -102,8 +111,24 @@ def group_is_gone(pgid: int) -> bool:
 
 def wait_for_group_exit(pgid: int, timeout: float = EXIT_S):
     """Every process of the job (forkserver, resource tracker, loader workers) exits once the
-    launcher's pipes close: within seconds."""
-    wait_for(lambda: group_is_gone(pgid), timeout=timeout, what=f"every process of group {pgid} to exit")
+    launcher's pipes close: within seconds. Else the AssertionError describes what is left, with its stacks."""
+    try:
+        wait_for(lambda: group_is_gone(pgid), timeout=timeout, what=f"every process of group {pgid} to exit")
+    except AssertionError as exc:
+        import psutil
+
+        from fixres_dist.distributed import stacks
+
+        left = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid]
+        described = "".join(f"{stacks.describe_process(pid)}\n{stacks.process_stacks(pid)}" for pid in left)
+        raise AssertionError(f"{exc}; left:\n{described}") from None
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def assert_quiet_stop(status: int, expected: int, err: str, ranks: int):
@@ -179,6 +204,35 @@ def test_timeout_stops_the_job_with_a_checkpoint(tiny_data, tmp_path):
     assert err.count("preempted by SIGTERM") == 2, err[-3000:]
     wait_for_group_exit(proc.pid)
     assert_one_stop_checkpoint(folder)
+
+
+ORPHAN = """
+import os, signal, sys, time
+from fixres_dist.entry import startup
+parent = os.getpid()
+if os.fork() == 0:  # a loader worker whose rank ends before its worker_init_fn asks to die with it
+    while os.getppid() == parent:
+        time.sleep(0.01)
+    open(sys.argv[1], "w").write(str(os.getpid()))
+    try:
+        startup.die_with_parent(signal.SIGKILL, parent)
+    finally:  # whatever it raised: an orphan that lives on
+        time.sleep(60)
+"""
+
+
+def test_a_worker_whose_parent_ended_before_it_asked_to_die_with_it_ends_at_once(tmp_path):
+    """Linux sends the parent-death signal only for a parent that ends after the request: the request, given
+    the parent it expects, ends the process itself where that parent is already gone (no orphan is left)."""
+    subprocess.run([sys.executable, "-c", ORPHAN, str(tmp_path / "pid")], check=True, timeout=60)
+    pid = int(wait_for(lambda: (tmp_path / "pid").exists() and (tmp_path / "pid").read_text(), 30, "the orphan"))
+
+    def gone():
+        try:
+            return open(f"/proc/{pid}/stat").read().split(")")[-1].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+    wait_for(gone, 10, f"the orphan (pid {pid}) to end")
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from pathlib import Path
 import attrs
 import psutil
 import torch
-from test_signals import EXIT_S, GROUPS, events, no_job_left_running, start_group, wait_for_group_exit  # noqa: F401
+from test_signals import EXIT_S, GROUPS, events, ignores, no_job_left_running, start_group, wait_for_group_exit  # noqa: F401 (fixtures)
 
 import hung_fs
 from conftest import run_script, wait_for
@@ -48,13 +48,17 @@ def descendants(pid: int) -> list[psutil.Process]:
 
 
 def loader_workers_by_rank(pid: int) -> dict[int, list[int]]:
-    """The job ``pid``'s loader workers (``pt_data_worker``), by the process id of the rank that owns them."""
+    """The job ``pid``'s loader workers (``pt_data_worker``) that are set up, by the process id of the rank that
+    owns them. Set up: their ``worker_init_fn`` ran (they ignore SIGTERM, and die with their rank:
+    fixres_dist.distributed.preemption.loader_worker_init). A worker stopped before it ran (just forked, as the
+    evaluation's workers are after a checkpoint) would never ask to die with its rank: no worker stuck in a
+    read is so, since the worker_init_fn runs before any read."""
     workers: dict[int, list[int]] = {}
     for process in descendants(pid):
         try:
-            if process.name() == "pt_data_worker":
+            if process.name() == "pt_data_worker" and ignores(process.pid, signal.SIGTERM):
                 workers.setdefault(process.ppid(), []).append(process.pid)
-        except psutil.Error:
+        except (psutil.Error, OSError):
             pass
     return workers
 

@@ -547,6 +547,6 @@ def make_loader(dataset: ImageFolder, transform: v2.Transform, *, batch_size: in
     return DataLoader(SeededDataset(dataset, transform, seed, skip_bad_images), batch_sampler=sampler,
                       num_workers=workers, collate_fn=collate_readable,
                       pin_memory=pin_memory, persistent_workers=workers > 0, multiprocessing_context=context,
-                      worker_init_fn=functools.partial(preemption.loader_worker_init, ignored_signals)
+                      worker_init_fn=functools.partial(preemption.loader_worker_init, ignored_signals, os.getpid())
                       if workers else None,
                       generator=torch.Generator().manual_seed(seed + rank))

@@ -67,11 +67,12 @@ def ignore_signals(signals, worker_id: int | None = None) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
-def loader_worker_init(signals, worker_id: int | None = None) -> None:
+def loader_worker_init(signals, rank_pid: int | None = None, worker_id: int | None = None) -> None:
     """A DataLoader worker's ``worker_init_fn``: ignore the stop ``signals`` (:func:`ignore_signals`) and die
-    with its rank (SIGKILL when the rank's process ends, however: a worker stuck in a read never outlives it)."""
+    with its rank, process ``rank_pid`` (SIGKILL when the rank's process ends, however: a worker stuck in a read
+    never outlives it; a rank gone before this call ends the worker at once)."""
     ignore_signals(signals)
-    startup.die_with_parent(signal.SIGKILL)
+    startup.die_with_parent(signal.SIGKILL, rank_pid)
 
 
 @contextlib.contextmanager

@@ -73,11 +73,15 @@ def quiet_native_logs() -> None:
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def die_with_parent(signum: int = signal.SIGTERM) -> None:
+def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> None:
     """Ask Linux to send this process ``signum`` when its parent exits (best effort, Linux only): a
-    worker process must not run on as an orphan when its parent is killed."""
+    worker process must not run on as an orphan when its parent is killed. ``parent``: the process id
+    the parent had; where it is no longer this process's parent (it ended between the fork and this
+    call, when Linux would not signal), ``signum`` is sent at once."""
     import ctypes
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
     except (OSError, AttributeError):
         pass
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signum)

@@ -416,6 +416,8 @@ def pytest_itemcollected(item):
     together. (The group is set as each test is collected: pytest-xdist reads it in its own modifyitems
     hook. It is part of the test's id, so every worker must choose the same: the controlling process
     decides once, :func:`pytest_configure`.)"""
+    if item.get_closest_marker("xdist_group") is not None:  # a test's own group (one that runs for minutes alone)
+        return
     cluster = cluster_of(item)
     if cluster is not None and os.environ.get(CLUSTERS_APART) != "1":
         cluster = "cluster"

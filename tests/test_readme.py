@@ -135,6 +135,7 @@ def events(job: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("demo")  # minutes alone: not after the file's other slow tests
 def test_the_demo_with_its_shared_folder_among_the_extra_arguments(tmp_path):
     """demo.sh's own example (extra arguments go to every run, and --shared-folder-path among them is
     where the finetunes find the scratch checkpoint; it used to look under runs/ and fail), run on the

@@ -350,16 +350,16 @@ def run_main(capsys, script: str, *args) -> tuple[int, str]:
     return exit_info.value.code, capsys.readouterr().err
 
 
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2, shown=None):
     """Poll ``predicate()`` until it returns something true (returned); AssertionError naming
-    ``what`` after ``timeout`` seconds."""
+    ``what`` after ``timeout`` seconds, with ``shown()`` (for instance a job's log) where given."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f"\n{shown()}" if shown else ""))
 
 
 def read_only_folder(folder: Path):

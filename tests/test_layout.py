@@ -192,7 +192,7 @@ def test_no_import_cycle():
 def test_the_graph_sees_deferred_and_submodule_imports():
     scripts = import_graph()["fixres_dist.entry.scripts"]
     assert "fixres_dist.entry.launch" in scripts  # inside run_script
-    assert "fixres_dist.entry.startup" in scripts and "fixres_dist.entry" not in scripts  # from package import module
+    assert "fixres_dist.startup" in scripts and "fixres_dist" not in scripts  # from package import module
     assert cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == [["a", "b", "c", "a"]]
 
 

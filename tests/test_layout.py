@@ -259,6 +259,17 @@ def test_the_floors_are_read_from_the_page_and_see_every_import():
                and "-> fixres_dist.distributed.sharding " in line for line in flipped)  # inside a function
 
 
+
+def test_the_tests_mirror_the_package():
+    """Each folder of tests/ is named after a subpackage (its tests), or is ``jobs`` (the suites that start
+    whole jobs); docs/testing.md's table says which covers what."""
+    subpackages = {floor_of(name) for name in modules()} - {GROUND}
+    folders = {path.name for path in (ROOT / "tests").iterdir() if path.is_dir() and path.name[0] not in "._"}
+    assert folders <= subpackages | {"jobs"}, f"folders of tests/ named after no subpackage: {folders - subpackages}"
+    table = (ROOT / "docs" / "testing.md").read_text()
+    assert all(f"| `tests/{folder}/` |" in table for folder in folders), "docs/testing.md: a folder not in its table"
+
+
 def dotted(node: ast.expr) -> str | None:
     """``a.b.c`` for a chain of names and attributes, else None."""
     parts = []

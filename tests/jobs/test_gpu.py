@@ -1,4 +1,4 @@
-"""CUDA only (``pytest -m gpu tests/test_gpu.py``; benchmarks/gpu_check.sh runs it): every test is
+"""CUDA only (``pytest -m gpu tests/jobs/test_gpu.py``; benchmarks/gpu_check.sh runs it): every test is
 skipped, with its reason, where no GPU is visible.
 
 Real runs of ``main_scratch.py`` on the GPU(s): NCCL with 2 ranks on 2 GPUs; bf16 autocast with

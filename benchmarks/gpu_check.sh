@@ -69,7 +69,7 @@ stage() {
   echo "$rc $(( $(date +%s) - began ))" > "$RESULTS/$name.status"
 }
 
-stage tests 210 60 "$PYTHON" -m pytest -m gpu tests/test_gpu.py -q -rs -p no:cacheprovider \
+stage tests 210 60 "$PYTHON" -m pytest -m gpu tests/jobs/test_gpu.py -q -rs -p no:cacheprovider \
   --junitxml "$RESULTS/pytest.xml"
 stage input_pipeline 75 30 "$PYTHON" benchmarks/input_pipeline.py --images 256 --repeats 2 \
   --workers "$WORKERS" --json "$RESULTS/input_pipeline.json" "${JPEG_ARGS[@]}"
@@ -132,10 +132,10 @@ if xml_path.exists():
     total, failed = int(suite.get("tests")), int(suite.get("failures")) + int(suite.get("errors"))
     skipped = int(suite.get("skipped"))
     passed = total - failed - skipped
-    rows.append(("pytest -m gpu tests/test_gpu.py", f"{passed} passed, {skipped} skipped, {failed} failed ({seconds} s)",
+    rows.append(("pytest -m gpu tests/jobs/test_gpu.py", f"{passed} passed, {skipped} skipped, {failed} failed ({seconds} s)",
                  "-", "-", "no failure", "PASS" if failed == 0 and state == "ok" else "FAIL"))
 else:  # no report: the tests timed out or crashed, a failure either way
-    rows.append(("pytest -m gpu tests/test_gpu.py", f"no report ({state})", "-", "-", "no failure", "FAIL"))
+    rows.append(("pytest -m gpu tests/jobs/test_gpu.py", f"no report ({state})", "-", "-", "no failure", "FAIL"))
 
 state, _ = status("input_pipeline")
 ip = load("input_pipeline")

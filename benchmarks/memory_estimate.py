@@ -1,7 +1,7 @@
-"""The preflight's memory estimate (``fixres_dist.models.memory_estimate``) against measured peaks.
+"""The preflight's memory estimate (``fixres_dist.training.memory_estimate``) against measured peaks.
 
 For each case (an architecture at a resolution, a batch per rank, one rank, the run's optimizer and
-``--amp``) the estimate is :func:`fixres_dist.models.memory_estimate.estimate`: two training steps on fake
+``--amp``) the estimate is :func:`fixres_dist.training.memory_estimate.estimate`: two training steps on fake
 tensors under torch's ``MemTracker``, in this process. The measurements run the same two steps
 with real tensors, in a fresh process per case (``--measure``): the model built by
 ``fixres_dist.models.architectures.build_model``, the optimizer by ``fixres_dist.training.optim``, each
@@ -218,7 +218,7 @@ def main() -> None:
     if args.measure:
         measure(args.measure)
         return
-    from fixres_dist.models import memory_estimate
+    from fixres_dist.training import memory_estimate
 
     print(f"estimate ({memory_estimate.METHOD}) against measured peaks, {args.ranks} rank(s), {args.sharding}, "
           f"{args.device}, {args.opt}, amp {args.amp}, {CLASSES} classes; MiB; load average {os.getloadavg()[0]:.1f}")

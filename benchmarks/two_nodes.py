@@ -5,7 +5,7 @@ The nodes are slurm/start-local-cluster.sh's network namespaces on this machine 
 going through real TCP between network namespaces, the address and interface choice, heartbeats
 and the per-step stop check across hosts, not that of a physical network. The same 4 ranks are
 started by hand with explicit flags (``--num-tasks 4 --global-rank R``), as in
-tests/test_multinode.py, on n1 (ranks 0-1) and n2 (ranks 2-3), then all on this host. Printed per
+tests/jobs/test_multinode.py, on n1 (ranks 0-1) and n2 (ranks 2-3), then all on this host. Printed per
 layout: seconds from starting the ranks to rank 0's "ranks met" line (Python and torch start
 included), to the end of the job, and the training speed (images/s, median over epochs 2 and
 later, from ``metrics.jsonl``), with the ratio two nodes / one host.
@@ -14,7 +14,7 @@ Losing a node (``--dist-timeout``, default 30 s): the 4 ranks on the two nodes a
 end (``--epochs`` 1000), and once the first epoch is evaluated, n2's ranks are killed (SIGKILL),
 or n2's link is taken down (packets vanish, no reset); printed: seconds from the loss to each
 surviving rank's exit (n1's ranks when killed, all 4 when cut off; each must exit within
-``--dist-timeout``, naming the ranks it lost: what tests/test_multinode.py checks, without timing
+``--dist-timeout``, naming the ranks it lost: what tests/jobs/test_multinode.py checks, without timing
 it), its exit status and its last ``fixres_dist: rank R:`` line.
 
 Run from the repository root, as root, alone on the machine:

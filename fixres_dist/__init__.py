@@ -5,7 +5,7 @@ returns a ``RunResult``. ``Preempted`` (exit status ``PREEMPTED_EXIT_STATUS``) f
 preemption checkpoint; ``FixresError`` is every user-facing error (one line); ``FixresWarning`` a warning about a run
 that goes on.
 
-The names are imported on first use (PEP 562), so that ``import fixres_dist.entry.startup`` does not
+The names are imported on first use (PEP 562), so that ``import fixres_dist.startup`` does not
 import torch: the scripts guard their start-up against stop signals before torch loads.
 """
 import importlib

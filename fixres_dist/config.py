@@ -384,7 +384,7 @@ class TrainerConfig:
     pipeline_schedule: str = attrs.field(default="1f1b", validator=_one_of(*PIPELINE_SCHEDULES), metadata=RESUMABLE)
     pipeline_microbatches: int | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
     pipeline_split: tuple[int, ...] | None = attrs.field(default=None, converter=_sizes, metadata=RESUMABLE)
-    # GiB a rank may use at its peak (the preflight's estimate: fixres_dist.models.memory_budget); None: the
+    # GiB a rank may use at its peak (the preflight's estimate: fixres_dist.training.memory_budget); None: the
     # GPU's memory on CUDA, no limit on the CPU.
     memory_budget: float | None = attrs.field(default=None, validator=_positive, metadata=RESUMABLE)
     # Rank 0's progress bars (progress.py); None: when stderr is a terminal.

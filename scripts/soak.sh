@@ -20,8 +20,8 @@ shift
 PYTHON=${PYTHON:-.venv/bin/python}
 [ -x "$PYTHON" ] || { echo "soak.sh: $PYTHON not found: run bash scripts/setup.sh first" >&2; exit 2; }
 if [ $# -eq 0 ]; then
-    mapfile -t files < <(grep -lE 'run_script|start_script|start_group|run_interpreter|subprocess\.(run|Popen)' \
-                         tests/test_*.py | sort)
+    mapfile -t files < <(grep -rlE --include='test_*.py' \
+                         'run_script|start_script|start_group|run_interpreter|subprocess\.(run|Popen)' tests | sort)
     set -- "${files[@]}"
 fi
 SOAK_DIR=${SOAK_DIR:-$(mktemp -d -t soak.XXXXXX)}

@@ -2,7 +2,7 @@
 # start-local-slurm.sh -- bring up a real single-node SLURM cluster on localhost.
 #
 # fixres_dist's copy of our workplace's local-SLURM script: .ci/run starts the cluster with it
-# before the tests (tests/test_slurm.py runs real submitit and sbatch jobs on it) and stops it with
+# before the tests (tests/jobs/test_slurm.py runs real submitit and sbatch jobs on it) and stops it with
 # slurm/stop-local-slurm.sh afterwards.  Needs root and apt-get (Debian 12 packages) the first time.
 #
 # Idempotent: installs the Debian packages if missing, (re)writes the config,

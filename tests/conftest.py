@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fixres_dist.entry import startup
+from fixres_dist import startup
 
 startup.quiet_native_logs()  # before torch loads, as the scripts do (the jobs' output has no c10d warnings)
 
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytest_plugins = ["jobs_fixtures"]  # session jobs several files share
 # The scripts run by the tests start as from a terminal: with SIGINT's default action, even where
 # pytest itself was started with it ignored (a background job of a non-interactive shell, as CI
-# may run it), which they would inherit and, rightly, keep ignoring (fixres_dist.entry.startup).
+# may run it), which they would inherit and, rightly, keep ignoring (fixres_dist.startup).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 RANK_ENV = launched.RANK_ENV
@@ -166,7 +166,7 @@ def free_port() -> int:
 
 def clean_env(**extra) -> dict:
     """This process's environment without launcher variables or a recorded ignored-signal set
-    (``fixres_dist.entry.startup.INHERITED_IGNORED``), with the repository importable, and ``extra``."""
+    (``fixres_dist.startup.INHERITED_IGNORED``), with the repository importable, and ``extra``."""
     return launched.clean_environ({"PYTHONPATH": ROOT, **extra})
 
 

@@ -30,8 +30,8 @@ import attrs
 from fixres_dist.distributed import placement
 from fixres_dist.entry import cli, scripts
 from fixres_dist.entry import launch as launcher
-from fixres_dist.entry.startup import INHERITED_IGNORED
 from fixres_dist.errors import FixresError
+from fixres_dist.startup import INHERITED_IGNORED
 
 # What launchers (torchrun, SLURM) tell a process about its place; no test job inherits them.
 RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -187,7 +187,7 @@ def wait_all(started: list[Started], timeout: float) -> list[int]:
 
 def clean_environ(extra: dict | None = None) -> dict:
     """This process's environment without launcher variables (:data:`RANK_ENV`) or a recorded
-    ignored-signal set (``fixres_dist.entry.startup.INHERITED_IGNORED``), with ``extra`` (as strings)."""
+    ignored-signal set (``fixres_dist.startup.INHERITED_IGNORED``), with ``extra`` (as strings)."""
     environ = {k: v for k, v in os.environ.items() if k not in (*RANK_ENV, INHERITED_IGNORED)}
     environ.update({k: str(v) for k, v in (extra or {}).items()})
     return environ

@@ -5,7 +5,7 @@ A *block* is one fenced ```` ```bash ```` block of README.md or of a page ``docs
 ``e.g.`` example in the header comment of a script (``scripts/*.sh``, ``slurm/job.sbatch``). Its
 *commands* are its logical lines: backslash continuations joined, comments and blank lines dropped.
 A test takes what it runs from here, by the start of a command (:func:`block`, :func:`command`), so
-that it runs what the pages say, and ``tests/test_readme.py`` checks that every command shown is
+that it runs what the pages say, and ``tests/jobs/test_readme.py`` checks that every command shown is
 taken by some test. Placeholders (``DATA``, ``SHARED``, ``/tmp/runs``, ``n1``, ...) are replaced by
 :func:`filled`.
 """

@@ -1,6 +1,7 @@
 """The code's shape, checked from its syntax trees (nothing is imported): short functions and
-classes, no import cycle among the package's modules, and no private name of ours used outside the
-module that defines it; and the linter's rules (ruff). Each check fails with the whole list of offenders."""
+classes, no import cycle among the package's modules, no import from a floor above (the order of
+docs/layout.md), and no private name of ours used outside the module that defines it; and the
+linter's rules (ruff). Each check fails with the whole list of offenders."""
 from __future__ import annotations
 
 import ast
@@ -192,8 +193,81 @@ def test_no_import_cycle():
 def test_the_graph_sees_deferred_and_submodule_imports():
     scripts = import_graph()["fixres_dist.entry.scripts"]
     assert "fixres_dist.entry.launch" in scripts  # inside run_script
-    assert "fixres_dist.entry.startup" in scripts and "fixres_dist.entry" not in scripts  # from package import module
+    assert "fixres_dist.startup" in scripts and "fixres_dist" not in scripts  # from package import module
     assert cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == [["a", "b", "c", "a"]]
+
+
+# The one statement of the floors' order: a line of docs/layout.md that starts with this, then the
+# subpackages' folders in backquotes, bottom first, above the package's top-level modules.
+LAYOUT_PAGE = ROOT / "docs" / "layout.md"
+FLOORS_LINE = "Floors, bottom first:"
+GROUND = ""  # the floor of the top-level modules (config, errors, io, ...)
+
+
+def floors(page: str) -> list[str]:
+    """The floors ``page`` (docs/layout.md's text) states, bottom first: :data:`GROUND`, then the
+    subpackages' names."""
+    lines = [line for line in page.splitlines() if line.startswith(FLOORS_LINE)]
+    assert len(lines) == 1, f"docs/layout.md must have one line that starts with {FLOORS_LINE!r}, not {len(lines)}"
+    return [GROUND, *re.findall(r"`(\w+)/`", lines[0])]
+
+
+def floor_of(name: str) -> str:
+    """The floor of module ``name`` of the package: its subpackage, or :data:`GROUND`."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and is_package(name)) else GROUND
+
+
+def upward_imports(order: list[str]) -> list[str]:
+    """``file:line -> module (floor -> floor)`` for every import of a module of the package from a
+    floor above the importer's (in ``order``, bottom first), in functions too, and every import of the
+    package's root. The root itself (``fixres_dist/__init__.py``) is exempt: its names, imported on
+    first use, are the package's public face, above every floor."""
+    found = []
+    for importer, path in modules().items():
+        if importer == PACKAGE:
+            continue
+        here = order.index(floor_of(importer))
+        for line, imported, _, _ in imports(importer, tree(path)):
+            where = f"{relative(path)}:{line} -> {imported}"
+            if imported == PACKAGE:
+                found.append(f"{where} (the package's root, above every floor)")
+            elif imported in modules() and order.index(floor_of(imported)) > here:
+                found.append(f"{where} ({floor_of(importer) or 'top level'} imports from "
+                             f"{floor_of(imported)}/, a floor above)")
+    return list(dict.fromkeys(found))  # ``from m import a, b``: one line
+
+
+def test_the_floors_hold():
+    """Every import goes down the floors docs/layout.md states, or stays on its own floor."""
+    order = floors(LAYOUT_PAGE.read_text())
+    subpackages = {floor_of(name) for name in modules() if name != PACKAGE} - {GROUND}
+    unplaced = sorted(subpackages - set(order)) + sorted(set(order) - subpackages - {GROUND})
+    assert not unplaced and len(order) == len(set(order)), \
+        f"docs/layout.md's floors must name every subpackage once and nothing else: {unplaced or order}"
+    fail_with(upward_imports(order), f"imports from a floor above (docs/layout.md: {' < '.join(order[1:])})")
+
+
+def test_the_floors_are_read_from_the_page_and_see_every_import():
+    assert floors("x\nFloors, bottom first: the top-level modules, `b/`, `a/`.\n") == [GROUND, "b", "a"]
+    assert floor_of("fixres_dist.config") == GROUND and floor_of("fixres_dist.training") == "training"
+    assert floor_of("fixres_dist.distributed.blocks") == "distributed"
+    flipped = upward_imports([GROUND, *reversed(floors(LAYOUT_PAGE.read_text())[1:])])  # the package upside down
+    assert not any(line.startswith("fixres_dist/entry/scripts.py:") and "-> fixres_dist.entry.launch " in line
+                   for line in flipped)  # the same floor
+    assert any(line.startswith("fixres_dist/training/memory_estimate.py:")
+               and "-> fixres_dist.distributed.sharding " in line for line in flipped)  # inside a function
+
+
+
+def test_the_tests_mirror_the_package():
+    """Each folder of tests/ is named after a subpackage (its tests), or is ``jobs`` (the suites that start
+    whole jobs); docs/testing.md's table says which covers what."""
+    subpackages = {floor_of(name) for name in modules()} - {GROUND}
+    folders = {path.name for path in (ROOT / "tests").iterdir() if path.is_dir() and path.name[0] not in "._"}
+    assert folders <= subpackages | {"jobs"}, f"folders of tests/ named after no subpackage: {folders - subpackages}"
+    table = (ROOT / "docs" / "testing.md").read_text()
+    assert all(f"| `tests/{folder}/` |" in table for folder in folders), "docs/testing.md: a folder not in its table"
 
 
 def dotted(node: ast.expr) -> str | None:

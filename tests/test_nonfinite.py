@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from conftest import run_script
+from fixres_dist import finite
 from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.errors import FixresError
+from fixres_dist.finite import NonFiniteWeights
 from fixres_dist.models import architectures, weights
 from fixres_dist.reporting.metrics import MetricsLog
-from fixres_dist.training import finite
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint
-from fixres_dist.training.finite import NonFiniteWeights
 
 DIVERGE = ["--learning-rate", "1e6", "--warmup-epochs", "0", "--architecture", "resnet20", "--input-size", "16",
            "--batch", "8", "--epochs", "2", "--workers", "0", "--no-progress"]

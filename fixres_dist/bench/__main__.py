@@ -15,7 +15,7 @@ exit status 2 for a usage error, 1 otherwise. A setting that fails while measuri
 a compiler error) is a row saying why; the others go on (exit status 1 if none could be measured).
 Ctrl-C stops it with nothing written (exit status 130). Single device, single process: the peak
 memory of sharded training is ``benchmarks/sharding.py``'s and ``python -m
-fixres_dist.models.memory_table``'s.
+fixres_dist.training.memory_table``'s.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import attrs
 
 from fixres_dist.errors import FixresError, say
-from fixres_dist.models.memory_table import OneLineParser, count
+from fixres_dist.training.memory_table import OneLineParser, count
 
 MODULE = "fixres_dist.bench"
 PROG = f"python -m {MODULE}"

@@ -11,7 +11,7 @@
 * :mod:`.template`: a job's :class:`~fixres_dist.TrainerConfig` template from ``main_*.py`` options;
 * :mod:`.cli`: the command lines of ``slurm/submit.py`` and ``slurm/sweep.py``.
 """
-from fixres_dist.entry.startup import quiet_native_logs
+from fixres_dist.startup import quiet_native_logs
 
 quiet_native_logs()  # a SLURM task (sbatch or submitit) imports this package before torch
 

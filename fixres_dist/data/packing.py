@@ -51,9 +51,8 @@ import attrs
 import numpy as np
 from tqdm import tqdm
 
-from fixres_dist import locks
+from fixres_dist import locks, startup
 from fixres_dist.data import pipeline, shards
-from fixres_dist.entry import startup
 from fixres_dist.errors import FixresError, first_line, plural, say
 from fixres_dist.io import remove_stale_temporaries, temporary_name, write_private
 

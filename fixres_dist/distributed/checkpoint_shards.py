@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fixres_dist.distributed import collectives
 from fixres_dist.errors import FixresError, first_line
+from fixres_dist.finite import NonFiniteWeights, non_finite_tensors
 from fixres_dist.io import fsync_folder, private_folder
-from fixres_dist.training.finite import NonFiniteWeights, non_finite_tensors
 
 SUFFIX = ".shards"
 PARTIAL = ".partial"
@@ -67,7 +67,7 @@ def write(job_folder: Path, global_step: int, model: nn.Module, optimizer: torch
     folder's name and, on rank 0, the SHA-256 of each of its files (DCP keeps no checksums: a damaged
     shard of the right length would load; rank 0 reads every shard once to hash it). Raises
     :class:`FixresError` when it cannot (disk full, read-only), on every rank when a rank's write failed,
-    and :class:`~fixres_dist.training.finite.NonFiniteWeights` on every rank, before writing, when a
+    and :class:`~fixres_dist.finite.NonFiniteWeights` on every rank, before writing, when a
     rank's weights or optimizer state hold NaN or infinity."""
     name = folder_name(global_step)
     if collectives.broadcast_object(rank == 0 and _complete(job_folder / name)):
@@ -118,7 +118,7 @@ def _complete(folder: Path) -> bool:
 
 def _non_finite(state) -> list[str]:
     """Names of this rank's floating-point tensors in ``state`` holding NaN or infinity
-    (:func:`fixres_dist.training.finite.non_finite_tensors` on the local shards of DTensors)."""
+    (:func:`fixres_dist.finite.non_finite_tensors` on the local shards of DTensors)."""
     def local(value):
         if isinstance(value, dict):
             return {key: local(item) for key, item in value.items()}

@@ -3,7 +3,7 @@ micro-batches kept in flight by a schedule, composed with data parallelism on a 
 
 A model of a known family is first read as a sequence of *pieces* (:func:`pieces`): its stem (the
 patch embedding with the class token and position embeddings of a ViT, the first convolution of a
-ResNet), each residual block (:func:`fixres_dist.models.blocks.blocks`) and its head (the last norm
+ResNet), each residual block (:func:`fixres_dist.distributed.blocks.blocks`) and its head (the last norm
 and the classifier). A stage is a contiguous run of pieces (:class:`Stage`); it holds their modules
 and parameters under the names they have in the whole model, so that a stage's ``state_dict`` is a
 part of the whole model's, and a checkpoint written by the stages (``torch.distributed.checkpoint``)
@@ -45,9 +45,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
 from fixres_dist.distributed import collectives
+from fixres_dist.distributed.blocks import blocks
 from fixres_dist.distributed.collectives import BUFFER_SYNC
 from fixres_dist.errors import FixresError
-from fixres_dist.models.blocks import blocks
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 

@@ -28,9 +28,8 @@ from typing import Callable
 import attrs
 import torch
 
+from fixres_dist import finite, startup
 from fixres_dist.distributed import collectives
-from fixres_dist.entry import startup
-from fixres_dist.training import finite
 
 PREEMPTED_EXIT_STATUS = 3
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT  # 130, the shells' status for Ctrl-C
@@ -54,7 +53,7 @@ class Preempted(Exception):
 
 def stop_signals(preempt_signal: str = "SIGUSR2") -> tuple[signal.Signals, ...]:
     """The signals that mean "checkpoint and stop": SIGINT, SIGTERM and the preemption signal, but
-    those the job was started with ignored (:func:`fixres_dist.entry.startup.inherited_ignored`)."""
+    those the job was started with ignored (:func:`fixres_dist.startup.inherited_ignored`)."""
     ignored = startup.inherited_ignored()
     return tuple(s for s in dict.fromkeys((signal.SIGINT, signal.SIGTERM, signal.Signals[preempt_signal]))
                  if s not in ignored)
@@ -177,7 +176,7 @@ class StepAgreement:
     """All ranks agree after every training step whether to go on, without waiting for the network.
 
     The state agreed on is this rank's stop signal (:class:`StopSignals`) and its first optimizer
-    step with a non-finite loss (:class:`fixres_dist.training.finite.LossWatch`), both reduced by MAX in one
+    step with a non-finite loss (:class:`fixres_dist.finite.LossWatch`), both reduced by MAX in one
     small all-reduce on the gloo control group. Two ways:
 
     * :meth:`after_step` (pipelined, after a training step): waits for the all-reduce started after

@@ -21,7 +21,6 @@ from fixres_dist.distributed.preemption import Preempted, StepAgreement, StopSig
 from fixres_dist.distributed.rendezvous import LostPeers, NetworkInterrupted, RendezvousInterrupted
 from fixres_dist.distributed.watchdog import StallWatchdog
 from fixres_dist.errors import FixresError, first_line, user_message
-from fixres_dist.training import recipes
 
 
 class RankSession:
@@ -54,10 +53,11 @@ class RankSession:
     def __exit__(self, *exc) -> None:
         self.stops.__exit__(*exc)
 
-    def open(self) -> None:
+    def open(self, intro: str | None = None) -> None:
         """Pick the device and thread count, take the job lock (rank 0), meet the other ranks
         (:func:`fixres_dist.distributed.collectives.init_process_group`) and seed this rank's RNG
-        (``--seed`` + global rank)."""
+        (``--seed`` + global rank). ``intro``: rank 0's line after the job's first one (the Trainer's
+        recipe, :func:`fixres_dist.training.recipes.describe`), or None."""
         cfg = self.config
         if not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(placement.threads_per_rank(cfg.num_tasks))
@@ -73,8 +73,8 @@ class RankSession:
                 if cfg.job_id == cfg.derived_job_id() else ""
             self.log(f"job {cfg.job_id}{derived}: {cfg.run_name} {cfg.architecture}, {cfg.num_tasks} rank(s) on "
                      f"{self.device.type}, folder {cfg.job_folder}")
-            if cfg.recipe:
-                self.log(recipes.describe(cfg))
+            if intro:
+                self.log(intro)
         else:
             joblock.check_joinable(cfg.job_folder, cfg.global_rank)
         self._meet()

@@ -3,7 +3,7 @@
 
 * ``ddp``: ``DistributedDataParallel`` (:class:`~fixres_dist.training.network.Network` wraps).
 * ``full``: ``torch.distributed.fsdp.fully_shard`` per residual block
-  (:func:`fixres_dist.models.blocks.blocks`), then the root, on a 1-D mesh of all ranks: each rank
+  (:func:`fixres_dist.distributed.blocks.blocks`), then the root, on a 1-D mesh of all ranks: each rank
   keeps 1/world of the parameters, gradients and optimizer state and gathers a block's parameters
   only around its forward and backward (Zhao et al., "PyTorch FSDP", VLDB 2023; FSDP2 is the
   per-parameter DTensor version). A model of no known family is sharded at the root only (one unit:
@@ -53,8 +53,8 @@ from torch.utils.checkpoint import checkpoint
 
 from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import collectives
+from fixres_dist.distributed.blocks import blocks
 from fixres_dist.errors import FixresError
-from fixres_dist.models.blocks import blocks
 
 _FULL_IN = StateDictOptions(full_state_dict=True)  # every rank holds the full tensors; each keeps its shard
 

@@ -41,8 +41,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fixres_dist.distributed import collectives
+from fixres_dist.distributed.blocks import blocks
 from fixres_dist.errors import FixresError
-from fixres_dist.models.blocks import blocks
 
 
 def _by_heads(module: nn.Linear, mesh: DeviceMesh) -> None:

@@ -19,7 +19,7 @@ allocation burns.
   phase; ``0`` turns the watchdog off; the default (``auto``) is derived from the steps seen:
   :data:`AUTO_FACTOR` times the longest gap between two agreements of this run so far, at least
   :data:`AUTO_FLOOR_S`, and :data:`AUTO_STARTUP_S` in the patient phases. After a stop
-  signal (SIGTERM, the launcher gone: :func:`fixres_dist.entry.startup.die_with_parent`), a rank that does
+  signal (SIGTERM, the launcher gone: :func:`fixres_dist.startup.die_with_parent`), a rank that does
   not reach its next step within :data:`STOP_GRACE_S` is stalled too: no rank outlives its launcher.
 * **On a stall** the rank that saw it first marks the stall in the rendezvous store; every rank that
   still runs Python writes its stacks and its loader workers' (:mod:`fixres_dist.distributed.stacks`) to

@@ -527,7 +527,7 @@ def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:
     g.add_argument("--memory-budget", type=float, metavar="GIB",
                    help="refuse to start a training run whose estimated peak memory per rank exceeds GIB, naming "
                         "the cheapest change that fits (default: the GPU's memory on CUDA; no limit on CPU); the "
-                        "table for several choices: python -m fixres_dist.models.memory_table")
+                        "table for several choices: python -m fixres_dist.training.memory_table")
 
 
 def _add_checkpoints(p: argparse.ArgumentParser, mode: str) -> None:

@@ -24,7 +24,7 @@ import traceback
 import attrs
 import torch.multiprocessing as mp
 
-from fixres_dist import io
+from fixres_dist import io, startup
 from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import collectives, joblock, placement, rendezvous
 from fixres_dist.distributed.preemption import (
@@ -36,7 +36,6 @@ from fixres_dist.distributed.preemption import (
     stop_signals,
 )
 from fixres_dist.distributed.watchdog import REPORTS_S, STALL_EXIT_STATUS
-from fixres_dist.entry import startup
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.errors import FixresError, first_line, say, user_message
 from fixres_dist.training import world_change

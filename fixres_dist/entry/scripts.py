@@ -6,7 +6,7 @@ answer without torch.
 """
 from __future__ import annotations
 
-from fixres_dist.entry import startup
+from fixres_dist import startup
 from fixres_dist.entry.cli import build_parser
 
 
@@ -14,7 +14,7 @@ def run_script(mode: str, argv: list[str] | None = None) -> None:
     """What ``main_<mode>.py`` and the console entry points run: parse ``argv`` (default: the
     command line) before anything heavy is imported, then import the launcher (and torch) and run
     (:func:`fixres_dist.entry.launch.main`). Stop signals before the launcher listens end it with one line,
-    and those that arrive once the job is over are ignored (:mod:`fixres_dist.entry.startup`). Once the
+    and those that arrive once the job is over are ignored (:mod:`fixres_dist.startup`). Once the
     launcher ran, the process ends through :func:`fixres_dist.distributed.store_threads.end_process`
     (``os._exit`` with the exit status: no native thread can abort the interpreter's finalization)."""
     startup.guard_signals()  # before torch loads: Ctrl-C or SIGTERM while starting is one line, not a traceback

@@ -8,7 +8,7 @@ layers per architecture (``layer4[2].bn3`` for ResNet-50); here they are found b
 (:func:`find_finetune_layers`), from the autograd graph of one forward pass, for any architecture:
 
 * the **classifier** is the ``nn.Linear`` whose output is nearest the logits (fewest autograd
-  operations between them); its input is the embedding (:mod:`fixres_dist.reporting.extraction`);
+  operations between them); its input is the embedding (:mod:`fixres_dist.training.extraction`);
 * the **main path** is the longest chain of operations from the input to the classifier's output,
   counted in autograd nodes. A residual branch (convolutions, norms, activations) is longer than
   the shortcut it runs beside (identity, or one 1x1 convolution and its norm), so the main path goes

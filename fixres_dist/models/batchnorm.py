@@ -4,7 +4,7 @@ In training mode a BatchNorm normalises with its batch's mean and variance and m
 statistics towards them. Under DDP each rank sees only its share of the global batch, so without
 synchronisation both depend on the world size. Synchronised, the forward pass, the gradients and
 the running statistics of a W-rank run with b images per rank equal those of one process with the
-union batch of W x b images (tested: ``tests/test_fixres.py``).
+union batch of W x b images (tested: ``tests/fixres/test_fixres.py``).
 
 On CUDA this is ``torch.nn.SyncBatchNorm``. On CPU (gloo), where torch's SyncBatchNorm refuses to
 run, :class:`AllRanksBatchNorm` does the same with two differentiable all-reduces per forward

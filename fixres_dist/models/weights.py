@@ -55,11 +55,11 @@ from torchvision.models.vision_transformer import VisionTransformer
 
 from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.errors import FixresError, first_line
+from fixres_dist.finite import describe_non_finite, non_finite_tensors
 from fixres_dist.fixres.finetuning import find_head_and_last_norm
 from fixres_dist.io import safe_load
 from fixres_dist.models import class_names
 from fixres_dist.models.architectures import build_size, interpolated_pos_embedding, is_timm_model
-from fixres_dist.training.finite import describe_non_finite, non_finite_tensors
 
 # Top-level entries that hold a model's weights, in order of preference (the EMA ones last).
 WEIGHT_KEYS = ("model", "state_dict", "model_state_dict")

@@ -7,8 +7,8 @@ import os
 import time
 from pathlib import Path
 
+from fixres_dist.finite import json_safe
 from fixres_dist.io import write_private
-from fixres_dist.training.finite import json_safe
 
 METRICS_FILE = "metrics.jsonl"
 

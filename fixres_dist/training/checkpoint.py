@@ -34,8 +34,8 @@ import torch
 
 from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.errors import FixresError
+from fixres_dist.finite import NonFiniteWeights, describe_non_finite, non_finite_tensors
 from fixres_dist.io import fsync_folder, safe_load, write_private
-from fixres_dist.training.finite import NonFiniteWeights, describe_non_finite, non_finite_tensors
 
 CHECKPOINT_FILE = "checkpoint.pth"
 FORMAT_VERSION = 1
@@ -60,7 +60,7 @@ def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int
     Only this job's numbered checkpoints in ``folder`` are deleted to keep ``keep``, never the file
     ``protect`` (the one ``--resume`` named, which this job did not write).
     ``fault_hook(global_step, file)`` is called mid-write (tests). Raises :class:`FixresError` when
-    the write fails (full or read-only disk), and :class:`~fixres_dist.training.finite.NonFiniteWeights`
+    the write fails (full or read-only disk), and :class:`~fixres_dist.finite.NonFiniteWeights`
     before writing anything when ``state["model"]`` or ``state["optimizer"]`` holds NaN or infinity
     (weights that diverged are never a checkpoint); the previous checkpoints are left intact.
     """

@@ -14,11 +14,12 @@ import socket
 
 import torch
 
+from fixres_dist import finite
 from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import checkpoint_shards, collectives, pipeline, sharding
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.reporting.run_log import RunLog
-from fixres_dist.training import checkpoint, finite, world_change
+from fixres_dist.training import checkpoint, world_change
 from fixres_dist.training.faults import FaultInjector
 from fixres_dist.training.network import Network
 from fixres_dist.training.state import TrainState
@@ -48,7 +49,7 @@ class Checkpointer:
     def save(self, state: TrainState) -> None:
         """All ranks: gather per-rank RNG and BatchNorm buffers; rank 0 writes; all learn the outcome.
         Raises :class:`~fixres_dist.errors.FixresError` on every rank when the write failed (the
-        previous checkpoint is kept), :class:`~fixres_dist.training.finite.NonFiniteLoss` if the
+        previous checkpoint is kept), :class:`~fixres_dist.finite.NonFiniteLoss` if the
         epoch's sums are not finite."""
         cfg, network, step, images_per_epoch = self.config, self.network, self.step, self.images_per_epoch
         mine = {"rng": checkpoint.rng_state(), "buffers": checkpoint.buffers_of(network.model),

@@ -14,15 +14,16 @@ from typing import Callable
 
 import torch
 
+from fixres_dist import finite
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import pipeline
 from fixres_dist.data.job_data import JobData
 from fixres_dist.distributed import sharding
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures
-from fixres_dist.reporting import extraction, progress, reports
+from fixres_dist.reporting import progress, reports
 from fixres_dist.reporting.run_log import RunLog
-from fixres_dist.training import checkpoint, engine, finite
+from fixres_dist.training import checkpoint, engine, extraction
 from fixres_dist.training.engine import EvalResult
 from fixres_dist.training.network import Network
 
@@ -49,7 +50,7 @@ class Evaluator:
         """Exact top-1/top-5 (percent) at test resolution ``size`` (pixels); recorded as an ``eval``
         event, or with ``ema`` (the weights' moving average) as an ``ema_eval`` event. ``what``: where
         it stands in the job, for the progress bar (``"epoch 2/6"``, ``"2/3 of the sweep ..."``).
-        Raises :class:`~fixres_dist.training.finite.NonFiniteLoss` on every rank if the outputs are not
+        Raises :class:`~fixres_dist.finite.NonFiniteLoss` on every rank if the outputs are not
         finite."""
         cfg, tag = self.config, " EMA" if ema is not None else ""
         started = time.perf_counter()
@@ -90,7 +91,7 @@ class Evaluator:
 
     def extract_features(self, size: int) -> None:
         """Logits, embeddings and labels of ``--extract-split`` at ``size`` pixels
-        (:mod:`fixres_dist.reporting.extraction`)."""
+        (:mod:`fixres_dist.training.extraction`)."""
         cfg = self.config
         dataset = self.data.val_set if cfg.extract_split == "val" else self.data.train_set
         loader = self.data.loader(dataset, self.test_transform(size), training=False)

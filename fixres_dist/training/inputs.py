@@ -23,10 +23,10 @@ from fixres_dist.distributed import joblock, placement, tensor_parallel
 from fixres_dist.distributed.pipeline import check_schedule, check_starts, has_batchnorm, pieces, virtual_stages
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
-from fixres_dist.models import architectures, class_names, lineage, memory_budget, resolutions, weights
-from fixres_dist.models.memory_estimate import MemoryEstimate
-from fixres_dist.reporting import extraction, profiling, tensorboard_events
-from fixres_dist.training import checkpoint
+from fixres_dist.models import architectures, class_names, lineage, resolutions, weights
+from fixres_dist.reporting import profiling, tensorboard_events
+from fixres_dist.training import checkpoint, extraction, memory_budget
+from fixres_dist.training.memory_estimate import MemoryEstimate
 
 
 @attrs.frozen
@@ -49,7 +49,7 @@ class JobInputs:
     ``classes``: the class names, in label order;
     ``resume``: the checkpoint continued, or None; ``weights``: ``--weight-path`` read, or None;
     ``memory_estimate``: the preflight's estimate of the peak memory per rank
-    (:func:`fixres_dist.models.memory_budget.check_budget`), or None when none was made.
+    (:func:`fixres_dist.training.memory_budget.check_budget`), or None when none was made.
     """
 
     root: Path
@@ -145,7 +145,7 @@ def preflight(config: TrainerConfig) -> JobInputs:
     GPU, the ``--compile`` backend, every resolution (measured: :mod:`fixres_dist.models.resolutions`),
     TensorBoard, the weights against the model (their head's rows mapped by class name) and the
     finetune scope, and whether a training step fits the memory budget (``--memory-budget``, or the
-    GPU's memory; estimated on the CPU: :func:`fixres_dist.models.memory_budget.check_budget`; nothing
+    GPU's memory; estimated on the CPU: :func:`fixres_dist.training.memory_budget.check_budget`; nothing
     is estimated on a CPU run without a budget). Writes a walked file index once every check passed
     (bad input leaves nothing written). With ``--tensor-parallel``: whether the model can be split."""
     inputs = JobInputs.read(config)

@@ -13,11 +13,12 @@ from typing import Callable
 
 import torch
 
+from fixres_dist import finite
 from fixres_dist.config import TrainerConfig
 from fixres_dist.errors import plural
 from fixres_dist.models.ema import ModelEMA
 from fixres_dist.reporting.step_times import StepTimes
-from fixres_dist.training import engine, finite, mixing, optim
+from fixres_dist.training import engine, mixing, optim
 from fixres_dist.training.engine import AMP_DTYPES
 from fixres_dist.training.network import Network
 

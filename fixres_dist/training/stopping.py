@@ -5,7 +5,7 @@ after each training step (pipelined: at most one step late), after each evaluati
 an epoch's end; on a signal every rank writes one checkpoint together if anything was trained
 since the last one and raises :class:`~fixres_dist.distributed.preemption.Preempted` (exit status 3,
 130 for SIGINT); on a non-finite loss every rank raises
-:class:`~fixres_dist.training.finite.NonFiniteLoss` at the same step (:mod:`fixres_dist.training.finite`).
+:class:`~fixres_dist.finite.NonFiniteLoss` at the same step (:mod:`fixres_dist.finite`).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import signal
 from typing import Callable
 
 from fixres_dist.distributed.preemption import Preempted, StepAgreement
+from fixres_dist.finite import LossWatch
 from fixres_dist.training.checkpointer import Checkpointer
-from fixres_dist.training.finite import LossWatch
 from fixres_dist.training.state import TrainState
 
 
@@ -29,7 +29,7 @@ class StopController:
 
     def agree(self, now: bool = True) -> signal.Signals | None:
         """All ranks: the stop signal any rank got, or None; if any rank's loss was not finite, all
-        raise :class:`~fixres_dist.training.finite.NonFiniteLoss` here, together, naming the earliest
+        raise :class:`~fixres_dist.finite.NonFiniteLoss` here, together, naming the earliest
         such step.
 
         ``now``: about every rank's state at this point (before a checkpoint, at an epoch's end,

@@ -32,14 +32,14 @@ from fixres_dist.distributed import checkpoint_shards, collectives
 from fixres_dist.distributed.preemption import Preempted
 from fixres_dist.distributed.session import RankSession
 from fixres_dist.errors import FixresWarning
+from fixres_dist.finite import LossWatch
 from fixres_dist.fixres import finetuning
 from fixres_dist.reporting import progress
 from fixres_dist.reporting.run_log import RunLog, resumed_board_at
-from fixres_dist.training import engine, plan, world_change
+from fixres_dist.training import engine, plan, recipes, world_change
 from fixres_dist.training.checkpointer import Checkpointer
 from fixres_dist.training.evaluator import Evaluator
 from fixres_dist.training.faults import FaultInjector
-from fixres_dist.training.finite import LossWatch
 from fixres_dist.training.inputs import JobInputs
 from fixres_dist.training.network import Network
 from fixres_dist.training.plan import Action, EndEpoch, Evaluate, TrainEpoch
@@ -109,7 +109,7 @@ class Trainer:
         """Everything before the first training step (see the module's story). ``train_loader``:
         train from this loader instead of the data folder's (:class:`~fixres_dist.data.job_data.JobData`)."""
         cfg, log = self.config, self.run_log.log
-        self.session.open()
+        self.session.open(recipes.describe(cfg) if cfg.recipe else None)  # the recipe after the job's line
         inputs = self.inputs or JobInputs.read(cfg)
         self.config = cfg = world_change.continued(cfg, inputs.resume.contents if inputs.resume else None,
                                                    self.run_log.warn)  # a global batch kept from another world size

@@ -1,9 +1,9 @@
-"""``python -m fixres_dist.models.memory_table``: the estimated peak memory per rank (GiB) of a training
+"""``python -m fixres_dist.training.memory_table``: the estimated peak memory per rank (GiB) of a training
 step for several choices at once (DDP, full and hybrid sharding, with and without activation
 checkpointing) as a table on stdout, without a data folder (:func:`main`; docs/sharding.md, 'Will it
-fit'). Each row is :func:`fixres_dist.models.memory_estimate.estimate`. Bad input is one line on
+fit'). Each row is :func:`fixres_dist.training.memory_estimate.estimate`. Bad input is one line on
 stderr: exit status 2 for a usage error, 1 for a model or size that cannot be. For example
-``python -m fixres_dist.models.memory_table --architecture resnet50 --input-size 224 --batch 64 --num-tasks 8``.
+``python -m fixres_dist.training.memory_table --architecture resnet50 --input-size 224 --batch 64 --num-tasks 8``.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import attrs
 
 from fixres_dist.config import OPTIMIZERS, TrainerConfig
 from fixres_dist.errors import FixresError, say
-from fixres_dist.models.memory_estimate import GIB, METHOD, estimate
+from fixres_dist.training.memory_estimate import GIB, METHOD, estimate
 
-MODULE = "fixres_dist.models.memory_table"
+MODULE = "fixres_dist.training.memory_table"
 PROG = f"python -m {MODULE}"
 
 
@@ -107,7 +107,7 @@ def table(args: argparse.Namespace, rows: list[tuple[str, TrainerConfig | str]])
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m fixres_dist.models.memory_table``: the table of :func:`table` on stdout; bad input in one
+    """``python -m fixres_dist.training.memory_table``: the table of :func:`table` on stdout; bad input in one
     line on stderr (exit status 2 for a usage error, 1 for a model or size that cannot be)."""
     parser = build_parser()
     args = parser.parse_args(argv)

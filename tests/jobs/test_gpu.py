@@ -1,4 +1,4 @@
-"""CUDA only (``pytest -m gpu tests/test_gpu.py``; benchmarks/gpu_check.sh runs it): every test is
+"""CUDA only (``pytest -m gpu tests/jobs/test_gpu.py``; benchmarks/gpu_check.sh runs it): every test is
 skipped, with its reason, where no GPU is visible.
 
 Real runs of ``main_scratch.py`` on the GPU(s): NCCL with 2 ranks on 2 GPUs; bf16 autocast with
@@ -201,7 +201,7 @@ def test_narrowed_visible_devices_let_local_rank_one_run(tiny_data, tmp_path):
 def test_loss_watch_reads_cuda_flags_a_step_late_without_syncing():
     """Issue 13: the non-finite check adds no host-device synchronisation to the step; a step's flag
     is known once the next step was observed (or at a flush)."""
-    from fixres_dist.training.finite import LossWatch
+    from fixres_dist.finite import LossWatch
     watch = LossWatch()
     losses = [torch.tensor(v, device="cuda") for v in (1.0, float("nan"), 2.0)]
     torch.cuda.synchronize()

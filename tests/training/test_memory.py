@@ -1,4 +1,4 @@
-"""Will it fit: the estimated peak memory per rank of a training step (fixres_dist.models.memory_estimate),
+"""Will it fit: the estimated peak memory per rank of a training step (fixres_dist.training.memory_estimate),
 its table command (memory_table), and the preflight's refusal of a run over its memory budget (memory_budget)."""
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import torch.distributed as dist
 
 from conftest import FAST, run_main
 from fixres_dist.config import TrainerConfig
-from fixres_dist.models import memory_budget, memory_estimate, memory_table
-from fixres_dist.training import inputs
+from fixres_dist.training import inputs, memory_budget, memory_estimate, memory_table
 
 SMALL = {"architecture": "resnet20", "input_size": 32, "batch": 8}  # a CIFAR ResNet: estimates in about a second
 CLASSES = 10  # the embedded Fashion-MNIST's

@@ -2,7 +2,7 @@
 global batch through accumulated micro-batches by default, each rank's batch on request, a bound on
 the fewest ranks, and one event per change. The job that changes world twice is compared with the
 split-jobs fixture's uninterrupted DDP job (a LayerNorm ViT: no BatchNorm statistics to differ);
-tests/test_multinode.py loses and regains a node under torchrun's elastic agent."""
+tests/jobs/test_multinode.py loses and regains a node under torchrun's elastic agent."""
 from __future__ import annotations
 
 import json

@@ -35,7 +35,7 @@ CLAIM = re.compile(r"""shown\.(block|command)\(\s*["'](.+?)["']\s*[,)]""")
 def claims() -> list[tuple[str, str]]:
     """``(kind, start)`` of every the ``shown.block`` and ``shown.command`` calls in the tests."""
     found = []
-    for test in sorted((ROOT / "tests").glob("test_*.py")):
+    for test in sorted((ROOT / "tests").rglob("test_*.py")):
         found += CLAIM.findall(test.read_text())
     return found
 

@@ -1,6 +1,6 @@
 """The speed options on CPU: bf16 autocast, channels-last, --sync-bn, --compile, and their bad input.
 
-The CUDA side (fp16 with a GradScaler, nccl, one GPU per rank) is in tests/test_gpu.py.
+The CUDA side (fp16 with a GradScaler, nccl, one GPU per rank) is in tests/jobs/test_gpu.py.
 """
 from __future__ import annotations
 

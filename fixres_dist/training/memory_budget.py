@@ -1,5 +1,5 @@
 """The preflight's memory check: a training run's estimated peak memory per rank
-(:func:`fixres_dist.models.memory_estimate.estimate`, bytes) against its budget (:func:`budget_bytes`:
+(:func:`fixres_dist.training.memory_estimate.estimate`, bytes) against its budget (:func:`budget_bytes`:
 ``--memory-budget`` in GiB, else on CUDA the GPU's memory), and when it exceeds it, the cheapest
 change that fits (:func:`find_fit`: activation checkpointing, full sharding, then halving the batch).
 :func:`check_budget` says the estimate in one line on stderr and raises a one-line
@@ -7,7 +7,7 @@ change that fits (:func:`find_fit`: activation checkpointing, full sharding, the
 
 A fake process group lives in its process until destroyed, and the launcher must keep none: the
 preflight (:func:`check_budget`) runs every estimate that needs one in a short-lived child process
-(``python -m fixres_dist.models.memory_budget``, :func:`serve`: one JSON request on stdin, the
+(``python -m fixres_dist.training.memory_budget``, :func:`serve`: one JSON request on stdin, the
 :class:`Check` as one JSON line on stdout).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import attrs
 
 from fixres_dist.config import TrainerConfig
 from fixres_dist.errors import FixresError, say
-from fixres_dist.models.memory_estimate import (
+from fixres_dist.training.memory_estimate import (
     GIB,
     METHOD,
     MemoryEstimate,
@@ -35,7 +35,7 @@ from fixres_dist.models.memory_estimate import (
     setting_words,
 )
 
-MODULE = "fixres_dist.models.memory_budget"  # the child process: python -m MODULE
+MODULE = "fixres_dist.training.memory_budget"  # the child process: python -m MODULE
 CHILD_TIMEOUT_S = 600  # the child process of the preflight's estimates
 
 
@@ -191,7 +191,7 @@ def check_budget(config: TrainerConfig, num_classes: int) -> MemoryEstimate | No
 
 
 def _in_child(request: dict) -> dict:
-    """``request`` answered by ``python -m fixres_dist.models.memory_budget`` (JSON in, JSON out), or
+    """``request`` answered by ``python -m fixres_dist.training.memory_budget`` (JSON in, JSON out), or
     ``{"error": line}``. The child sees no GPU: everything it runs is fake."""
     package_root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",

@@ -313,7 +313,7 @@ def test_sbatch_template_trains_then_finetunes_with_two_tasks_and_requeues(sbatc
     """job.sbatch main_scratch.py gets the warning signal mid-training: its ranks checkpoint, rank 0
     requeues the job, which resumes to the uninterrupted run's parameters; job.sbatch
     main_finetune.py then runs after it (afterok). Slow: the requeue of submit.py's job, in the main
-    pass, and sbatch on two nodes (tests/test_multinode.py) cover the same paths."""
+    pass, and sbatch on two nodes (tests/jobs/test_multinode.py) cover the same paths."""
     chain = sbatch_chain
     scratch, finetune, shared = chain.scratch, chain.finetune, chain.folder
     at_signal = chain.preempted.result(timeout=JOB_WAIT)
@@ -595,7 +595,7 @@ def test_sigterm_to_every_process_of_an_srun_job_checkpoints_without_a_traceback
     assert len(state["ranks"]) == 2 and state["global_step"] > 0
 
 
-# ------------------------------------------ docs/cluster.md's GPU cluster examples (tests/test_readme.py)
+# ------------------------------------------ docs/cluster.md's GPU cluster examples (tests/jobs/test_readme.py)
 
 def test_the_gpu_cluster_examples_are_refused_in_one_line_by_a_cluster_without_gpus(cluster, tiny_data, tmp_path):
     """The 8-GPU examples (docs/cluster.md and job.sbatch's comment), on the local SLURM, which has no `gpu`

@@ -1,7 +1,7 @@
 """Will it fit: the estimator of the peak memory of one rank in a training step, on the CPU before any
 rank starts (:func:`estimate`, its :class:`MemoryEstimate` in bytes, and the fake process group a
 sharded estimate runs on). The preflight's check against a memory budget is
-:mod:`fixres_dist.models.memory_budget`, the table of several choices :mod:`fixres_dist.models.memory_table`.
+:mod:`fixres_dist.training.memory_budget`, the table of several choices :mod:`fixres_dist.training.memory_table`.
 
 :func:`estimate` runs two training steps (forward, backward and optimizer step, so that the
 optimizer's state exists in the second) of a run's model on *fake* tensors

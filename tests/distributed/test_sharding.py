@@ -10,8 +10,8 @@ import torch
 
 import shown_commands as shown
 from conftest import make_subset, run_main, run_script
+from fixres_dist.distributed.blocks import blocks
 from fixres_dist.models.architectures import build_model
-from fixres_dist.models.blocks import blocks
 from fixres_dist.training import export
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
 from numeric import assert_near_reference, assert_settled_ranking, evaluation

@@ -208,7 +208,7 @@ def test_timeout_stops_the_job_with_a_checkpoint(tiny_data, tmp_path):
 
 ORPHAN = """
 import os, signal, sys, time
-from fixres_dist.entry import startup
+from fixres_dist import startup
 parent = os.getpid()
 if os.fork() == 0:  # a loader worker whose rank ends before its worker_init_fn asks to die with it
     while os.getppid() == parent:

@@ -22,7 +22,7 @@ from fixres_dist.distributed import collectives
 from fixres_dist.entry.launch import main, start_method
 from fixres_dist.fixres import finetuning, sweep
 from fixres_dist.models import architectures, batchnorm
-from fixres_dist.reporting import extraction
+from fixres_dist.training import extraction
 from fixres_dist.training.checkpoint import load_checkpoint
 from numeric import assert_near_reference, assert_settled_ranking, assert_within_spread, evaluation
 

@@ -40,7 +40,6 @@ sharded estimate unless this process has one.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import warnings
 
@@ -136,13 +135,9 @@ def needs_process_group(config: TrainerConfig) -> bool:
 def shard_group(config: TrainerConfig) -> int:
     """``--sharding hybrid``'s shard group (ranks): ``--shard-group-size``, else the ranks on a node
     as the launcher knows them (``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS_PER_NODE``), else all ranks."""
-    if config.shard_group_size:
-        return config.shard_group_size
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(name, "").split("(")[0].split(",")[0]
-        if value.isdigit() and int(value) >= 1 and config.num_tasks % int(value) == 0:
-            return int(value)
-    return config.num_tasks
+    from fixres_dist.distributed.layout import ranks_per_node_hint
+
+    return config.shard_group_size or ranks_per_node_hint(config.num_tasks)
 
 
 def setting_words(config: TrainerConfig) -> str:

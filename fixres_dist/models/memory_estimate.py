@@ -165,17 +165,17 @@ def setting_line(config: TrainerConfig) -> str:
 
 
 @contextlib.contextmanager
-def fake_process_group(world: int):
+def fake_process_group(world: int, rank: int = 0):
     """A fake process group of ``world`` ranks (torch's ``fake`` backend: no communication; this
-    process is rank 0), destroyed on exit, with ``sys.excepthook`` as it was. Raises RuntimeError when
-    this process has a process group."""
+    process is rank ``rank``), destroyed on exit, with ``sys.excepthook`` as it was. Raises RuntimeError
+    when this process has a process group."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("this process already has a process group; estimate in a child process")
     excepthook = sys.excepthook  # init_process_group prefixes uncaught tracebacks with the rank, for good
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:

@@ -5,16 +5,24 @@ older checkpoints included."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
+import torch.multiprocessing as mp
+from torch import nn
 
+from conftest import free_port
 from fixres_dist.config import TrainerConfig
-from fixres_dist.distributed import layout
+from fixres_dist.distributed import collectives, layout
+from fixres_dist.distributed import pipeline as pp
+from fixres_dist.distributed import tensor_parallel as tp
 from fixres_dist.distributed.layout import AXES, Layout
+from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
 from fixres_dist.models import memory_estimate
-from fixres_dist.training import checkpoint, world_change
+from fixres_dist.training import checkpoint, dry_run, world_change
+from split_models import LR, MOMENTUM, VIT, batch, model_of
 
 # (world, keyword arguments of Layout.of_world) that are valid, and the sizes each gives
 VALID = [(1, {}, (1, 1, 1, 1)), (4, {}, (4, 1, 1, 1)), (4, {"sharding": "full"}, (1, 4, 1, 1)),
@@ -29,7 +37,8 @@ def test_a_layout_of_flags_has_their_sizes(world, kwargs, shape):
     found = Layout.of_world(world, **kwargs)
     assert found.shape == shape and found.world == world
     assert found.data_parallel_size == world // (kwargs.get("tensor", 1) * kwargs.get("pipeline", 1))
-    assert (found.tensor_enabled, found.pipeline_enabled) == (kwargs.get("tensor", 1) > 1, kwargs.get("pipeline", 1) > 1)
+    tensor, pipeline = kwargs.get("tensor", 1), kwargs.get("pipeline", 1)
+    assert (found.tensor_enabled, found.pipeline_enabled) == (tensor > 1, pipeline > 1)
     assert found.shard_enabled == (kwargs.get("sharding", "ddp") != "ddp" and found.shard > 1)
 
 
@@ -169,3 +178,64 @@ def test_a_checkpoint_records_its_layout_and_an_older_one_is_read_from_its_confi
                                  ({"sharding": "hybrid", "shard_group_size": 2}, 8, (4, 2, 1, 1)),
                                  ({"sharding": "full"}, 1, (1, 1, 1, 1))):
         assert Layout.saved(None, config, ranks).shape == shape
+
+
+# ------------------------------------------------------------------ the dry run
+def test_a_dry_run_of_1024_ranks_on_one_cpu(capsys):
+    """8 tensor x 16 pipeline x 8 data: validated, its mesh built as rank 1,023 builds it (fake process
+    group), each stage's memory per rank estimated; the weights of every stage add up to the model's."""
+    assert dry_run.main(["--num-tasks", "1024", "--tensor-parallel", "8", "--pipeline-stages", "16",
+                         "--architecture", "timm/vit_large_patch16_224", "--input-size", "64", "--batch", "32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "layout: 1,024 ranks = 8 data x 16 stage x 8 tensor"
+    assert out[1] == "mesh: data 8 x shard 1 x stage 16 x tensor 8; rank 1023 at (7, 0, 15, 7) (built on a fake " \
+                     "process group)"
+    assert len(out) == 2 + 16 + 1 and out[-1].startswith("largest: ") and "stage 15 (blocks.23 .. head)" in out[-2]
+    assert not torch.distributed.is_initialized()  # the fake process group is gone
+
+
+def test_a_dry_run_refuses_a_layout_in_one_line(capsys):
+    assert dry_run.main(["--num-tasks", "1040", "--tensor-parallel", "8", "--pipeline-stages", "16"]) == 1
+    assert capsys.readouterr().err == "fixres_dist: dry run: --tensor-parallel 8 x --pipeline-stages 16 (128 ranks " \
+                                      "per model) must divide the number of ranks (1040)\n"
+
+
+def _held(rank: int, world: int, port: int, folder) -> None:
+    """What each rank of a real gloo run holds: a pipeline of 2 stages (x 2 data-parallel ranks) and a
+    tensor split over 2 ranks (x 2), each after one SGD step with momentum (its state exists)."""
+    torch.set_num_threads(1)
+    collectives.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world, 120)
+    held = {}
+    pipe = pp.Pipeline(model_of(VIT), pp.pipeline_mesh(torch.device("cpu"), world, 2), size=32, schedule="gpipe",
+                       microbatches=2, architecture=VIT)
+    model = tp.parallelize(split := model_of(VIT), tp.tensor_mesh(torch.device("cpu"), world, 2)["tensor"], VIT)
+    for name, module, step in (("pipeline", pipe.module, lambda: pipe.train_step(*batch(0))),
+                               ("tensor", split, lambda: nn.functional.cross_entropy(split(batch(0)[0]),
+                                                                                     batch(0)[1]).backward())):
+        optimizer = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+        step()
+        optimizer.step()
+        local = [p.to_local() if isinstance(p, torch.distributed.tensor.DTensor) else p for p in module.parameters()]
+        states = [s["momentum_buffer"] for s in optimizer.state.values()]
+        held[name] = {"parameters": sum(p.numel() * p.element_size() for p in local),
+                      "optimizer": sum((s.to_local() if hasattr(s, "to_local") else s).numel() * 4 for s in states)}
+    del model
+    (folder / f"held{rank}.json").write_text(json.dumps(held))
+    collectives.destroy_process_group()
+
+
+def test_the_dry_runs_exact_parts_are_what_a_real_gloo_run_holds(tmp_path):
+    """Parameters and optimizer state per rank, the dry run's (meta device, fake process group) against 4
+    real gloo ranks': equal to the byte, for each stage of a pipeline and each rank of a tensor group."""
+    mp.start_processes(_held, args=(4, free_port(), tmp_path), nprocs=4, start_method=start_method())
+    held = [json.loads((tmp_path / f"held{rank}.json").read_text()) for rank in range(4)]
+    common = ["--num-tasks", "4", "--architecture", VIT, "--input-size", "32", "--classes", "10", "--batch", "8"]
+    staged = dry_run.dry_run(dry_run.parser().parse_args([*common, "--pipeline-stages", "2",
+                                                          "--pipeline-schedule", "gpipe"]))
+    split = dry_run.dry_run(dry_run.parser().parse_args([*common, "--tensor-parallel", "2"]))
+    for rank in range(4):
+        stage = staged.stages[rank % 2]
+        assert (stage.parameters, stage.optimizer) == (held[rank]["pipeline"]["parameters"],
+                                                       held[rank]["pipeline"]["optimizer"]), rank
+        assert (split.stages[0].parameters, split.stages[0].optimizer) == (held[rank]["tensor"]["parameters"],
+                                                                           held[rank]["tensor"]["optimizer"]), rank

@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+import shown_commands as shown
 from conftest import free_port
 from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import collectives, layout
@@ -184,8 +185,8 @@ def test_a_checkpoint_records_its_layout_and_an_older_one_is_read_from_its_confi
 def test_a_dry_run_of_1024_ranks_on_one_cpu(capsys):
     """8 tensor x 16 pipeline x 8 data: validated, its mesh built as rank 1,023 builds it (fake process
     group), each stage's memory per rank estimated; the weights of every stage add up to the model's."""
-    assert dry_run.main(["--num-tasks", "1024", "--tensor-parallel", "8", "--pipeline-stages", "16",
-                         "--architecture", "timm/vit_large_patch16_224", "--input-size", "64", "--batch", "32"]) == 0
+    argv = shown.argv(shown.command("python -m fixres_dist.training.dry_run"))
+    assert argv[:3] == ["python", "-m", "fixres_dist.training.dry_run"] and dry_run.main(argv[3:]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "layout: 1,024 ranks = 8 data x 16 stage x 8 tensor"
     assert out[1] == "mesh: data 8 x shard 1 x stage 16 x tensor 8; rank 1023 at (7, 0, 15, 7) (built on a fake " \

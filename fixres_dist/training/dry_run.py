@@ -115,16 +115,24 @@ def _activations(stage_module: nn.Module, images: torch.Tensor, last: bool) -> i
     return sum(size for kind, size in snapshot.items() if getattr(kind, "value", kind) in ("Activation", "Temp"))
 
 
-def _stage(args, found: Layout, mesh, stage: int, states: int) -> MemoryEstimate:
-    """The estimate for a rank of pipeline stage ``stage`` (module docstring)."""
+def _bounds(args, found: Layout) -> list[int] | None:
+    """The first piece of each stage and the number of pieces (a run's balanced cut); None unstaged. Raises
+    :class:`FixresError` for a model that cannot be split so."""
     model = architectures.build_model(args.architecture, args.classes, image_size=args.input_size)
     if found.tensor_enabled:  # the whole model can be split (each stage's blocks then are)
         tensor_parallel.splittable(model, found.tensor, args.architecture)
-    every = pipeline.pieces(model, args.architecture) if found.pipeline_enabled else None
-    chosen, shape = range(0, 1), (args.micro, 3, args.input_size, args.input_size)
+    if not found.pipeline_enabled:
+        return None
+    every = pipeline.pieces(model, args.architecture)
+    return [*pipeline.balanced_split(pipeline.piece_costs(model, every, args.input_size), found.pipeline), len(every)]
+
+
+def _stage(args, found: Layout, mesh, bounds: list[int] | None, stage: int, states: int) -> MemoryEstimate:
+    """The estimate for a rank of pipeline stage ``stage`` (module docstring) of the cut ``bounds``."""
+    model = architectures.build_model(args.architecture, args.classes, image_size=args.input_size)
+    every = pipeline.pieces(model, args.architecture) if bounds is not None else None
+    shape = (args.micro, 3, args.input_size, args.input_size)
     if every is not None:
-        bounds = [*pipeline.balanced_split(pipeline.piece_costs(model, every, args.input_size), found.pipeline),
-                  len(every)]
         chosen = range(bounds[stage], bounds[stage + 1])
         x = torch.zeros(shape, device="meta")
         with torch.no_grad():
@@ -162,7 +170,8 @@ def dry_run(args: argparse.Namespace) -> DryRun:
     with fake_process_group(found.world, rank=rank), torch.device("meta"):
         mesh = found.mesh("cpu")
         shape, where = tuple(mesh.shape), tuple(mesh.get_coordinate())
-        stages = [_stage(args, found, mesh, stage, states) for stage in range(found.pipeline)]
+        bounds = _bounds(args, found)
+        stages = [_stage(args, found, mesh, bounds, stage, states) for stage in range(found.pipeline)]
     return DryRun(found, rank, shape, where, stages)
 
 

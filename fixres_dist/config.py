@@ -423,14 +423,9 @@ class TrainerConfig:
     @property
     def data_parallel_size(self) -> int:
         """How many ranks see different images: ``num_tasks`` over the ranks of one split model (a tensor
-        group, a pipeline), which see the same. Batch arithmetic (global batch, linear scaling rule) counts these."""
+        group, a pipeline), which see the same. Batch arithmetic (global batch, linear scaling rule) counts these.
+        The rest of the layout (each rank's place, the device mesh): :func:`fixres_dist.distributed.layout.of`."""
         return self.num_tasks // (self.tensor_parallel * self.pipeline_stages)
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """Which share of the data this rank reads: the index of its tensor group or pipeline
-        (0 .. :attr:`data_parallel_size` - 1)."""
-        return self.global_rank // (self.tensor_parallel * self.pipeline_stages)
 
     @property
     def images_per_step(self) -> int:
@@ -444,18 +439,6 @@ class TrainerConfig:
         as many as keep each micro-batch at ``batch`` images or fewer (a rank's share: the global batch over
         the data-parallel ranks, rounded up)."""
         return steps_of(self.batch, self.data_parallel_size, self.grad_accum_steps, self.global_batch)[1]
-
-    @property
-    def counts_metrics(self) -> bool:
-        """Whether this rank's sums (losses, hits, images) count in the job's totals: the first rank of its
-        tensor group (the others computed the same), the last stage of its pipeline (the others have no logits)."""
-        return self.global_rank % self.tensor_parallel == 0 and \
-            self.global_rank % self.pipeline_stages == self.pipeline_stages - 1
-
-    @property
-    def totals_rank(self) -> int:
-        """The first rank whose sums count (:attr:`counts_metrics`): it carries a resumed epoch's totals."""
-        return self.pipeline_stages - 1
 
     @property
     def run_name(self) -> str:

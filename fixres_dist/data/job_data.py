@@ -11,6 +11,7 @@ import torch
 
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import pipeline
+from fixres_dist.distributed import layout
 from fixres_dist.distributed.preemption import stop_signals
 from fixres_dist.errors import FixresError
 
@@ -58,7 +59,8 @@ class JobData:
                                     tail_ranks=cfg.global_batch_ranks if training else None,
                                     accumulation=cfg.accumulation if training else 1,
                                     reps=cfg.ra_reps if training else 1, world_size=cfg.data_parallel_size,
-                                    rank=cfg.data_parallel_rank, shuffle=training, seed=cfg.seed, workers=cfg.workers,
+                                    rank=layout.of(cfg).data_rank(cfg.global_rank), shuffle=training, seed=cfg.seed,
+                                    workers=cfg.workers,
                                     pin_memory=self.device.type == "cuda", skip_bad_images=cfg.skip_bad_images,
                                     training=training, ignored_signals=stop_signals(cfg.preempt_signal))
 

@@ -44,9 +44,9 @@ from torch.distributed.pipelining import (
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
-from fixres_dist.distributed import collectives
 from fixres_dist.distributed.blocks import blocks
 from fixres_dist.distributed.collectives import BUFFER_SYNC
+from fixres_dist.distributed.layout import Layout
 from fixres_dist.errors import FixresError
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -271,11 +271,10 @@ def _drop_others(model: nn.Module, every: list[Piece], kept: set[int]) -> None:
 
 
 def pipeline_mesh(device: torch.device, world_size: int, stages: int) -> DeviceMesh:
-    """The ``data`` x ``stage`` mesh of ``world_size`` ranks (a collective: every rank calls it).
+    """The ``data`` x ``stage`` mesh of ``world_size`` ranks, a sub-mesh of the job's one mesh
+    (:meth:`fixres_dist.distributed.layout.Layout.mesh`; a collective: every rank calls it).
     Raises :class:`FixresError` unless ``stages`` divides the world size."""
-    if stages < 1 or world_size % stages:
-        raise FixresError(f"--pipeline-stages {stages} must divide the number of ranks ({world_size})")
-    return collectives.device_mesh(device.type, (world_size // stages, stages), ("data", "stage"))
+    return Layout.of_world(world_size, pipeline=stages).mesh(device.type)["data", "stage"]
 
 
 class Pipeline:

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from fixres_dist.config import TrainerConfig
-from fixres_dist.distributed import collectives
+from fixres_dist.distributed import layout
 from fixres_dist.distributed.blocks import blocks
 from fixres_dist.errors import FixresError
 
@@ -75,18 +75,15 @@ def _checkpointed(forward):
 
 
 def device_mesh(config: TrainerConfig, device: torch.device) -> DeviceMesh:
-    """The ranks' mesh for ``config.sharding``: 1-D (``full``) or ``replicate`` x ``shard``
-    (``hybrid``, shard groups of ``--shard-group-size`` ranks, else of the ranks on one node). A
-    collective: every rank calls it. Raises :class:`FixresError` when the world size is not a
+    """The ranks' mesh for ``config.sharding``, a sub-mesh of the job's one mesh
+    (:meth:`fixres_dist.distributed.layout.Layout.mesh`): 1-D ``shard`` (``full``) or ``data`` (the
+    replicate groups) x ``shard`` (``hybrid``, shard groups of ``--shard-group-size`` ranks, else of the
+    ranks on one node). A collective: every rank calls it. Raises :class:`FixresError` when the world size is not a
     multiple of the group size, or a node's ranks are not consecutive."""
-    world = config.num_tasks
-    if config.sharding == "full":
-        return collectives.device_mesh(device.type, (world,), ("shard",))
-    group = config.shard_group_size or _ranks_per_node(world)
-    if world % group:
-        raise FixresError(f"--sharding hybrid: {world} ranks do not split into shard groups of {group} "
-                          "(--shard-group-size, default the ranks per node)")
-    return collectives.device_mesh(device.type, (world // group, group), ("replicate", "shard"))
+    by_node = config.sharding == "hybrid" and not config.shard_group_size
+    per_node = _ranks_per_node(config.num_tasks) if by_node else None
+    mesh = layout.of(config, per_node).mesh(device.type)  # the job's one mesh (distributed/layout.py)
+    return mesh["shard"] if config.sharding == "full" else mesh["data", "shard"]
 
 
 def _ranks_per_node(world: int) -> int:

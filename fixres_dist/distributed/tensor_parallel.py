@@ -40,8 +40,8 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module, dist
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fixres_dist.distributed import collectives
 from fixres_dist.distributed.blocks import blocks
+from fixres_dist.distributed.layout import Layout
 from fixres_dist.errors import FixresError
 
 
@@ -144,11 +144,10 @@ def local_parameters(model: nn.Module) -> int:
 
 
 def tensor_mesh(device: torch.device, world_size: int, ranks: int) -> DeviceMesh:
-    """The ``data`` x ``tensor`` mesh of ``world_size`` ranks in groups of ``ranks`` consecutive ones
-    (a collective: every rank calls it). Raises :class:`FixresError` unless ``ranks`` divides the world size."""
-    if ranks < 1 or world_size % ranks:
-        raise FixresError(f"--tensor-parallel {ranks} must divide the number of ranks ({world_size})")
-    return collectives.device_mesh(device.type, (world_size // ranks, ranks), ("data", "tensor"))
+    """The ``data`` x ``tensor`` mesh of ``world_size`` ranks in groups of ``ranks`` consecutive ones, a
+    sub-mesh of the job's one mesh (:meth:`fixres_dist.distributed.layout.Layout.mesh`; a collective: every
+    rank calls it). Raises :class:`FixresError` unless ``ranks`` divides the world size."""
+    return Layout.of_world(world_size, tensor=ranks).mesh(device.type)["data", "tensor"]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

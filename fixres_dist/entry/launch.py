@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from fixres_dist import io, startup
 from fixres_dist.config import TrainerConfig
-from fixres_dist.distributed import collectives, joblock, placement, rendezvous
+from fixres_dist.distributed import collectives, joblock, layout, placement, rendezvous
 from fixres_dist.distributed.preemption import (
     INTERRUPTED_EXIT_STATUS,
     PREEMPTED_EXIT_STATUS,
@@ -59,10 +59,10 @@ def build_config(mode: str, args: argparse.Namespace, environ=None) -> tuple[Tra
 
 def rank_name(config: TrainerConfig) -> str:
     """``rank R``, and where a split model puts it: its stage and pipeline, or its tensor group."""
-    rank, stages, tensor = config.global_rank, config.pipeline_stages, config.tensor_parallel
-    if stages > 1:
-        return f"rank {rank} (stage {rank % stages} of pipeline {rank // stages})"
-    return f"rank {rank} (tensor group {rank // tensor})" if tensor > 1 else f"rank {rank}"
+    try:
+        return layout.of(config).rank_name(config.global_rank)
+    except FixresError:  # a layout that does not fit the ranks: its own error line says so
+        return f"rank {config.global_rank}"
 
 
 def run_rank(config: TrainerConfig, inputs: JobInputs | None = None, locked: bool = False, announce: bool = False,

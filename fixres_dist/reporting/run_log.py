@@ -14,6 +14,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from fixres_dist.config import CONFIG_FILE, TrainerConfig
+from fixres_dist.distributed import layout
 from fixres_dist.errors import FixresWarning, say
 from fixres_dist.io import write_private
 from fixres_dist.reporting.metrics import METRICS_FILE, MetricsLog
@@ -74,7 +75,7 @@ class RunLog:
                  f"{result.img_per_s:,.0f} img/s"
                  + (f", {result.skipped} unreadable images skipped" if result.skipped else "")
                  + (f", its last {result.left_out} images left out: fewer than 2 per rank after resuming on "
-                    f"{cfg.data_parallel_size} {'data-parallel ' if cfg.tensor_parallel > 1 else ''}ranks"
+                    f"{cfg.data_parallel_size} {'data-parallel ' if layout.of(cfg).tensor_enabled else ''}ranks"
                     if result.left_out else ""))
         if step_times and any(step_times):
             lines = step_times_findings(step_times, epoch + 1, cfg.workers)

@@ -140,6 +140,7 @@ class Contents:
     model_ema_state: dict | None = None
     shards: str | None = None  # a sharded checkpoint's folder of model, optimizer and EMA (checkpoint_shards)
     shard_digests: dict | None = None  # its files' SHA-256 by name
+    layout: dict | None = None  # the ranks' parallel layout (Layout.to_dict; older checkpoints: from their config)
 
     def as_dict(self) -> dict:
         """The dict that :func:`save_checkpoint` writes (without the EMA entries when there is no EMA)."""
@@ -151,7 +152,8 @@ class Contents:
         return cls(**{f.name: state[f.name] for f in attrs.fields(cls) if f.name in state})
 
 
-OPTIONAL_ENTRIES = ("model_ema", "model_ema_state", "shards", "shard_digests", "classes", "data")  # left out when None
+# left out when None
+OPTIONAL_ENTRIES = ("model_ema", "model_ema_state", "shards", "shard_digests", "classes", "data", "layout")
 REQUIRED_KEYS = tuple(f.name for f in attrs.fields(Contents) if f.default is attrs.NOTHING)
 
 

@@ -82,7 +82,7 @@ class Checkpointer:
                 images_in_epoch=state.images_in_epoch, global_step=state.global_step, ranks=ranks,
                 epoch_seconds=state.meter.seconds() if partial else 0.0, config=cfg.to_dict(),
                 metrics=self.run_log.history, lineage=network.lineage_at(state.input_size).record(),
-                classes=network.classes, data=self.data,
+                classes=network.classes, data=self.data, layout=network.layout.to_dict(),
                 tensorboard_at=self.run_log.checkpointed(state.images_seen(images_per_epoch)))
             try:
                 checkpoint.save_checkpoint(cfg.job_folder, contents.as_dict(), state.global_step, cfg.keep_checkpoints,
@@ -102,14 +102,12 @@ class Checkpointer:
         """The line about resuming on another world size or split: a ``world_change`` event and its line
         when the data-parallel ranks changed (:mod:`~fixres_dist.training.world_change`; a warning when
         the global batch did), a note when only the split did (tensor or pipeline parallelism)."""
-        cfg, saved = self.config, contents.config
-        split = _split(cfg.tensor_parallel, cfg.pipeline_stages)
-        data_parallel = world_change.SavedRun.of(contents).data_parallel_size
-        if data_parallel == cfg.data_parallel_size:
-            self.run_log.log(f"resuming a {len(contents.ranks)}-rank checkpoint"
-                             f"{_split(saved.get('tensor_parallel', 1), saved.get('pipeline_stages', 1))} on "
+        cfg, now, was = self.config, self.network.layout, world_change.SavedRun.of(contents).layout
+        split, data_parallel = now.split_words(), was.data_parallel_size
+        if data_parallel == now.data_parallel_size:
+            self.run_log.log(f"resuming a {len(contents.ranks)}-rank checkpoint{was.split_words()} on "
                              f"{plural(cfg.num_tasks, 'rank')}{split}: the same {data_parallel} data-parallel "
-                             "rank(s), batches and learning rate; RNG streams restart")
+                             f"rank(s), batches and learning rate; RNG streams restart; {now.compare(was)}")
             return
         hosts = collectives.gather_object(socket.gethostname(), self.control_group)  # all ranks: a collective
         if cfg.global_rank == 0:
@@ -125,9 +123,8 @@ class Checkpointer:
         cfg, contents, network, step = self.config, resume.contents, self.network, self.step
         self.last_step = state.global_step
         self.loss = world_change.read_loss(cfg) if cfg.global_rank == 0 else None  # ranks lost before this run
-        saved = contents.config  # the same ranks in the same roles: each continues its own RNG and BatchNorm
-        same_world = len(contents.ranks) == cfg.num_tasks and saved.get("tensor_parallel", 1) == cfg.tensor_parallel \
-            and saved.get("pipeline_stages", 1) == cfg.pipeline_stages
+        # the same ranks in the same roles: each continues its own RNG and BatchNorm
+        same_world = network.layout.same_roles(world_change.SavedRun.of(contents).layout)
         rank = cfg.global_rank if same_world else None
         if same_world:
             checkpoint.set_rng_state(contents.ranks[cfg.global_rank]["rng"])
@@ -163,7 +160,3 @@ class Checkpointer:
         return finite.NonFiniteLoss(f"{what}: training stopped on all ranks; {kept}; lower --learning-rate "
                                     "(or raise --warmup-epochs) and use a new --job-id")
 
-
-def _split(tensor: int, stages: int) -> str:
-    """How a job's ranks split its model, for the resume line: `` (2 pipeline stages)``, or nothing."""
-    return f" ({tensor} ranks per tensor group)" if tensor > 1 else f" ({stages} pipeline stages)" if stages > 1 else ""

@@ -245,7 +245,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: torch.dtype | 
     ``forwards``: a sharded model's forwards per rank
     (:func:`~fixres_dist.distributed.sharding.forwards_to_match`), made up with blank ``size``-pixel
     images where this rank has fewer batches. ``counted``: False on a rank whose images another rank of
-    its tensor group counts (:attr:`~fixres_dist.config.TrainerConfig.counts_metrics`).
+    its tensor group counts (:meth:`~fixres_dist.distributed.layout.Layout.counts_metrics`).
     """
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # top1 hits, top5 hits, loss sum, count
     sampler = loader.batch_sampler if after_batch is not None or progress_bar is not None else None

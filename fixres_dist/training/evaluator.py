@@ -63,7 +63,7 @@ class Evaluator:
                                      self.network.preprocessing.normalization, after_batch=self.after_batch,
                                      progress_bar=bar if bar.enabled else None,
                                      forwards=sharding.forwards_to_match(model, loader.batch_sampler), size=size,
-                                     counted=cfg.counts_metrics)
+                                     counted=self.network.layout.counts_metrics(cfg.global_rank))
         finally:
             bar.close()
         self.clock.add_evaluation(result.images, size, time.perf_counter() - started)

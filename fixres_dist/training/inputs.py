@@ -19,7 +19,7 @@ import torch
 from fixres_dist import io, locks
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import file_index, hf_datasets, pipeline, shards
-from fixres_dist.distributed import joblock, placement, tensor_parallel
+from fixres_dist.distributed import joblock, layout, placement, tensor_parallel
 from fixres_dist.distributed.pipeline import check_schedule, check_starts, has_batchnorm, pieces, virtual_stages
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
@@ -121,7 +121,7 @@ def _check_accumulation(config: TrainerConfig, index) -> None:
         if step > train_images:
             raise FixresError(f"--grad-accum-steps {config.grad_accum_steps}: one step would take {step:,} images "
                               f"(--batch {config.batch} x {config.data_parallel_size} "
-                              f"{'data-parallel ' if config.tensor_parallel > 1 else ''}rank(s) x "
+                              f"{'data-parallel ' if layout.of(config).tensor_enabled else ''}rank(s) x "
                               f"{config.grad_accum_steps}), "
                               f"more than the {train_images:,} training images; the linear scaling rule would count "
                               "images that are not there")
@@ -157,20 +157,15 @@ def preflight(config: TrainerConfig) -> JobInputs:
     if config.shard_group_size and config.num_tasks % config.shard_group_size:
         raise FixresError(f"--sharding hybrid: {plural(config.num_tasks, 'rank')} do not split into shard groups of "
                           f"--shard-group-size {config.shard_group_size}")
-    if config.num_tasks % config.tensor_parallel:
-        raise FixresError(f"--tensor-parallel {config.tensor_parallel} must divide the number of ranks "
-                          f"({config.num_tasks}): tensor groups of {config.tensor_parallel} consecutive ranks")
-    if config.num_tasks % config.pipeline_stages:
-        raise FixresError(f"--pipeline-stages {config.pipeline_stages} must divide the number of ranks "
-                          f"({config.num_tasks}): pipelines of {config.pipeline_stages} consecutive ranks")
-    if config.tensor_parallel > 1 or config.pipeline_stages > 1:  # shapes only: the model on the meta device
+    ranks = layout.of(config)  # checked against the world size once, here: FixresError naming the flags
+    if ranks.split:  # shapes only: the model on the meta device
         with torch.device("meta"):
             model = architectures.build_model(config.architecture, len(inputs.classes),
                                               image_size=config.first_input_size, low_res_stem=config.low_res_stem)
-        if config.tensor_parallel > 1:
-            tensor_parallel.splittable(model, config.tensor_parallel, config.architecture)
+        if ranks.tensor_enabled:
+            tensor_parallel.splittable(model, ranks.tensor, config.architecture)
         else:
-            _check_stages(config, model)
+            _check_stages(config, ranks.pipeline, model)
     sizes = {config.input_size, config.test_size, config.train_size, *(config.test_sizes or ())} - {None, "auto"}
     for size in sorted(sizes):
         architectures.check_resolution(config.architecture, size)
@@ -185,13 +180,13 @@ def preflight(config: TrainerConfig) -> JobInputs:
     return attrs.evolve(inputs, memory_estimate=estimate)
 
 
-def _check_stages(config: TrainerConfig, model: torch.nn.Module) -> None:
-    """--pipeline-stages: the schedule can run its micro-batches, --batch splits into them, and ``model``
-    (on the meta device) has a stem, blocks and a head to cut into that many stages."""
+def _check_stages(config: TrainerConfig, stages: int, model: torch.nn.Module) -> None:
+    """--pipeline-stages ``stages``: the schedule can run its micro-batches, --batch splits into them, and
+    ``model`` (on the meta device) has a stem, blocks and a head to cut into that many stages."""
     virtual = virtual_stages(config.pipeline_schedule)
-    count = config.pipeline_stages * virtual
+    count = stages * virtual
     microbatches = config.pipeline_microbatches or count
-    check_schedule(config.pipeline_schedule, virtual, microbatches, config.pipeline_stages)
+    check_schedule(config.pipeline_schedule, virtual, microbatches, stages)
     if config.batch % microbatches:
         raise FixresError(f"--batch {config.batch} does not split into {microbatches} equal micro-batches "
                           "(--pipeline-microbatches; default: one per stage)")
@@ -201,7 +196,7 @@ def _check_stages(config: TrainerConfig, model: torch.nn.Module) -> None:
                           "(fewer --pipeline-microbatches, or a larger --batch)")
     found = len(pieces(model, config.architecture))
     if found < count:
-        raise FixresError(f"--pipeline-stages {config.pipeline_stages}: {config.architecture} has only {found} pieces "
+        raise FixresError(f"--pipeline-stages {stages}: {config.architecture} has only {found} pieces "
                           f"(stem, blocks, head) for {count} stages")
     if config.pipeline_split is not None:
         check_starts(list(config.pipeline_split), count, found)

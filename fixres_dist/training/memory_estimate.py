@@ -40,7 +40,6 @@ sharded estimate unless this process has one.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import warnings
 
@@ -136,13 +135,9 @@ def needs_process_group(config: TrainerConfig) -> bool:
 def shard_group(config: TrainerConfig) -> int:
     """``--sharding hybrid``'s shard group (ranks): ``--shard-group-size``, else the ranks on a node
     as the launcher knows them (``LOCAL_WORLD_SIZE``, ``SLURM_NTASKS_PER_NODE``), else all ranks."""
-    if config.shard_group_size:
-        return config.shard_group_size
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(name, "").split("(")[0].split(",")[0]
-        if value.isdigit() and int(value) >= 1 and config.num_tasks % int(value) == 0:
-            return int(value)
-    return config.num_tasks
+    from fixres_dist.distributed.layout import ranks_per_node_hint
+
+    return config.shard_group_size or ranks_per_node_hint(config.num_tasks)
 
 
 def setting_words(config: TrainerConfig) -> str:
@@ -170,17 +165,17 @@ def setting_line(config: TrainerConfig) -> str:
 
 
 @contextlib.contextmanager
-def fake_process_group(world: int):
+def fake_process_group(world: int, rank: int = 0):
     """A fake process group of ``world`` ranks (torch's ``fake`` backend: no communication; this
-    process is rank 0), destroyed on exit, with ``sys.excepthook`` as it was. Raises RuntimeError when
-    this process has a process group."""
+    process is rank ``rank``), destroyed on exit, with ``sys.excepthook`` as it was. Raises RuntimeError
+    when this process has a process group."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("this process already has a process group; estimate in a child process")
     excepthook = sys.excepthook  # init_process_group prefixes uncaught tracebacks with the rank, for good
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:

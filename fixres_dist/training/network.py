@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fixres_dist.config import TrainerConfig
-from fixres_dist.distributed import pipeline, pipeline_state, sharding, tensor_parallel
+from fixres_dist.distributed import layout, pipeline, pipeline_state, sharding, tensor_parallel
 from fixres_dist.distributed.collectives import BUFFER_SYNC
 from fixres_dist.errors import first_line
 from fixres_dist.fixres import finetuning
@@ -43,6 +43,7 @@ class Network:
     def __init__(self, config: TrainerConfig, classes: list[str], size: int, found: weights.WeightFile | None,
                  device: torch.device, log: Callable[[str], None], warn: Callable[[str], None]):
         self.config, self.device, self.log, self.warn = config, device, log, warn
+        self.layout = layout.of(config)  # the ranks' parallel layout: sizes, this rank's place, its description
         self.classes = list(classes)  # the class of each of the head's rows: every checkpoint records them
         model = architectures.build_model(config.architecture, len(classes), image_size=size,
                                           low_res_stem=config.low_res_stem)
@@ -98,7 +99,7 @@ class Network:
         (``--eval-only``, a finetune's before finetuning) runs on the shards, never the whole model
         on one device. DDP wraps at the start of training (evaluations use the unwrapped model)."""
         cfg = self.config
-        return (cfg.sharding != "ddp" or cfg.tensor_parallel > 1 or cfg.pipeline_stages > 1) and cfg.num_tasks > 1
+        return (cfg.sharding != "ddp" or self.layout.split) and cfg.num_tasks > 1
 
     def lay_out(self, input_size: int, trains: bool) -> None:
         """Once, for a run that ``trains`` at ``input_size`` pixels: :meth:`prepare_for_training`, then
@@ -166,9 +167,9 @@ class Network:
         if cfg.num_tasks == 1:
             if cfg.sharding != "ddp":
                 self.log(f"--sharding {cfg.sharding} on 1 rank: nothing to shard; the model trains whole")
-        elif cfg.tensor_parallel > 1:
+        elif self.layout.tensor_enabled:
             self._split_tensors()
-        elif cfg.pipeline_stages > 1:
+        elif self.layout.pipeline_enabled:
             self._split_stages(size or resolutions.build_size(cfg))
         elif cfg.sharding != "ddp":
             self._shard([model] + ([average] if average is not None else []))
@@ -197,7 +198,8 @@ class Network:
         mesh = sharding.device_mesh(cfg, self.device)
         blocks = sharding.shard(modules, mesh, cfg, AMP_DTYPES[cfg.amp])
         self.sharded = True
-        shape = " x ".join(f"{size} {name}" for size, name in zip(mesh.shape, mesh.mesh_dim_names))
+        shape = " x ".join(f"{size} {'replicate' if name == 'data' else name}"  # the replicas: mesh axis data
+                          for size, name in zip(mesh.shape, mesh.mesh_dim_names))
         per_rank = sum(p.to_local().numel() for p in self.model.parameters())
         self.log(f"--sharding {cfg.sharding}: {blocks or 'no'} blocks and the root sharded over a mesh of {shape} "
                  f"ranks; {per_rank:,} of {sum(p.numel() for p in self.model.parameters()):,} parameters on this rank"
@@ -210,12 +212,12 @@ class Network:
     def _split_tensors(self) -> None:
         """--tensor-parallel: rank 0's weights everywhere, then each block split over its tensor group."""
         cfg = self.config
-        self.tensor_mesh = tensor_parallel.tensor_mesh(self.device, cfg.num_tasks, cfg.tensor_parallel)
+        self.tensor_mesh = tensor_parallel.tensor_mesh(self.device, cfg.num_tasks, self.layout.tensor)
         sharding.start_from_rank0(self.model)
         mlps, attentions = tensor_parallel.parallelize(self.model, self.tensor_mesh["tensor"], cfg.architecture)
-        self.log(f"--tensor-parallel {cfg.tensor_parallel}: {mlps} MLPs"
+        self.log(f"--tensor-parallel {self.layout.tensor}: {mlps} MLPs"
                  + (f" and {attentions} attentions (by heads)" if attentions else " (attention whole)")
-                 + f" split over tensor groups of {cfg.tensor_parallel} ranks, {cfg.data_parallel_size} data-parallel "
+                 + f" split over tensor groups of {self.layout.tensor} ranks, {cfg.data_parallel_size} data-parallel "
                  f"group(s); {tensor_parallel.local_parameters(self.model):,} of "
                  f"{sum(p.numel() for p in self.model.parameters()):,} parameters on this rank")
 
@@ -223,11 +225,11 @@ class Network:
     def data_group(self):
         """The process group of the ranks that hold the same layers and see different images: a pipeline
         stage's data-parallel ranks (the mesh made at the first call: a collective); None (all ranks) otherwise."""
-        return self._pipeline_mesh().get_group("data") if self.config.pipeline_stages > 1 else None
+        return self._pipeline_mesh().get_group("data") if self.layout.pipeline_enabled else None
 
     def _pipeline_mesh(self):
         if self._stage_mesh is None:
-            self._stage_mesh = pipeline.pipeline_mesh(self.device, self.config.num_tasks, self.config.pipeline_stages)
+            self._stage_mesh = pipeline.pipeline_mesh(self.device, self.config.num_tasks, self.layout.pipeline)
         return self._stage_mesh
 
     def _split_stages(self, size: int) -> None:
@@ -243,7 +245,7 @@ class Network:
             starts=list(cfg.pipeline_split) if cfg.pipeline_split else None,
             architecture=cfg.architecture, summed=True, label_smoothing=cfg.label_smoothing, buffer_sync=False)
         self.model = self.wrapped = self.pipeline.module
-        self.log(f"--pipeline-stages {cfg.pipeline_stages}: {self.pipeline.describe()}; "
+        self.log(f"--pipeline-stages {self.layout.pipeline}: {self.pipeline.describe()}; "
                  f"{sum(p.numel() for p in self.model.parameters()):,} parameters on this rank")
 
     @property

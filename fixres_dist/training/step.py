@@ -87,8 +87,9 @@ class TrainStep:
         cfg = self.config
         mix = None
         if self.mixing.enabled:
+            data_rank = self.network.layout.data_rank(cfg.global_rank)
             def mix(batch, targets, micro_batch):  # drawn from (seed, step, virtual rank): the same after a resume,
-                virtual = cfg.data_parallel_rank + micro_batch * cfg.data_parallel_size  # on any world size
+                virtual = data_rank + micro_batch * cfg.data_parallel_size  # on any world size
                 return self.mixing(batch, targets, (global_step + 1, virtual, 0))
         common = dict(device=self.network.device, world=cfg.data_parallel_size, global_batch=global_batch,
                       amp=self.amp, channels_last=cfg.channels_last,

@@ -201,9 +201,10 @@ class Trainer:
         cfg, state = self.config, self.state
         epoch, first_image, started = state.epoch, state.images_in_epoch, time.perf_counter()
         finetuning.set_train_mode(self.network.wrapped)
-        resumed = cfg.global_rank == cfg.totals_rank and state.images_in_epoch  # it continues the epoch's totals
+        where, counted = self.network.layout, self.network.layout.counts_metrics(cfg.global_rank)
+        resumed = cfg.global_rank == where.totals_rank and state.images_in_epoch  # it continues the epoch's totals
         state.meter = engine.EpochMeter(self.network.device, state.resumed_sums if resumed else (0.0, 0.0, 0.0),
-                                        state.resumed_seconds if resumed else 0.0, cfg.counts_metrics)
+                                        state.resumed_seconds if resumed else 0.0, counted)
         bar = progress.Bar(self.data.images_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", enabled=progress.shown(cfg),
                            initial=state.images_in_epoch, postfix=self.remaining.postfix)
         try:

@@ -40,6 +40,8 @@ import attrs
 
 from fixres_dist import io
 from fixres_dist.config import TrainerConfig, steps_of
+from fixres_dist.distributed import layout
+from fixres_dist.distributed.layout import Layout
 from fixres_dist.distributed.preemption import Preempted
 from fixres_dist.distributed.rendezvous import LostPeers
 from fixres_dist.errors import FixresError, plural
@@ -50,22 +52,25 @@ LOSS_FILE = "lost.json"  # in the job folder: where the survivors of a lost peer
 @attrs.frozen
 class SavedRun:
     """The batches of the run that wrote a checkpoint: its data-parallel ranks, global batch (images per
-    optimizer step), micro-batches per rank, and the ranks whose last-batch rule its global batch keeps."""
+    optimizer step), micro-batches per rank, the ranks whose last-batch rule its global batch keeps, and
+    its parallel layout."""
 
     data_parallel_size: int
     images_per_step: int
     accumulation: int
     global_batch_ranks: int
+    layout: Layout
 
     @classmethod
     def of(cls, contents) -> "SavedRun":
         """From a checkpoint's :class:`~fixres_dist.training.checkpoint.Contents` (its ``config`` and ``ranks``;
         a field absent there: its default), as :func:`fixres_dist.config.steps_of` computes a run's steps."""
         saved = contents.config
-        data_parallel = len(contents.ranks) // (saved.get("tensor_parallel", 1) * saved.get("pipeline_stages", 1))
+        was = Layout.saved(contents.layout, saved, len(contents.ranks))
+        data_parallel = was.data_parallel_size
         images, accumulation = steps_of(saved["batch"], data_parallel, saved.get("grad_accum_steps", 1),
                                         saved.get("global_batch"))
-        return cls(data_parallel, images, accumulation, saved.get("global_batch_ranks") or data_parallel)
+        return cls(data_parallel, images, accumulation, saved.get("global_batch_ranks") or data_parallel, was)
 
 
 def check_minimum(config: TrainerConfig, contents) -> None:
@@ -94,8 +99,9 @@ def continued(config: TrainerConfig, contents, warn: Callable[[str], None]) -> T
     plain = attrs.evolve(config, global_batch=None, global_batch_ranks=None)
     if config.world_change == "keep-rank-batch" or wanted == plain.images_per_step:
         return plain
-    if config.pipeline_stages > 1 or wanted < 2 * config.data_parallel_size:
-        why = ("pipeline stages do not accumulate micro-batches" if config.pipeline_stages > 1 else
+    staged = layout.of(config).pipeline_enabled
+    if staged or wanted < 2 * config.data_parallel_size:
+        why = ("pipeline stages do not accumulate micro-batches" if staged else
                f"it would leave some of the {config.data_parallel_size} data-parallel ranks fewer than 2 images")
         warn(f"the global batch of {wanted} images is not kept ({why}): each rank keeps --batch {config.batch} "
              "(--world-change keep-rank-batch)")
@@ -161,6 +167,7 @@ def event(config: TrainerConfig, contents, hosts_after: list[str], images_per_ep
               "micro_batches_before": saved.data_parallel_size * saved.accumulation,
               "micro_batches": config.data_parallel_size * config.accumulation,
               "base_lr_before": (contents.schedule or {}).get("base_lr"), "base_lr": lr,
+              "layout_before": saved.layout.describe(), "layout": layout.of(config).describe(),
               "images_lost": None, "seconds_since_loss": None}
     reached = loss["epoch"] * images_per_epoch + loss["images_in_epoch"] if loss is not None else -1
     if loss is not None and loss["step"] >= contents.global_step and at <= reached <= at + 1000 * images_per_epoch:
@@ -196,7 +203,8 @@ def describe(fields: dict, train_images: int, split: str, batchnorm: bool) -> st
     if fields["images_lost"] is not None:
         lost = (f"; {fields['images_lost']:,} images trained since the last checkpoint are trained again, "
                 f"{fields['seconds_since_loss']:.1f} s after the survivors saw the loss")
-    return f"world change: {where}: {at}; {batch}{norms}; RNG streams restart{lost}"
+    layouts = f"; layout {fields['layout_before']} -> {fields['layout']}" if "layout" in fields else ""
+    return f"world change: {where}: {at}; {batch}{norms}; RNG streams restart{lost}{layouts}"
 
 
 def after_failure(config: TrainerConfig, state, failure: Exception) -> None:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from fixres_dist.bench.__main__ import check_writable
 from fixres_dist.bench.layouts import GRAMMAR, parse_layouts
+from fixres_dist.entry.startup import quiet_native_logs
 from fixres_dist.errors import FixresError, first_line, say
 from fixres_dist.models.memory_table import OneLineParser, count
 
@@ -197,4 +198,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    quiet_native_logs()  # before torch is imported: c10d's page of C++ frames when a rank's store goes away at the end
     main()

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import shown_commands as shown
 from conftest import ROOT, clean_env
 from fixres_dist.bench import strategies
 from fixres_dist.bench.layouts import parse_layouts
@@ -23,6 +25,11 @@ def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def test_four_layouts_on_two_ranks_side_by_side(tmp_path):
+    """docs/sharding.md's command, shrunk to timm's test ViT on 2 ranks for 2 CPU cores."""
+    command = shown.argv(shown.command("python -m fixres_dist.bench.strategies"))
+    shown_args = strategies.build_parser().parse_args(command[3:])
+    assert [layout.text for layout in shown_args.layouts] == ["ddp", "full", "hybrid:2", "tensor:2", "pipeline:2"]
+    assert shown_args.ranks == 4 and shown_args.json == Path("strategies.json")
     saved = tmp_path / "strategies.json"
     done = run(*TINY, "--ranks", "2", "--steps", "2", "--warmup", "0", "--layouts", ",".join(LAYOUTS),
                "--json", str(saved))

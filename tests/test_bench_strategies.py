@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import shown_commands as shown
 from conftest import ROOT, clean_env
-from fixres_dist.bench import strategies
+from fixres_dist.bench import local_ranks, strategies
 from fixres_dist.bench.layouts import parse_layouts
 
 TINY = ["--architecture", "timm/test_vit", "--size", "32", "--batch", "8"]
@@ -64,6 +65,21 @@ def test_four_layouts_on_two_ranks_side_by_side(tmp_path):
     ddp = layouts["ddp"]["model_states_mib"]
     assert all(layouts[name]["model_states_mib"] < 0.75 * ddp for name in ("full", "tensor:2", "pipeline:2"))
     assert layouts["tensor:2"]["ranks"][0]["data_parallel"] == 1 and layouts["ddp"]["ranks"][0]["data_parallel"] == 2
+
+
+def failing_rank(rank: int, spec: dict, port: int, folder: str) -> None:
+    """Rank 1 fails at once; rank 0 waits for it as for a peer in a collective, and would wait a minute."""
+    with local_ranks.rank_result(folder, spec["name"], rank) as result:
+        if rank == 1:
+            raise RuntimeError("broken on purpose\nsecond line")
+        time.sleep(60)
+        result["done"] = True
+
+
+def test_a_failed_rank_ends_its_peers_and_is_one_line(tmp_path):
+    results = local_ranks.run_ranks(failing_rank, {"world": 2, "name": "broken"}, tmp_path, grace=1)
+    assert results[1] == {"rank": 1, "error": "RuntimeError: broken on purpose"}
+    assert results[0]["rank"] == 0 and results[0]["error"] == "no result (ended when rank 1 failed)", results
 
 
 def test_meshes_in_words():

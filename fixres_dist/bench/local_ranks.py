@@ -45,23 +45,24 @@ def rank_result(folder: str | Path, name: str, rank: int):
         result_path(folder, name, rank).write_text(json.dumps(result))
 
 
-def run_ranks(target: Callable, spec: dict, folder: str | Path, name: str | None = None) -> list[dict]:
+def run_ranks(target: Callable, spec: dict, folder: str | Path, name: str | None = None,
+              grace: float = GRACE_SECONDS) -> list[dict]:
     """Run ``target(rank, spec, port, folder)`` on ``spec["world"]`` local ranks and return each rank's
     result (written with :func:`rank_result` under ``name``, default ``spec["name"]``); a rank that wrote
-    none is ``{"rank": r, "error": ...}``. When a rank fails the others are ended, and the parent goes on."""
+    none is ``{"rank": r, "error": "no result (...)"}``. When a rank fails, the others have ``grace``
+    seconds to end, then are ended (SIGTERM, then SIGKILL), and the parent goes on."""
     name = name or spec["name"]
     mp.set_forkserver_preload(PRELOAD)
-    failure = None
+    failure = "the process wrote none"
     try:
         context = mp.start_processes(target, args=(spec, free_port(), str(folder)), nprocs=spec["world"],
                                      start_method="forkserver", join=False)
-        while not context.join(grace_period=GRACE_SECONDS):
+        while not context.join(grace_period=grace):
             pass
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:  # the rank printed its traceback
-        failure = first_line(exc)
-    results = []
-    for rank in range(spec["world"]):
-        path = result_path(folder, name, rank)
-        results.append(json.loads(path.read_text()) if path.exists()
-                       else {"rank": rank, "error": f"no result ({failure or 'the process wrote none'})"})
-    return results
+    except mp.ProcessRaisedException as exc:  # the rank printed its traceback and wrote its error
+        failure = f"ended when rank {exc.error_index} failed"
+    except mp.ProcessExitedException as exc:  # killed, or exited without raising
+        failure = f"ended when rank {exc.error_index} exited: {first_line(exc)}"
+    paths = [result_path(folder, name, rank) for rank in range(spec["world"])]
+    return [json.loads(path.read_text()) if path.exists() else {"rank": rank, "error": f"no result ({failure})"}
+            for rank, path in enumerate(paths)]

@@ -111,7 +111,7 @@ def refusal(spec: dict, folder: str) -> str | None:
 def summary(layout, args: argparse.Namespace, ranks: list[dict], error: str | None) -> dict:
     """A layout's row: its figures over the ranks (the slowest median step, the largest peak), or its error."""
     row = {"layout": layout.text, "mesh": layout.mesh(args.ranks), "fields": layout.fields(), "ranks": ranks}
-    failed = [r for r in ranks if r.get("error")]
+    failed = sorted((r for r in ranks if r.get("error")), key=lambda r: r["error"].startswith("no result"))  # the cause
     error = error or (f"rank {failed[0]['rank']}: {failed[0]['error']}" if failed else None)
     if error:
         return {**row, "error": error}

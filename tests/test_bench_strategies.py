@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,8 @@ def test_a_failed_rank_ends_its_peers_and_is_one_line(tmp_path):
     results = local_ranks.run_ranks(failing_rank, {"world": 2, "name": "broken"}, tmp_path, grace=1)
     assert results[1] == {"rank": 1, "error": "RuntimeError: broken on purpose"}
     assert results[0]["rank"] == 0 and results[0]["error"] == "no result (ended when rank 1 failed)", results
+    row = strategies.summary(parse_layouts("ddp")[0], Namespace(ranks=2, batch=8), results, None)
+    assert row["error"] == "rank 1: RuntimeError: broken on purpose"  # the cause, not the peer it took down
 
 
 def test_meshes_in_words():

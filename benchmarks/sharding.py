@@ -5,15 +5,17 @@ time of the project's sharded training step against a raw FSDP2 loop.
 its own configuration (``TrainerConfig(sharding=..., opt="adamw", ...)`` then ``Trainer.build``: the
 model, ``Network.wrap``: DDP, or ``fully_shard`` per block then the root on the project's mesh, then
 the optimizer) and runs ``Trainer.train_step`` on a fixed in-memory batch: one step that creates the
-optimizer state, then ``--memory-steps`` measured steps. Layouts: ``ddp`` and ``full`` on ``--ranks``
-ranks, ``hybrid`` on ``--hybrid-ranks`` ranks in shard groups of ``--shard-group-size`` (2 x 2 on 4
-ranks by default), and ``full`` on those ranks too, for comparison. DDP's memory per rank does not
-depend on the number of ranks (every rank holds the whole model), so the DDP row is the reference of
-both ratios.
+optimizer state, then ``--memory-steps`` measured steps (a rank's measurement is the package's,
+:func:`fixres_dist.bench.trainer_rank.measure_rank`, shared with ``python -m
+fixres_dist.bench.strategies``, which puts tensor parallelism and pipeline stages beside these).
+Layouts: ``ddp`` and ``full`` on ``--ranks`` ranks, ``hybrid`` on ``--hybrid-ranks`` ranks in shard
+groups of ``--shard-group-size`` (2 x 2 on 4 ranks by default), and ``full`` on those ranks too, for
+comparison. DDP's memory per rank does not depend on the number of ranks (every rank holds the whole
+model), so the DDP row is the reference of both ratios.
 
-* CPU: :class:`LiveBytes`, a dispatch mode written here that counts the bytes of every live tensor
-  storage made under it (DTensor shards as their local pieces; FSDP2's gathered parameters while
-  their storage is allocated). It is entered before ``Trainer.build``, so it holds the model, DDP's
+* CPU: :class:`fixres_dist.bench.rank_memory.LiveBytes`, a dispatch mode that counts the bytes of
+  every live tensor storage made under it (DTensor shards as their local pieces; FSDP2's gathered
+  parameters while their storage is allocated). It is entered before ``Trainer.build``, so it holds the model, DDP's
   gradient buckets, FSDP2's shards, the optimizer state and every activation and temporary of the
   steps; gloo's own buffers and the input batch (made before) are not counted. ``peak``: its peak
   over the measured steps (reset after the first step to what is then resident); ``resident``: what
@@ -49,7 +51,8 @@ the pass/fail. Beside it on CPU, the ratio of the median CPU time per step of ra
 its threads, gloo's included; waiting for the other rank costs none): less sensitive to other work
 on a shared machine than the wall clock, though not immune to it (caches, memory bandwidth).
 
-Local ranks are forked from a forkserver that imports torch, timm and the package once; they meet
+Local ranks are forked from a forkserver that imports torch, timm and the package once
+(:mod:`fixres_dist.bench.local_ranks`); they meet
 over gloo at tcp://127.0.0.1:<free port> (NCCL and one GPU per rank with ``--device cuda``); on CPU
 the Trainer gives each rank ``cores // ranks`` threads (the raw loop runs in the same processes).
 On a shared machine, other work shows in every wall-clock figure: the header prints the load average.
@@ -62,30 +65,20 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
-import warnings
-import weakref
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
-from fixres_dist import FixresWarning, Trainer, TrainerConfig
-from fixres_dist.data.pipeline import check_image_folder, embedded_data_path
-from fixres_dist.data.samplers import ExactBatchSampler
+from fixres_dist.bench.local_ranks import rank_result, run_ranks
+from fixres_dist.bench.trainer_rank import loader_for, measure_rank, rank_setup
 from fixres_dist.distributed import collectives
 
 TARGET = 0.97
@@ -99,8 +92,6 @@ PRESETS = {  # per device; --quick replaces the device's preset; flags given exp
              "memory_steps": 2, "amp": "bf16"},
 }
 AMP_DTYPES = {"bf16": torch.bfloat16, "off": None}  # not fp16: the Trainer adds a GradScaler, the raw loop has none
-# What the forkserver imports once (each rank is forked from it with these already imported).
-PRELOAD = ["fixres_dist.training.trainer", "timm", "torch.distributed.fsdp"]
 
 
 class Stopwatch:
@@ -131,24 +122,6 @@ class Stopwatch:
             torch.cuda.synchronize()
             return [a.elapsed_time(b) / 1000 for a, b in zip(self.events, self.events[1:])]
         return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
-
-
-class FixedBatches:
-    """The Trainer's training loader here: the same in-memory batch for every batch of its sampler
-    (the project's ``ExactBatchSampler``, which the epoch loop asks for its sizes), stamped on ``watch``
-    at every batch request and at the end."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, sampler: ExactBatchSampler, watch: Stopwatch):
-        self.images, self.labels, self.batch_sampler, self.watch = images, labels, sampler, watch
-
-    def __len__(self) -> int:
-        return len(self.batch_sampler)
-
-    def __iter__(self):
-        for _ in self.batch_sampler:
-            self.watch.stamp()
-            yield self.images, self.labels, 0
-        self.watch.stamp()
 
 
 class RawFSDP:
@@ -194,247 +167,50 @@ class RawFSDP:
         watch.stamp()
 
 
-def trainer_config(spec: dict, rank: int, port: int, folder: str) -> TrainerConfig:
-    cuda = spec["device"] == "cuda"
-    extra = {"shard_group_size": spec["group"]} if spec["sharding"] == "hybrid" else {}
-    return TrainerConfig(num_tasks=spec["world"], global_rank=rank, local_rank=rank, job_id=f"bench-{spec['name']}",
-                         dist_url=f"tcp://127.0.0.1:{port}", shared_folder_path=folder, mode="scratch",
-                         architecture=spec["architecture"], input_size=spec["size"], batch=spec["batch"],
-                         opt="adamw", epochs=spec["rounds"] + 2, workers=0, progress=False, device=spec["device"],
-                         dist_backend="nccl" if cuda else "gloo", amp=spec["amp"], sharding=spec["sharding"], **extra)
-
-
-def local_bytes(tensor: torch.Tensor | None) -> int:
-    if tensor is None:
-        return 0
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    params = list(model.parameters())
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.ndim]
-    return {"parameters": sum(local_bytes(p) for p in params), "gradients": sum(local_bytes(p.grad) for p in params),
-            "optimizer": sum(local_bytes(v) for v in state)}
-
-
-def fixed_batch(spec: dict, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    num_classes = len(check_image_folder(embedded_data_path()))
-    generator = torch.Generator().manual_seed(rank)
-    images = torch.randint(0, 256, (spec["batch"], 3, spec["size"], spec["size"]), dtype=torch.uint8,
-                           generator=generator)
-    labels = torch.randint(0, num_classes, (spec["batch"],), generator=generator)
-    return images.to(device), labels.to(device), num_classes
-
-
-def loader_for(spec: dict, rank: int, images, labels, watch: Stopwatch, seed: int) -> FixedBatches:
-    # world x batch x steps "images": `steps` batches per rank and epoch.
-    world, batch = spec["world"], spec["batch"]
-    return FixedBatches(images, labels, ExactBatchSampler(world * batch * spec["steps"], world, rank, batch,
-                                                          shuffle=True, seed=seed, training=True), watch)
-
-
-def device_of(spec: dict, rank: int) -> torch.device:
-    return torch.device("cuda", rank) if spec["device"] == "cuda" else torch.device("cpu")
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the live tensor storages made under it, now (``current``) and at most (``peak``).
-
-    A dispatch mode sees every aten op run in its thread (and in the autograd engine's, which
-    inherits it), C++ callers such as DDP's reducer included; it records each output's storage once,
-    with a weak reference whose callback takes its bytes off when the storage is freed, and follows
-    ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates gathered parameters that way). DTensor
-    ops are let through to their local ops (a shard counts as its local piece). Not seen: storages
-    made before it was entered (unless an op returns a view of one) and memory a library keeps
-    outside tensors (gloo's buffers)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live: dict[int, list] = {}  # id(storage) -> [weak reference, bytes]
-        self.current = self.peak = 0
-        self._resize = None  # the original UntypedStorage.resize_ while entered
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
-
-    def _change(self, delta: int) -> None:
-        self.current += delta
-        self.peak = max(self.peak, self.current)
-
-    def _freed(self, key: int) -> None:
-        entry = self.live.pop(key, None)
-        if entry is not None:
-            self._change(-entry[1])
-
-    def _see(self, storage: torch.UntypedStorage) -> None:
-        key, size = id(storage), storage.nbytes()
-        entry = self.live.get(key)
-        if entry is not None and entry[0]() is storage:
-            if size != entry[1]:  # resized by an op (Tensor.resize_)
-                self._change(size - entry[1])
-                entry[1] = size
-            return
-        self.live[key] = [weakref.ref(storage, lambda _, key=key: self._freed(key)), size]
-        self._change(size)
-
-    def _resized(self, storage: torch.UntypedStorage) -> None:
-        entry = self.live.get(id(storage))
-        if entry is not None and entry[0]() is storage:
-            size = storage.nbytes()
-            self._change(size - entry[1])
-            entry[1] = size
-
-    def __enter__(self):
-        original = torch.UntypedStorage.resize_
-
-        def resize_(storage, size):
-            result = original(storage, size)
-            self._resized(storage)
-            return result
-
-        self._resize = original
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.UntypedStorage.resize_, self._resize = self._resize, None
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # DTensor runs its local ops, which come back here
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._see(leaf.untyped_storage())
-        return out
-
-
-def rank_setup(rank: int, spec: dict, port: int, folder: str):
-    """A benchmark rank's configuration, device, unbuilt Trainer and fixed batch (images, labels, classes)."""
-    warnings.simplefilter("ignore", FixresWarning)
-    cfg = trainer_config(spec, rank, port, folder)
-    device = device_of(spec, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    batch = fixed_batch(spec, rank, device)
-    return cfg, device, Trainer(cfg, log=lambda message: None), batch
-
-
-def memory_rank(rank: int, spec: dict, port: int, folder: str) -> None:
-    """One rank of a memory layout: build the Trainer, one step, then the measured steps."""
-    cfg, device, trainer, (images, labels, _) = rank_setup(rank, spec, port, folder)
-    result = {"rank": rank}
-    cpu = device.type == "cpu"
-    tracker = LiveBytes()
-    stack = contextlib.ExitStack()
-    try:
-        if cpu:
-            stack.enter_context(tracker)
-        else:
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        started = time.perf_counter()
-        trainer.build(train_loader=loader_for(spec, rank, images, labels, Stopwatch(False), cfg.seed))
-        build_seconds = time.perf_counter() - started
-        resident = tracker.current if cpu else torch.cuda.memory_allocated() - before
-        trainer.train_step(images, labels)  # creates the optimizer state
-        if cpu:
-            tracker.reset_peak()
-        else:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        started = time.perf_counter()
-        for _ in range(spec["memory_steps"]):
-            trainer.train_step(images, labels)
-        if cpu:
-            peak, after = tracker.peak, tracker.current
-        else:
-            torch.cuda.synchronize()
-            peak, after = torch.cuda.max_memory_allocated() - before, torch.cuda.memory_allocated() - before
-        seconds = (time.perf_counter() - started) / spec["memory_steps"]
-        model = trainer.network.model
-        result.update(resident=resident, peak=peak, after_steps=after, seconds_per_step=seconds,
-                      build_seconds=build_seconds, model_states=model_state_bytes(model, trainer.step.optimizer),
-                      parameters=sum(p.numel() for p in model.parameters()),
-                      local_parameters=sum(local_bytes(p) // p.element_size() for p in model.parameters()),
-                      threads=torch.get_num_threads())
-    except Exception as exc:
-        traceback.print_exc()
-        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        raise
-    finally:
-        stack.close()
-        (Path(folder) / f"{spec['name']}-rank{rank}.json").write_text(json.dumps(result))
-        trainer.close()
-
-
 def speed_rank(rank: int, spec: dict, port: int, folder: str) -> None:
     """One rank of the step-time comparison: the project's sharded epoch and the raw FSDP2 loop, interleaved."""
-    cfg, device, trainer, (images, labels, num_classes) = rank_setup(rank, spec, port, folder)
-    result = {"rank": rank}
-    try:
-        watch = Stopwatch(device.type == "cuda")
-        trainer.build(train_loader=loader_for(spec, rank, images, labels, watch, cfg.seed))
-        mean, std = trainer.network.preprocessing.normalization
-        raw = RawFSDP(spec, num_classes, trainer.step.base_lr, cfg.weight_decay, device, mean, std)
+    with rank_result(folder, spec["name"], rank) as result:
+        cfg, device, trainer, (images, labels, num_classes) = rank_setup(rank, spec, port, folder)
+        try:
+            watch = Stopwatch(device.type == "cuda")
+            trainer.build(train_loader=loader_for(cfg, images, labels, spec["steps"], watch.stamp))
+            mean, std = trainer.network.preprocessing.normalization
+            raw = RawFSDP(spec, num_classes, trainer.step.base_lr, cfg.weight_decay, device, mean, std)
 
-        def project(round_: int) -> None:
-            trainer.state.epoch, trainer.state.images_in_epoch = round_, 0
-            trainer.train_epoch()
+            def project(round_: int) -> None:
+                trainer.state.epoch, trainer.state.images_in_epoch = round_, 0
+                trainer.train_epoch()
 
-        loops = {"raw": lambda round_: raw.epoch(images, labels, spec["steps"], watch), "project": project}
-        steps = {name: [] for name in loops}
-        cpu_steps = {name: [] for name in loops}
-        epochs = {name: [] for name in loops}
-        for round_ in range(spec["rounds"] + 1):  # round 0 warms both up
-            for name in sorted(loops, reverse=round_ % 2 == 1):
-                watch.clear()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                collectives.barrier()
-                started = time.perf_counter()
-                loops[name](round_)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                if round_:
-                    epochs[name].append(time.perf_counter() - started)
-                    steps[name] += watch.intervals()
-                    cpu_steps[name] += watch.cpu_intervals()
-        raw_step, project_step = statistics.median(steps["raw"]), statistics.median(steps["project"])
-        raw_cpu, project_cpu = statistics.median(cpu_steps["raw"]), statistics.median(cpu_steps["project"])
-        result.update(raw_step=raw_step, project_step=project_step, ratio=raw_step / project_step,
-                      raw_steps=steps["raw"], project_steps=steps["project"],
-                      raw_cpu=raw_cpu, project_cpu=project_cpu, cpu_ratio=raw_cpu / project_cpu,
-                      raw_cpu_steps=cpu_steps["raw"], project_cpu_steps=cpu_steps["project"],
-                      epoch_ratio=statistics.median(r / p for r, p in zip(epochs["raw"], epochs["project"])),
-                      threads=torch.get_num_threads(),
-                      same_shards=[tuple(a.to_local().shape) for a in trainer.network.model.parameters()]
-                      == [tuple(b.to_local().shape) for b in raw.model.parameters()])
-    except Exception as exc:
-        traceback.print_exc()
-        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        raise
-    finally:
-        (Path(folder) / f"{spec['name']}-rank{rank}.json").write_text(json.dumps(result))
-        trainer.close()
-
-
-def run_ranks(target, spec: dict, folder: str) -> list[dict]:
-    """Start ``spec['world']`` local ranks of ``target`` (forked from the forkserver); their results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    try:
-        mp.start_processes(target, args=(spec, port, folder), nprocs=spec["world"], start_method="forkserver")
-    except Exception as exc:  # the rank printed its traceback; report the others' results
-        print(f"sharding: {spec['name']} failed: {type(exc).__name__}", file=sys.stderr)
-    results = []
-    for rank in range(spec["world"]):
-        path = Path(folder) / f"{spec['name']}-rank{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "error": "no result"})
-    return results
+            loops = {"raw": lambda round_: raw.epoch(images, labels, spec["steps"], watch), "project": project}
+            steps = {name: [] for name in loops}
+            cpu_steps = {name: [] for name in loops}
+            epochs = {name: [] for name in loops}
+            for round_ in range(spec["rounds"] + 1):  # round 0 warms both up
+                for name in sorted(loops, reverse=round_ % 2 == 1):
+                    watch.clear()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    collectives.barrier()
+                    started = time.perf_counter()
+                    loops[name](round_)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    if round_:
+                        epochs[name].append(time.perf_counter() - started)
+                        steps[name] += watch.intervals()
+                        cpu_steps[name] += watch.cpu_intervals()
+            raw_step, project_step = statistics.median(steps["raw"]), statistics.median(steps["project"])
+            raw_cpu, project_cpu = statistics.median(cpu_steps["raw"]), statistics.median(cpu_steps["project"])
+            result.update(raw_step=raw_step, project_step=project_step, ratio=raw_step / project_step,
+                          raw_steps=steps["raw"], project_steps=steps["project"],
+                          raw_cpu=raw_cpu, project_cpu=project_cpu, cpu_ratio=raw_cpu / project_cpu,
+                          raw_cpu_steps=cpu_steps["raw"], project_cpu_steps=cpu_steps["project"],
+                          epoch_ratio=statistics.median(r / p for r, p in zip(epochs["raw"], epochs["project"])),
+                          threads=torch.get_num_threads(),
+                          same_shards=[tuple(a.to_local().shape) for a in trainer.network.model.parameters()]
+                          == [tuple(b.to_local().shape) for b in raw.model.parameters()])
+        finally:
+            trainer.close()
 
 
 def mib(count: float) -> str:
@@ -480,8 +256,7 @@ def main() -> None:
         if hybrid > gpus:
             print(f"sharding: hybrid shard skipped: {hybrid} ranks need {hybrid} GPUs, {gpus} visible")
             hybrid = 0
-    mp.set_forkserver_preload(PRELOAD)
-    base = {**preset, "device": args.device}
+    base = {**preset, "device": args.device, "epochs": preset["rounds"] + 2}
     where = (f"{torch.cuda.get_device_name()} x {torch.cuda.device_count()}" if args.device == "cuda"
              else f"{len(os.sched_getaffinity(0))} cores")
     started = time.perf_counter()
@@ -507,9 +282,10 @@ def main() -> None:
             reference = None
             for sharding, world, group in layouts:
                 mesh = {"ddp": "replicas", "full": f"{world}", "hybrid": f"{world // (group or 1)} x {group}"}
-                spec = {**base, "sharding": sharding, "world": world, "group": group,
-                        "name": f"memory-{sharding}-{world}"}
-                results = run_ranks(memory_rank, spec, folder)
+                fields = {"sharding": sharding, "shard_group_size": group if sharding == "hybrid" else None}
+                spec = {**base, "fields": fields, "world": world, "name": f"memory-{sharding}-{world}",
+                        "warmup": 0, "steps": 0}  # the memory steps only
+                results = run_ranks(measure_rank, spec, folder)
                 failed = [r for r in results if "error" in r]
                 if failed:
                     print(f"| {sharding:<6} | {world:>5} | failed: {failed[0]['error']} |", flush=True)
@@ -541,7 +317,7 @@ def main() -> None:
                                             f"{args.shard_group_size}) / DDP"}
                 print("peak memory per rank: " + "; ".join(f"{names[k]} {v:.2f}" for k, v in out["ratios"].items()))
         if args.only != "memory":
-            spec = {**base, "sharding": "full", "world": args.ranks, "group": None, "name": f"speed-full-{args.ranks}"}
+            spec = {**base, "fields": {"sharding": "full"}, "world": args.ranks, "name": f"speed-full-{args.ranks}"}
             print(f"\nstep time, --sharding full on {args.ranks} ranks: project (Trainer.train_epoch) against a raw "
                   f"FSDP2 loop, {preset['rounds']} x {preset['steps']} steps each, interleaved; target raw/project >= "
                   f"{TARGET}", flush=True)

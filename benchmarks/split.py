@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
 from fixres_dist.bench.cost import timed
+from fixres_dist.bench.local_ranks import free_port
 from fixres_dist.distributed import collectives
 from fixres_dist.distributed import pipeline as pp
 from fixres_dist.models.architectures import build_model
@@ -141,10 +141,8 @@ def main() -> None:
         torch.set_num_threads(os.cpu_count() or 1)
     whole = unsplit(args)
     with tempfile.TemporaryDirectory() as out:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        mp.start_processes(rank_main, args=(args.stages, port, args, out), nprocs=args.stages, start_method="spawn")
+        mp.start_processes(rank_main, args=(args.stages, free_port(), args, out), nprocs=args.stages,
+                           start_method="spawn")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.stages)]
     print(f"unsplit step: {1000 * whole:.1f} ms")
     print("| schedule | micro-batches | step (ms) | vs unsplit | bubble | theory | stage times (ms per micro-batch) "

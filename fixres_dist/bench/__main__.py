@@ -13,9 +13,10 @@ Bad input (an unknown architecture or compile backend, a resolution a model cann
 that cannot be written, fp16 without a GPU) is one line on stderr before anything is measured:
 exit status 2 for a usage error, 1 otherwise. A setting that fails while measuring (out of memory,
 a compiler error) is a row saying why; the others go on (exit status 1 if none could be measured).
-Ctrl-C stops it with nothing written (exit status 130). Single device, single process: the peak
-memory of sharded training is ``benchmarks/sharding.py``'s and ``python -m
-fixres_dist.training.memory_table``'s.
+Ctrl-C stops it with nothing written (exit status 130). Single device, single process: parallel
+layouts on several ranks (DDP, sharded, tensor parallel, pipeline stages) are ``python -m
+fixres_dist.bench.strategies``'s (:mod:`fixres_dist.bench.strategies`), estimates of sharded memory
+``python -m fixres_dist.training.memory_table``'s.
 """
 from __future__ import annotations
 
@@ -106,18 +107,23 @@ def check_files(args: argparse.Namespace) -> None:
     if args.plot and args.plot.suffix.lower() not in PLOT_FORMATS:
         raise FixresError(f"--plot {args.plot}: name a {', '.join(PLOT_FORMATS)} file")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is None:
-            continue
-        if path.is_dir() or not path.resolve().parent.is_dir():
-            raise FixresError(f"{flag} {path}: not a file in an existing folder")
-        existed = path.exists()
-        try:
-            with open(path, "a"):  # an existing file is left as it is until the figures are written
-                pass
-        except OSError as exc:
-            raise FixresError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
-        if not existed:
-            path.unlink()
+        if path is not None:
+            check_writable(flag, path)
+
+
+def check_writable(flag: str, path: Path) -> None:
+    """``path`` (given as ``flag``) can be written, and is left as it was; raises :class:`FixresError`
+    in one line naming the flag."""
+    if path.is_dir() or not path.resolve().parent.is_dir():
+        raise FixresError(f"{flag} {path}: not a file in an existing folder")
+    existed = path.exists()
+    try:
+        with open(path, "a"):  # an existing file is left as it is until the figures are written
+            pass
+    except OSError as exc:
+        raise FixresError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink()
 
 
 def check(args: argparse.Namespace, device: str) -> None:

@@ -69,9 +69,9 @@ def forward_gflops(model: torch.nn.Module, size: int, device: torch.device) -> f
     return counter.get_total_flops() / 2 / 1e9
 
 
-def timed(run, steps: int, warmup: int, device: torch.device) -> float:
-    """Seconds per call of ``run()``: the median of ``steps`` timed calls (each between device
-    synchronisations) after ``warmup`` untimed ones; a median resists a burst of other work."""
+def step_seconds(run, steps: int, warmup: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``steps`` timed calls of ``run()`` (each between device synchronisations), after
+    ``warmup`` untimed ones."""
     for _ in range(warmup):
         run()
     seconds = []
@@ -83,7 +83,12 @@ def timed(run, steps: int, warmup: int, device: torch.device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    return seconds
+
+
+def timed(run, steps: int, warmup: int, device: torch.device) -> float:
+    """Seconds per call of ``run()``: the median of :func:`step_seconds`; a median resists a burst of other work."""
+    return statistics.median(step_seconds(run, steps, warmup, device))
 
 
 def measure(setting: Setting, device: torch.device, num_classes: int = 1000, steps: int = 10,

@@ -1,0 +1,101 @@
+"""The strategy benchmark's parallel layouts as short strings: ``ddp``, ``full``, ``hybrid`` or
+``hybrid:G``, ``tensor:N``, ``pipeline:N``, and combinations joined by ``+`` (``full+tensor:2``; the
+Trainer refuses the ones it cannot run yet, and the benchmark shows why); each one's ``TrainerConfig``
+fields (``--sharding``, ``--shard-group-size``, ``--tensor-parallel``, ``--pipeline-stages``), whether it
+divides a number of ranks, and its mesh in words. Nothing here imports torch."""
+from __future__ import annotations
+
+import argparse
+
+import attrs
+
+from fixres_dist.errors import FixresError
+
+GRAMMAR = "ddp, full, hybrid[:G], tensor:N, pipeline:N, or several joined by + (e.g. full+tensor:2)"
+
+
+@attrs.frozen
+class BenchLayout:
+    """One layout: ``sharding`` (``ddp``, ``full``, ``hybrid``), ``shard_group_size`` (hybrid's ranks per
+    shard group; None: a node's), ``tensor_parallel`` and ``pipeline_stages`` (ranks per tensor group and
+    stages per pipeline, 1 for none); ``text``: its name in the table, as given."""
+
+    text: str
+    sharding: str = "ddp"
+    shard_group_size: int | None = None
+    tensor_parallel: int = 1
+    pipeline_stages: int = 1
+
+    def fields(self) -> dict:
+        """The ``TrainerConfig`` fields that make this layout."""
+        return attrs.asdict(self, filter=lambda field, _: field.name != "text")
+
+    def data_parallel(self, ranks: int) -> int:
+        """Ranks that see different images: ``ranks`` over those of one tensor group and pipeline."""
+        return ranks // (self.tensor_parallel * self.pipeline_stages)
+
+    def check(self, ranks: int) -> None:
+        """Raises :class:`FixresError` in one line where the layout's sizes do not divide ``ranks``."""
+        split = self.tensor_parallel * self.pipeline_stages
+        if ranks % split:
+            sizes = " x ".join(f"{n} {what}" for n, what in ((self.tensor_parallel, "tensor"),
+                                                              (self.pipeline_stages, "stages")) if n > 1)
+            raise FixresError(f"--layouts {self.text}: {sizes} does not divide --ranks {ranks}")
+        group = self.shard_group_size
+        if group is not None and self.data_parallel(ranks) % group:
+            raise FixresError(f"--layouts {self.text}: shard groups of {group} do not divide the "
+                              f"{self.data_parallel(ranks)} data-parallel ranks of --ranks {ranks}")
+
+    def mesh(self, ranks: int) -> str:
+        """The ranks' mesh in words, its axes named as torchtitan's: ``"2 replicate x 2 shard"``,
+        ``"2 data x 2 tensor"``, ``"1 data x 2 stage"``."""
+        data = self.data_parallel(ranks)
+        if self.sharding == "full":
+            axes = [(data, "shard")]
+        elif self.sharding == "hybrid":
+            group = self.shard_group_size or data
+            axes = [(data // group, "replicate"), (group, "shard")]
+        else:
+            axes = [(data, "replicate" if self.tensor_parallel * self.pipeline_stages == 1 else "data")]
+        axes += [(n, what) for n, what in ((self.pipeline_stages, "stage"), (self.tensor_parallel, "tensor")) if n > 1]
+        return " x ".join(f"{n} {what}" for n, what in axes)
+
+
+def _size(part: str, text: str) -> int:
+    kind, _, number = part.partition(":")
+    try:
+        value = int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {kind} needs a whole number of ranks, as {kind}:2") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: {kind}:{value} must be at least 2 ({kind}:1 is ddp)")
+    return value
+
+
+def parse_layout(text: str) -> BenchLayout:
+    """A :class:`BenchLayout` from its string; raises ``argparse.ArgumentTypeError`` (one line) for
+    anything else."""
+    fields: dict = {}
+    for part in text.split("+"):
+        kind = part.partition(":")[0]
+        key = {"ddp": "sharding", "full": "sharding", "hybrid": "sharding", "tensor": "tensor_parallel",
+               "pipeline": "pipeline_stages"}.get(kind)
+        if key is None or (kind in ("ddp", "full") and part != kind):
+            raise argparse.ArgumentTypeError(f"unknown layout {text!r}: expected {GRAMMAR}")
+        if key in fields:
+            raise argparse.ArgumentTypeError(f"{text!r}: two {'shardings' if key == 'sharding' else kind + 's'}")
+        if key == "sharding":
+            fields["sharding"] = kind
+            if kind == "hybrid" and part != kind:
+                fields["shard_group_size"] = _size(part, text)
+        else:
+            fields[key] = _size(part, text)
+    return BenchLayout(text, **fields)
+
+
+def parse_layouts(text: str) -> list[BenchLayout]:
+    """An argparse type: a comma-separated list of layouts, each once, in the order given."""
+    names = list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError("an empty list")
+    return [parse_layout(name) for name in names]

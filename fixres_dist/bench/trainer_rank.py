@@ -16,12 +16,15 @@ import warnings
 
 import torch
 
-from fixres_dist import FixresWarning, Trainer, TrainerConfig
 from fixres_dist.bench.cost import step_seconds
 from fixres_dist.bench.local_ranks import rank_result
 from fixres_dist.bench.rank_memory import PeakMemory, local_bytes, model_state_bytes
+from fixres_dist.config import TrainerConfig
 from fixres_dist.data.pipeline import check_image_folder, embedded_data_path
 from fixres_dist.data.samplers import ExactBatchSampler
+from fixres_dist.distributed import layout
+from fixres_dist.errors import FixresWarning
+from fixres_dist.training.trainer import Trainer
 
 
 def rank_config(spec: dict, rank: int, port: int, folder: str) -> TrainerConfig:
@@ -62,7 +65,7 @@ def fixed_batch(cfg: TrainerConfig, device: torch.device) -> tuple[torch.Tensor,
     """``(images, labels, classes)``: uint8 (batch, 3, size, size) images and int64 (batch,) labels, random,
     the same on the ranks of one tensor group or pipeline (seeded by the data-parallel rank)."""
     num_classes = len(check_image_folder(embedded_data_path()))
-    generator = torch.Generator().manual_seed(cfg.data_parallel_rank)
+    generator = torch.Generator().manual_seed(layout.of(cfg).data_rank(cfg.global_rank))
     size = cfg.first_input_size
     images = torch.randint(0, 256, (cfg.batch, 3, size, size), dtype=torch.uint8, generator=generator)
     labels = torch.randint(0, num_classes, (cfg.batch,), generator=generator)
@@ -72,9 +75,9 @@ def fixed_batch(cfg: TrainerConfig, device: torch.device) -> tuple[torch.Tensor,
 def loader_for(cfg: TrainerConfig, images: torch.Tensor, labels: torch.Tensor, steps: int,
                stamp=None) -> FixedBatches:
     """``steps`` batches per epoch on every data-parallel rank, each the fixed batch."""
-    replicas, batch = cfg.data_parallel_size, cfg.batch
-    return FixedBatches(images, labels, ExactBatchSampler(replicas * batch * steps, replicas, cfg.data_parallel_rank,
-                                                          batch, shuffle=True, seed=cfg.seed, training=True), stamp)
+    replicas, batch, data_rank = cfg.data_parallel_size, cfg.batch, layout.of(cfg).data_rank(cfg.global_rank)
+    return FixedBatches(images, labels, ExactBatchSampler(replicas * batch * steps, replicas, data_rank, batch,
+                                                          shuffle=True, seed=cfg.seed, training=True), stamp)
 
 
 def rank_setup(rank: int, spec: dict, port: int, folder: str):

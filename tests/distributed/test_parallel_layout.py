@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import shown_commands as shown
-from conftest import free_port
+from conftest import free_port, run_script
 from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import collectives, layout
 from fixres_dist.distributed import pipeline as pp
@@ -239,3 +239,17 @@ def test_the_dry_runs_exact_parts_are_what_a_real_gloo_run_holds(tmp_path):
                                                        held[rank]["pipeline"]["optimizer"]), rank
         assert (split.stages[0].parameters, split.stages[0].optimizer) == (held[rank]["tensor"]["parameters"],
                                                                            held[rank]["tensor"]["optimizer"]), rank
+
+
+def test_a_hybrid_checkpoint_records_the_shard_groups_its_mesh_was_built_with(tiny_data, tmp_path):
+    """No --shard-group-size: the launcher's hint (SLURM_NTASKS_PER_NODE=2) says 2 ranks per node, but the
+    4 ranks met on one host, and the mesh shards over the ranks of a node as they met (4): the checkpoint
+    records that layout, not the hint's."""
+    result = run_script("scratch", "--num-tasks", 4, "--job-id", "hybrid", "--shared-folder-path", tmp_path,
+                        "--data-path", tiny_data, "--architecture", "timm/test_vit", "--input-size", 32, "--batch", 4,
+                        "--epochs", 1, "--workers", 0, "--no-progress", "--sharding", "hybrid",
+                        env={"SLURM_NTASKS_PER_NODE": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sharded over a mesh of 1 replicate x 4 shard ranks" in result.stderr + result.stdout
+    saved = checkpoint.Contents.from_dict(checkpoint.load_checkpoint(tmp_path / "hybrid" / checkpoint.CHECKPOINT_FILE))
+    assert saved.layout == {"replicate": 1, "shard": 4, "tensor": 1, "pipeline": 1}

@@ -256,3 +256,19 @@ def test_a_hybrid_checkpoint_records_the_shard_groups_its_mesh_was_built_with(ti
     assert "sharded over a mesh of 1 replicate x 4 shard ranks" in result.stderr + result.stdout
     saved = checkpoint.Contents.from_dict(checkpoint.load_checkpoint(tmp_path / "hybrid" / checkpoint.CHECKPOINT_FILE))
     assert saved.layout == {"replicate": 1, "shard": 4, "tensor": 1, "pipeline": 1}
+
+
+@pytest.mark.parametrize("split", [["--pipeline-stages", "2"], ["--tensor-parallel", "2"]])
+def test_a_dry_run_shards_a_split_model_over_its_data_parallel_ranks(split):
+    """--sharding full with stages or tensor groups (a layout the run refuses for now): each rank holds a
+    quarter of its stage's or tensor rank's weights (and the largest block gathered), of their gradients
+    and optimizer state, against DDP's whole ones."""
+    common = ["--num-tasks", "8", *split, "--architecture", VIT, "--input-size", "32", "--classes", "10",
+              "--batch", "8"]
+    sharded = dry_run.dry_run(dry_run.parser().parse_args([*common, "--sharding", "full"]))
+    replicated = dry_run.dry_run(dry_run.parser().parse_args(common))
+    assert sharded.layout.shard == 4 and replicated.layout.replicate == 4
+    for shard, whole in zip(sharded.stages, replicated.stages):
+        assert whole.parameters / 4 < shard.parameters < whole.parameters
+        assert shard.gradients < whole.gradients / 3 and shard.optimizer < whole.optimizer / 3
+        assert shard.peak < whole.peak

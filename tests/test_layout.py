@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "fixres_dist"
 MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 300
-MAX_FILE_LINES = {"fixres_dist/training/trainer.py": 250}
+MAX_FILE_LINES = {"fixres_dist/training/trainer.py": 250,
+                  # the memory estimate, split by concern (issue 42): one module each under the 300 lines
+                  **{f"fixres_dist/training/{name}.py": 300 for name in ("memory_estimate", "tracked_memory",
+                                                                          "split_memory", "memory_budget", "dry_run")}}
 # Where private names of ours must not be reached into: the package, and the code that uses it.
 USERS = ("tests", "benchmarks", "slurm")
 SELF = ("self", "cls")
@@ -255,7 +258,7 @@ def test_the_floors_are_read_from_the_page_and_see_every_import():
     flipped = upward_imports([GROUND, *reversed(floors(LAYOUT_PAGE.read_text())[1:])])  # the package upside down
     assert not any(line.startswith("fixres_dist/entry/scripts.py:") and "-> fixres_dist.entry.launch " in line
                    for line in flipped)  # the same floor
-    assert any(line.startswith("fixres_dist/training/memory_estimate.py:")
+    assert any(line.startswith("fixres_dist/training/tracked_memory.py:")
                and "-> fixres_dist.distributed.sharding " in line for line in flipped)  # inside a function
 
 

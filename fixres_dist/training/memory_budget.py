@@ -1,7 +1,9 @@
 """The preflight's memory check: a training run's estimated peak memory per rank
 (:func:`fixres_dist.training.memory_estimate.estimate`, bytes) against its budget (:func:`budget_bytes`:
 ``--memory-budget`` in GiB, else on CUDA the GPU's memory), and when it exceeds it, the cheapest
-change that fits (:func:`find_fit`: activation checkpointing, full sharding, then halving the batch).
+change that fits (:func:`find_fit`: activation checkpointing, full sharding, the model split over
+tensor groups or pipeline stages, then halving the batch). The estimate is the one every layout gets
+(the most loaded rank's: a pipeline's largest stage, a tensor group's rank).
 :func:`check_budget` says the estimate in one line on stderr and raises a one-line
 :class:`~fixres_dist.errors.FixresError` for a run over its budget.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +25,7 @@ from pathlib import Path
 import attrs
 
 from fixres_dist.config import TrainerConfig
+from fixres_dist.distributed import layout
 from fixres_dist.errors import FixresError, say
 from fixres_dist.training.memory_estimate import (
     GIB,
@@ -37,6 +41,7 @@ from fixres_dist.training.memory_estimate import (
 
 MODULE = "fixres_dist.training.memory_budget"  # the child process: python -m MODULE
 CHILD_TIMEOUT_S = 600  # the child process of the preflight's estimates
+SPLITS = (2, 4, 8)  # the tensor groups and pipeline stages (ranks) a refusal tries
 
 
 @attrs.frozen
@@ -73,8 +78,9 @@ class Check:
 
 def alternatives(config: TrainerConfig) -> list[tuple[str, TrainerConfig]]:
     """The changes that lower the memory without changing the training, cheapest first, with their
-    flags: activation checkpointing, full sharding (more than one rank), both; those the
-    configuration refuses (e.g. a torchvision ViT sharded) are left out."""
+    flags: activation checkpointing, full sharding (more than one rank), both; then the model split
+    over N = 2, 4, 8 ranks (:func:`split_alternatives`). Those the configuration refuses (e.g. a
+    torchvision ViT sharded, a split with sharding) are left out."""
     changes = []
     if not config.activation_checkpointing:
         changes.append(("--activation-checkpointing", {"activation_checkpointing": True}))
@@ -83,10 +89,27 @@ def alternatives(config: TrainerConfig) -> list[tuple[str, TrainerConfig]]:
         if not config.activation_checkpointing:
             changes.append(("--sharding full --activation-checkpointing",
                             {"sharding": "full", "shard_group_size": None, "activation_checkpointing": True}))
+    changes += split_alternatives(config)
     found = []
     for flags, fields in changes:
         with contextlib.suppress(FixresError):
             found.append((flags, attrs.evolve(config, **fields)))
+    return found
+
+
+def split_alternatives(config: TrainerConfig) -> list[tuple[str, dict]]:
+    """``(flags, fields)`` of the model split over N = 2, 4, 8 ranks that divide ``--num-tasks``, by
+    tensor groups then by pipeline stages, for a run not split yet: each with ``--batch`` times N, so
+    that the global batch (and the training) stays the same on N times fewer data-parallel ranks."""
+    if layout.of(config).split:
+        return []
+    found = []
+    for kind, field in (("--tensor-parallel", "tensor_parallel"), ("--pipeline-stages", "pipeline_stages")):
+        for ranks in SPLITS:
+            if ranks <= config.num_tasks and config.num_tasks % ranks == 0:
+                found.append((f"{kind} {ranks} --batch {config.batch * ranks}",
+                              {field: ranks, "batch": config.batch * ranks, "sharding": "ddp",
+                               "shard_group_size": None}))
     return found
 
 
@@ -110,10 +133,12 @@ def find_fit(config: TrainerConfig, num_classes: int, budget: int, first: Memory
     batch = least_config.batch // 2
     while batch >= 2:
         if batch == 2 or fixed + per_image * batch <= budget:
-            least = estimate(attrs.evolve(least_config, batch=batch), num_classes)
-            if least.fits(budget):
-                return Fit(" ".join([f"--batch {batch}", least_flags]).strip(), least)
-            least_config = attrs.evolve(least_config, batch=batch)
+            with contextlib.suppress(FixresError):  # a batch the layout refuses (a pipeline's micro-batches)
+                smaller = attrs.evolve(least_config, batch=batch)
+                least = estimate(smaller, num_classes)
+                if least.fits(budget):
+                    return Fit(" ".join(f"--batch {batch} {re.sub('--batch [0-9]+', '', least_flags)}".split()), least)
+                least_config = smaller
         batch //= 2
     return Fit(None, least, f"batch {least_config.batch} with {setting_words(least_config)}")
 
@@ -185,7 +210,7 @@ def check_budget(config: TrainerConfig, num_classes: int) -> MemoryEstimate | No
                           f"({gib(fit.estimate.peak)} per rank; {METHOD})")
     if fit.estimate is None or not fit.estimate.known:
         raise FixresError(f"{needs}, more than {source}; no other setting could be estimated")
-    raise FixresError(f"no change of batch, sharding or checkpointing meets {source}: {needs}, and still "
+    raise FixresError(f"no change of batch, sharding, split or checkpointing meets {source}: {needs}, and still "
                       f"{gib(fit.estimate.peak)} even at {fit.at} ({METHOD}); give it more memory, more ranks to "
                       "shard over or a smaller --input-size")
 

@@ -196,6 +196,7 @@ class Network:
     def _shard(self, modules: list[nn.Module]) -> None:
         cfg = self.config
         mesh = sharding.device_mesh(cfg, self.device)
+        self.layout = layout.of(cfg, mesh.size(-1))  # recorded as built: a hybrid group is a node's ranks as met
         blocks = sharding.shard(modules, mesh, cfg, AMP_DTYPES[cfg.amp])
         self.sharded = True
         shape = " x ".join(f"{size} {'replicate' if name == 'data' else name}"  # the replicas: mesh axis data

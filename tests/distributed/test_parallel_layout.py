@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import shown_commands as shown
-from conftest import free_port
+from conftest import free_port, run_script
 from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import collectives, layout
 from fixres_dist.distributed import pipeline as pp
@@ -21,7 +21,7 @@ from fixres_dist.distributed import tensor_parallel as tp
 from fixres_dist.distributed.layout import AXES, Layout
 from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
-from fixres_dist.training import checkpoint, dry_run, memory_estimate, world_change
+from fixres_dist.training import checkpoint, dry_run, memory_estimate, split_memory, world_change
 from split_models import LR, MOMENTUM, VIT, batch, model_of
 
 # (world, keyword arguments of Layout.of_world) that are valid, and the sizes each gives
@@ -218,7 +218,8 @@ def _held(rank: int, world: int, port: int, folder) -> None:
         local = [p.to_local() if isinstance(p, torch.distributed.tensor.DTensor) else p for p in module.parameters()]
         states = [s["momentum_buffer"] for s in optimizer.state.values()]
         held[name] = {"parameters": sum(p.numel() * p.element_size() for p in local),
-                      "optimizer": sum((s.to_local() if hasattr(s, "to_local") else s).numel() * 4 for s in states)}
+                      "optimizer": sum((s.to_local() if hasattr(s, "to_local") else s).numel() * 4 for s in states),
+                      "largest": max(p.numel() * p.element_size() for p in local)}
     del model
     (folder / f"held{rank}.json").write_text(json.dumps(held))
     collectives.destroy_process_group()
@@ -226,16 +227,48 @@ def _held(rank: int, world: int, port: int, folder) -> None:
 
 def test_the_dry_runs_exact_parts_are_what_a_real_gloo_run_holds(tmp_path):
     """Parameters and optimizer state per rank, the dry run's (meta device, fake process group) against 4
-    real gloo ranks': equal to the byte, for each stage of a pipeline and each rank of a tensor group."""
+    real gloo ranks': equal to the byte (the optimizer's with its step's temporaries), for each stage of a
+    pipeline and each rank of a tensor group."""
     mp.start_processes(_held, args=(4, free_port(), tmp_path), nprocs=4, start_method=start_method())
     held = [json.loads((tmp_path / f"held{rank}.json").read_text()) for rank in range(4)]
     common = ["--num-tasks", "4", "--architecture", VIT, "--input-size", "32", "--classes", "10", "--batch", "8"]
     staged = dry_run.dry_run(dry_run.parser().parse_args([*common, "--pipeline-stages", "2",
                                                           "--pipeline-schedule", "gpipe"]))
     split = dry_run.dry_run(dry_run.parser().parse_args([*common, "--tensor-parallel", "2"]))
+    def state(kind, rank):  # the optimizer's state, and the temporaries of its step on the largest parameter
+        return held[rank][kind]["optimizer"] + split_memory.STEP_TEMPORARIES * held[rank][kind]["largest"]
     for rank in range(4):
         stage = staged.stages[rank % 2]
-        assert (stage.parameters, stage.optimizer) == (held[rank]["pipeline"]["parameters"],
-                                                       held[rank]["pipeline"]["optimizer"]), rank
+        assert (stage.parameters, stage.optimizer) == (held[rank]["pipeline"]["parameters"], state("pipeline", rank))
         assert (split.stages[0].parameters, split.stages[0].optimizer) == (held[rank]["tensor"]["parameters"],
-                                                                           held[rank]["tensor"]["optimizer"]), rank
+                                                                           state("tensor", rank)), rank
+
+
+def test_a_hybrid_checkpoint_records_the_shard_groups_its_mesh_was_built_with(tiny_data, tmp_path):
+    """No --shard-group-size: the launcher's hint (SLURM_NTASKS_PER_NODE=2) says 2 ranks per node, but the
+    4 ranks met on one host, and the mesh shards over the ranks of a node as they met (4): the checkpoint
+    records that layout, not the hint's."""
+    result = run_script("scratch", "--num-tasks", 4, "--job-id", "hybrid", "--shared-folder-path", tmp_path,
+                        "--data-path", tiny_data, "--architecture", "timm/test_vit", "--input-size", 32, "--batch", 4,
+                        "--epochs", 1, "--workers", 0, "--no-progress", "--sharding", "hybrid",
+                        env={"SLURM_NTASKS_PER_NODE": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sharded over a mesh of 1 replicate x 4 shard ranks" in result.stderr + result.stdout
+    saved = checkpoint.Contents.from_dict(checkpoint.load_checkpoint(tmp_path / "hybrid" / checkpoint.CHECKPOINT_FILE))
+    assert saved.layout == {"replicate": 1, "shard": 4, "tensor": 1, "pipeline": 1}
+
+
+@pytest.mark.parametrize("split", [["--pipeline-stages", "2"], ["--tensor-parallel", "2"]])
+def test_a_dry_run_shards_a_split_model_over_its_data_parallel_ranks(split):
+    """--sharding full with stages or tensor groups (a layout the run refuses for now): each rank holds a
+    quarter of its stage's or tensor rank's weights (and the largest block gathered), of their gradients
+    and optimizer state, against DDP's whole ones."""
+    common = ["--num-tasks", "8", *split, "--architecture", VIT, "--input-size", "32", "--classes", "10",
+              "--batch", "8"]
+    sharded = dry_run.dry_run(dry_run.parser().parse_args([*common, "--sharding", "full"]))
+    replicated = dry_run.dry_run(dry_run.parser().parse_args(common))
+    assert sharded.layout.shard == 4 and replicated.layout.replicate == 4
+    for shard, whole in zip(sharded.stages, replicated.stages):
+        assert whole.parameters / 4 < shard.parameters < whole.parameters
+        assert shard.gradients < whole.gradients / 3 and shard.optimizer < whole.optimizer / 3
+        assert shard.peak < whole.peak

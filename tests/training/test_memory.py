@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from conftest import FAST, run_main
 from fixres_dist.config import TrainerConfig
-from fixres_dist.training import inputs, memory_budget, memory_estimate, memory_table
+from fixres_dist.training import inputs, memory_budget, memory_estimate, memory_table, tracked_memory
 
 SMALL = {"architecture": "resnet20", "input_size": 32, "batch": 8}  # a CIFAR ResNet: estimates in about a second
 CLASSES = 10  # the embedded Fashion-MNIST's
@@ -64,7 +64,7 @@ def test_activation_checkpointing_keeps_fewer_activations(base, checkpointed):
 def test_a_model_the_fake_route_cannot_run_gives_no_estimate_and_the_reason(monkeypatch):
     def fails(*args):
         raise RuntimeError("no fake kernel for this\nsecond line")
-    monkeypatch.setattr(memory_estimate, "_tracked_steps", fails)
+    monkeypatch.setattr(tracked_memory, "tracked_steps", fails)
     found = memory_estimate.estimate(config(), CLASSES)
     assert not found.known and found.reason == "RuntimeError: no fake kernel for this"
     assert found.describe().startswith("no memory estimate for resnet20") and not found.fits(2 ** 40)
@@ -116,7 +116,7 @@ def test_preflight_refuses_a_budget_the_model_can_never_meet(tmp_path, capsys):
     code, err = run_main(capsys, "scratch", *run_args(tmp_path, "--memory-budget", "0.0001", "--num-tasks", "2",
                                                       "--sharding", "full"))
     assert code == 1 and len(err.strip().splitlines()) == 1, err
-    assert "no change of batch, sharding or checkpointing meets the budget of" in err
+    assert "no change of batch, sharding, split or checkpointing meets the budget of" in err
     assert "even at batch 2 with full shard over 2 ranks and activation checkpointing" in err
     assert not (tmp_path / "shared").exists() and not dist.is_initialized()
 

@@ -1,35 +1,47 @@
 """A dry run of a parallel layout far beyond this machine, on one CPU before any memory is asked for:
-the layout validated (:class:`~fixres_dist.distributed.layout.Layout`), its one device mesh built as a
-rank builds it, on torch's fake process group (``torch.testing._internal.distributed.fake_pg``:
-collectives that move nothing), and the peak memory of one training step of a rank of each pipeline
-stage estimated on the ``meta`` device (shapes only). ``python -m fixres_dist.training.dry_run
---num-tasks 1024 --tensor-parallel 8 --pipeline-stages 16 --architecture timm/vit_large_patch16_224``
-prints the layout, the mesh and each stage's estimate per rank, the largest last.
+the command line checked as a run checks it (its configuration's validators, the preflight's checks of
+the resolution and of the split: :func:`fixres_dist.training.inputs.check_sizes`,
+:func:`~fixres_dist.training.inputs.check_split`), the layout
+(:class:`~fixres_dist.distributed.layout.Layout`) and its one device mesh built as a rank builds it, on
+torch's fake process group (``torch.testing._internal.distributed.fake_pg``: collectives that move
+nothing), and the peak memory of one training step of a rank of each pipeline stage estimated on the
+``meta`` device (shapes only). ``python -m fixres_dist.training.dry_run --num-tasks 1024
+--pipeline-stages 16 --architecture timm/vit_large_patch16_224`` prints the layout, the mesh and each
+stage's estimate per rank, the largest last.
 
 Its estimate is the preflight's (:func:`fixres_dist.training.memory_estimate.estimate`, the same code
 for ``--memory-budget``): a layout that splits the model (tensor groups, pipeline stages, each
 data-parallel group sharded or not) counted stage by stage on the meta device
 (:mod:`~fixres_dist.training.split_memory`: parameters, gradients and optimizer state exact, activations
-an upper bound), any other by torch's trackers on fake tensors. Here the layout may be one that a run
-refuses for now (pipeline x tensor, split x sharding): the dry run sizes it for when it is built.
-Not counted: the CUDA context, communication buffers; activations are float32 even under ``--amp``.
+an upper bound), any other by torch's trackers on fake tensors. A layout the run refuses is refused in
+one line (``the run refuses this layout: ...``); with ``--sized-ahead``, one it refuses only for now
+(pipeline x tensor, a split model sharded) is sized for when it is built. Not counted: the CUDA
+context, communication buffers; activations are float32 even under ``--amp``.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 import attrs
 
-from fixres_dist.config import OPTIMIZERS, SHARDINGS, TrainerConfig
-from fixres_dist.distributed.fake_group import fake_process_group
+from fixres_dist.config import OPTIMIZERS, PIPELINE_SCHEDULES, SHARDINGS, TrainerConfig
 from fixres_dist.distributed.layout import Layout
-from fixres_dist.errors import FixresError, say
-from fixres_dist.training import memory_estimate
-from fixres_dist.training.memory_estimate import MemoryEstimate, gib
-from fixres_dist.training.split_memory import SplitStep
+from fixres_dist.entry import cli
+from fixres_dist.errors import FixresError, first_line, say
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+if TYPE_CHECKING:
+    from fixres_dist.training.memory_estimate import MemoryEstimate
+
+# The most ranks a dry run takes: torch's fake process group builds a mesh of 2**16 ranks in about 2 s
+# on one CPU core (2**18: 5 s, 2**20: 14 s, then the estimate), and fails beyond 2**31.
+MAX_RANKS = 2 ** 16
+DESCRIPTION = (f"Check a parallel layout of up to {MAX_RANKS:,} ranks on one CPU, before any memory is asked for: the "
+               "command line as a run checks it, the layout's device mesh built as its last rank builds it (on a "
+               "fake process group), and the peak memory per rank of each pipeline stage estimated (on the meta "
+               "device). Prints the layout, the mesh and each stage's estimate, the largest last; a layout the "
+               "run refuses: one line, exit status 1. See docs/sharding.md (The layout, and a dry run of it).")
 
 
 @attrs.frozen
@@ -43,6 +55,7 @@ class DryRun:
     mesh_shape: tuple[int, ...]
     coordinates: tuple[int, ...]
     stages: list[MemoryEstimate]
+    refused: str | None = None  # --sized-ahead: the run's refusal of this layout for now
 
     @property
     def largest(self) -> MemoryEstimate:
@@ -50,6 +63,8 @@ class DryRun:
 
     def lines(self) -> list[str]:
         """What the command prints: the layout, the mesh, each stage's estimate, the largest."""
+        from fixres_dist.training.memory_estimate import gib
+
         axes = " x ".join(f"{name} {size:,}" for name, size in zip(("data", "shard", "stage", "tensor"),
                                                                     self.mesh_shape))
         return [f"layout: {self.layout.describe()}",
@@ -58,69 +73,129 @@ class DryRun:
                 f"largest: {gib(self.largest.peak)} per rank ({self.largest.setting})"]
 
 
-def _step(args, found: Layout) -> SplitStep:
-    return SplitStep(found, args.architecture, args.classes, args.input_size, args.batch, args.microbatches,
-                     args.pipeline_schedule, opt=args.opt)
+def _ranks(text: str) -> int:
+    """--num-tasks: a positive whole number of ranks, at most :data:`MAX_RANKS`."""
+    value = cli._positive_int(text)
+    if value > MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"a dry run takes at most {MAX_RANKS:,} ranks (its fake process group "
+                                         f"builds a mesh that large in seconds), got {text}")
+    return value
 
 
-def _unsplit_config(args, found: Layout) -> TrainerConfig:
-    """A run's configuration of ``args`` (a layout that does not split the model): its estimate is the
-    tracked route's."""
-    return TrainerConfig(num_tasks=found.world, architecture=args.architecture, input_size=args.input_size,
-                         test_size=args.input_size, batch=args.batch, opt=args.opt,
-                         sharding=args.sharding if found.world > 1 else "ddp", dist_bn="reduce",
-                         shard_group_size=found.shard if args.sharding == "hybrid" and found.world > 1 else None)
+def _fields(args: argparse.Namespace) -> dict:
+    """The configuration fields of ``args``: a training run's, as the scripts would make it."""
+    return {"num_tasks": args.num_tasks, "architecture": args.architecture, "input_size": args.input_size,
+            "test_size": args.input_size, "batch": args.batch, "opt": args.opt, "sharding": args.sharding,
+            "shard_group_size": args.shard_group_size, "tensor_parallel": args.tensor_parallel,
+            "pipeline_stages": args.pipeline_stages, "pipeline_microbatches": args.pipeline_microbatches,
+            "pipeline_schedule": args.pipeline_schedule}
+
+
+def _for_now(fields: dict) -> dict:
+    """``fields`` without what a run refuses only for now: a split model sharded (then replicated), pipeline
+    x tensor (then the pipeline alone)."""
+    split = fields["tensor_parallel"] > 1 or fields["pipeline_stages"] > 1
+    fields = {**fields, **({"sharding": "ddp", "shard_group_size": None} if split else {})}
+    return {**fields, **({"tensor_parallel": 1} if fields["pipeline_stages"] > 1 else {})}
+
+
+def config_of(args: argparse.Namespace) -> tuple[TrainerConfig, str | None]:
+    """The run's configuration of ``args``, checked by its validators, and None; with ``--sized-ahead``,
+    for a layout the run refuses only for now, the configuration without that (:func:`_for_now`) and the
+    run's refusal. Raises :class:`FixresError` (one line) for what the run refuses, and for a hybrid shard
+    without ``--shard-group-size`` (a run's default is a node's ranks: a dry run has no nodes)."""
+    if args.sharding == "hybrid" and args.num_tasks > 1:
+        if args.shard_group_size is None:
+            raise FixresError("--sharding hybrid needs --shard-group-size in a dry run (a run shards within a "
+                              "node's ranks by default, and a dry run has no nodes)")
+        if args.shard_group_size == 1:
+            raise FixresError("--shard-group-size 1 shards over one rank, which is DDP: use --sharding ddp")
+    try:
+        return TrainerConfig(**_fields(args)), None
+    except FixresError as exc:
+        refused = f"the run refuses this layout: {exc}"
+        if not args.sized_ahead:
+            raise FixresError(refused) from None
+    try:
+        return TrainerConfig(**_for_now(_fields(args))), refused
+    except FixresError as exc:
+        raise FixresError(f"the run refuses this layout: {exc}") from None
 
 
 def dry_run(args: argparse.Namespace) -> DryRun:
-    """Validate ``args``' layout, build its mesh as the last rank on a fake process group of that many
-    ranks (no process group may exist in this process), estimate each stage's peak per rank. Raises
+    """Check ``args`` as a run would (:func:`config_of`; the preflight's checks of the resolution and of
+    the split), build the layout's mesh as its last rank on a fake process group of that many ranks (no
+    process group may exist in this process), estimate each stage's peak per rank. Raises
     :class:`FixresError` (one line) for a layout, model or batch that cannot run."""
-    found = Layout.of_world(args.num_tasks, sharding=args.sharding, shard_group=args.shard_group_size,
-                            tensor=args.tensor_parallel, pipeline=args.pipeline_stages)
-    args.microbatches = args.pipeline_microbatches or found.pipeline
-    if args.batch % args.microbatches:
-        raise FixresError(f"--batch {args.batch} does not split into {args.microbatches} equal micro-batches "
-                          "(--pipeline-microbatches; default: one per stage)")
+    config, refused = config_of(args)  # before importing torch: a refusal in a fraction of a second
+    found = Layout.of_world(args.num_tasks, sharding=args.sharding if args.num_tasks > 1 else "ddp",
+                            shard_group=args.shard_group_size, tensor=args.tensor_parallel,
+                            pipeline=args.pipeline_stages)
+    from fixres_dist.distributed.fake_group import fake_process_group
+    from fixres_dist.training import inputs, memory_estimate
+
+    inputs.check_sizes(config, args.classes)
+    try:
+        inputs.check_split(config, args.classes)
+    except FixresError as exc:
+        raise FixresError(f"the run refuses this layout: {exc}") from None
     rank = found.world - 1
     with fake_process_group(found.world, rank=rank):
         mesh = found.mesh("cpu")
         shape, where = tuple(mesh.shape), tuple(mesh.get_coordinate())
         if found.split:
             setting = f"{args.architecture} at {args.input_size} px, {args.opt}"
-            stages = memory_estimate.split_estimates(_step(args, found), setting)
+            step = attrs.evolve(memory_estimate.split_step(config, args.classes), layout=found)
+            stages = memory_estimate.split_estimates(step, setting)
         else:
-            stages = [memory_estimate.estimate(_unsplit_config(args, found), args.classes)]
+            stages = [memory_estimate.estimate(config, args.classes)]
     if not stages[0].known:
         raise FixresError(stages[0].describe())
-    return DryRun(found, rank, shape, where, stages)
+    return DryRun(found, rank, shape, where, stages, refused)
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line (the scripts' flag names)."""
-    p = argparse.ArgumentParser(prog="python -m fixres_dist.training.dry_run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-tasks", type=int, required=True, help="ranks in the job")
-    p.add_argument("--tensor-parallel", type=int, default=1, help="ranks per tensor group (default 1)")
-    p.add_argument("--pipeline-stages", type=int, default=1, help="pipeline stages (default 1)")
+    """The command line (the scripts' flag names and their checks; usage errors in one line)."""
+    whole = cli._positive_int
+    p = cli._Parser(prog="python -m fixres_dist.training.dry_run", description=DESCRIPTION,
+                    formatter_class=cli._Formatter)
+    p.add_argument("--num-tasks", type=_ranks, required=True, help=f"ranks in the job (at most {MAX_RANKS:,})")
+    p.add_argument("--tensor-parallel", type=whole, default=1, help="ranks per tensor group (default 1)")
+    p.add_argument("--pipeline-stages", type=whole, default=1, help="pipeline stages (default 1)")
     p.add_argument("--sharding", choices=SHARDINGS, default="ddp", help="how data-parallel ranks hold the model")
-    p.add_argument("--shard-group-size", type=int, default=None, help="--sharding hybrid's shard group (ranks)")
+    p.add_argument("--shard-group-size", type=whole, default=None,
+                   help="--sharding hybrid's shard group (ranks; required with it)")
     p.add_argument("--architecture", default="timm/vit_large_patch16_224", help="default %(default)s")
-    p.add_argument("--input-size", type=int, default=224, help="training resolution in pixels (default 224)")
-    p.add_argument("--classes", type=int, default=1000, help="classes of the head (default 1000)")
-    p.add_argument("--batch", type=int, default=64, help="images per data-parallel rank per step (default 64)")
-    p.add_argument("--pipeline-microbatches", type=int, default=None, help="default: one per stage")
-    p.add_argument("--pipeline-schedule", choices=SCHEDULES, default="1f1b", help="default 1f1b")
+    p.add_argument("--input-size", type=cli._training_size, default=224,
+                   help="training resolution in pixels (default 224)")
+    p.add_argument("--num-classes", "--classes", dest="classes", type=whole, default=1000,
+                   help="classes of the head (default 1000)")
+    p.add_argument("--batch", type=whole, default=64, help="images per data-parallel rank per step (default 64)")
+    p.add_argument("--pipeline-microbatches", type=whole, default=None,
+                   help="with --pipeline-stages (default: one per stage, two with interleaved-1f1b)")
+    p.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
+                   help="with --pipeline-stages (default 1f1b)")
     p.add_argument("--opt", choices=OPTIMIZERS, default="sgd", help="default sgd (with momentum 0.9)")
+    p.add_argument("--sized-ahead", action="store_true",
+                   help="size a layout the run refuses only for now (pipeline x tensor, a split model sharded) "
+                        "for when it is built, instead of refusing it")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command: prints :meth:`DryRun.lines`; exit status 0, or 1 with one line on stderr."""
+    """The command: prints :meth:`DryRun.lines`; exit status 0, or 1 with one line on stderr (2 for a
+    usage error)."""
+    args = parser().parse_args(argv)
     try:
-        found = dry_run(parser().parse_args(argv))
+        found = dry_run(args)
     except FixresError as exc:
-        say(f"fixres_dist: dry run: {exc}")
+        say(f"fixres_dist: dry run: {first_line(exc)}")
         return 1
+    except Exception as exc:  # what no check foresaw: still one line
+        say(f"fixres_dist: dry run: {type(exc).__name__}: {first_line(exc)}"[:400])
+        return 1
+    if found.refused:
+        say(f"fixres_dist: dry run: {found.refused}; sized for when it is built (--sized-ahead)")
     print("\n".join(found.lines()))
     return 0
 

@@ -157,27 +157,42 @@ def preflight(config: TrainerConfig) -> JobInputs:
     if config.shard_group_size and config.num_tasks % config.shard_group_size:
         raise FixresError(f"--sharding hybrid: {plural(config.num_tasks, 'rank')} do not split into shard groups of "
                           f"--shard-group-size {config.shard_group_size}")
-    ranks = layout.of(config)  # checked against the world size once, here: FixresError naming the flags
-    if ranks.split:  # shapes only: the model on the meta device
-        with torch.device("meta"):
-            model = architectures.build_model(config.architecture, len(inputs.classes),
-                                              image_size=config.first_input_size, low_res_stem=config.low_res_stem)
-        if ranks.tensor_enabled:
-            tensor_parallel.splittable(model, ranks.tensor, config.architecture)
-        else:
-            _check_stages(config, ranks.pipeline, model)
-    sizes = {config.input_size, config.test_size, config.train_size, *(config.test_sizes or ())} - {None, "auto"}
-    for size in sorted(sizes):
-        architectures.check_resolution(config.architecture, size)
+    check_split(config, len(inputs.classes))
     if config.tensorboard:
         tensorboard_events.check_available()
         tensorboard_events.check_folder(config.job_folder)
-    resolutions.check_run_sizes(config, len(inputs.classes), lineage.for_run(config, inputs.weights).train_size)
+    check_sizes(config, len(inputs.classes), lineage.for_run(config, inputs.weights).train_size)
     if inputs.weights:
         _check_weights(config, inputs)
     estimate = memory_budget.check_budget(config, len(inputs.classes))
     inputs.index.save()
     return attrs.evolve(inputs, memory_estimate=estimate)
+
+
+def check_sizes(config: TrainerConfig, num_classes: int, trained_at: int | None = None) -> None:
+    """Every resolution of ``config`` that its architecture cannot take (a ViT's patch size, then
+    measured on the meta device: :func:`fixres_dist.models.resolutions.check_run_sizes`; ``trained_at``:
+    the weights' training size): FixresError, one line. The preflight's check, and the dry run's."""
+    sizes = {config.input_size, config.test_size, config.train_size, *(config.test_sizes or ())} - {None, "auto"}
+    for size in sorted(sizes):
+        architectures.check_resolution(config.architecture, size)
+    resolutions.check_run_sizes(config, num_classes, trained_at)
+
+
+def check_split(config: TrainerConfig, num_classes: int) -> None:
+    """The layout of ``config`` against its world size (FixresError naming the flags), and with
+    ``--tensor-parallel`` or ``--pipeline-stages`` whether the model (built on the meta device: shapes
+    only) splits so: the preflight's check, and the dry run's (:mod:`fixres_dist.training.dry_run`)."""
+    ranks = layout.of(config)
+    if not ranks.split:
+        return
+    with torch.device("meta"):
+        model = architectures.build_model(config.architecture, num_classes, image_size=config.first_input_size,
+                                          low_res_stem=config.low_res_stem)
+    if ranks.tensor_enabled:
+        tensor_parallel.splittable(model, ranks.tensor, config.architecture)
+    else:
+        _check_stages(config, ranks.pipeline, model)
 
 
 def _check_stages(config: TrainerConfig, stages: int, model: torch.nn.Module) -> None:

@@ -148,14 +148,18 @@ def setting_line(config: TrainerConfig) -> str:
 
 def split_step(config: TrainerConfig, num_classes: int) -> split_memory.SplitStep:
     """The step of ``config`` (a layout that splits the model) as :mod:`~fixres_dist.training.split_memory`
-    estimates it: micro-batches of a pipeline (``--pipeline-microbatches``, default one per stage) or of
-    ``--grad-accum-steps``, the cut, the optimizer, a finetune's frozen layers; CUDA's foreach step."""
+    estimates it: micro-batches of a pipeline (``--pipeline-microbatches``, default one per stage, virtual
+    stages counted, as the run's) or of ``--grad-accum-steps``, the cut, the optimizer, a finetune's frozen
+    layers; CUDA's foreach step."""
+    from fixres_dist.distributed.pipeline import virtual_stages
+
     found = layout.of(config)
     staged = found.pipeline_enabled
     frozen = (config.finetune_scope, config.last_norm) if config.mode == "finetune" else None
     return split_memory.SplitStep(
         found, config.architecture, num_classes, train_size(config), config.batch,
-        microbatches=(config.pipeline_microbatches or found.pipeline) if staged else config.grad_accum_steps,
+        microbatches=(config.pipeline_microbatches or found.pipeline * virtual_stages(config.pipeline_schedule))
+        if staged else config.grad_accum_steps,
         schedule=config.pipeline_schedule if staged else "1f1b", cut=config.pipeline_split, opt=config.opt,
         momentum=config.momentum, frozen=frozen,
         foreach=config.device == "cuda", low_res_stem=config.low_res_stem)

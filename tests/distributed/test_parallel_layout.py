@@ -186,7 +186,11 @@ def test_a_dry_run_of_1024_ranks_on_one_cpu(capsys):
     group), each stage's memory per rank estimated; the weights of every stage add up to the model's."""
     argv = shown.argv(shown.command("python -m fixres_dist.training.dry_run"))
     assert argv[:3] == ["python", "-m", "fixres_dist.training.dry_run"] and dry_run.main(argv[3:]) == 0
-    out = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    assert captured.err == "fixres_dist: dry run: the run refuses this layout: --pipeline-stages 16 does not go " \
+                           "with --tensor-parallel yet (docs/sharding.md: split rather than shard); sized for when " \
+                           "it is built (--sized-ahead)\n"
+    out = captured.out.splitlines()
     assert out[0] == "layout: 1,024 ranks = 8 data x 16 stage x 8 tensor"
     assert out[1] == "mesh: data 8 x shard 1 x stage 16 x tensor 8; rank 1023 at (7, 0, 15, 7) (built on a fake " \
                      "process group)"
@@ -194,10 +198,76 @@ def test_a_dry_run_of_1024_ranks_on_one_cpu(capsys):
     assert not torch.distributed.is_initialized()  # the fake process group is gone
 
 
-def test_a_dry_run_refuses_a_layout_in_one_line(capsys):
-    assert dry_run.main(["--num-tasks", "1040", "--tensor-parallel", "8", "--pipeline-stages", "16"]) == 1
-    assert capsys.readouterr().err == "fixres_dist: dry run: --tensor-parallel 8 x --pipeline-stages 16 (128 ranks " \
-                                      "per model) must divide the number of ranks (1040)\n"
+USAGE = "python -m fixres_dist.training.dry_run: error: argument "
+REFUSED = "fixres_dist: dry run: the run refuses this layout: "
+TINY = ["--architecture", VIT, "--input-size", "32", "--classes", "10", "--batch", "8"]
+# (argv, exit status, the start of the one line on stderr): usage errors (2), then what a run refuses (1)
+BAD = [(["--num-tasks", "8", "--batch", "0"], 2, USAGE + "--batch: must be a positive whole number, got 0"),
+       (["--num-tasks", "8", "--batch", "-3"], 2, USAGE + "--batch: must be a positive whole number, got -3"),
+       (["--num-tasks", "0"], 2, USAGE + "--num-tasks: must be a positive whole number, got 0"),
+       (["--num-tasks", "2147483648"], 2, USAGE + "--num-tasks: a dry run takes at most 65,536 ranks"),
+       (["--num-tasks", "99999999999999999992"], 2, USAGE + "--num-tasks: a dry run takes at most 65,536 ranks"),
+       (["--num-tasks", "8", "--tensor-parallel", "0"], 2, USAGE + "--tensor-parallel: must be a positive whole"),
+       (["--num-tasks", "8", "--pipeline-stages", "-1"], 2, USAGE + "--pipeline-stages: must be a positive whole"),
+       (["--num-tasks", "8", "--pipeline-microbatches", "0"], 2, USAGE + "--pipeline-microbatches: must be a"),
+       (["--num-tasks", "8", "--num-classes", "0"], 2, USAGE + "--num-classes/--classes: must be a positive"),
+       (["--num-tasks", "8", "--input-size", "x"], 2, USAGE + "--input-size: 'x' is not a whole number of pixels"),
+       (["--num-tasks", "8", "--lr", "0.1"], 2, "python -m fixres_dist.training.dry_run: error: unrecognized "),
+       (["--num-tasks", "8", *TINY, "--input-size", "7"], 1,
+        f"fixres_dist: dry run: {VIT} cannot train on 7 px images"),
+       (["--num-tasks", "8", *TINY, "--input-size", "5000"], 1, REFUSED + "--input-size 5000 px is above 4096 px"),
+       (["--num-tasks", "8", *TINY, "--sharding", "full", "--tensor-parallel", "2"], 1,
+        REFUSED + "--tensor-parallel 2 does not go with --sharding full yet"),
+       (["--num-tasks", "8", *TINY, "--sharding", "full", "--pipeline-stages", "2"], 1,
+        REFUSED + "--pipeline-stages 2 does not go with --sharding full yet"),
+       (["--num-tasks", "8", *TINY, "--tensor-parallel", "2", "--pipeline-stages", "2"], 1,
+        REFUSED + "--pipeline-stages 2 does not go with --tensor-parallel yet"),
+       (["--num-tasks", "8", "--architecture", "vit_b_16", "--tensor-parallel", "2"], 1,
+        REFUSED + "--tensor-parallel cannot run torchvision's vit_b_16"),
+       (["--num-tasks", "8", "--architecture", "vit_b_16", "--pipeline-stages", "2"], 1,
+        REFUSED + "--pipeline-stages cannot run torchvision's vit_b_16"),
+       (["--num-tasks", "8", *TINY, "--pipeline-stages", "4", "--pipeline-microbatches", "2"], 1,
+        REFUSED + "--pipeline-microbatches 2: 1f1b needs at least one per stage (4)"),
+       (["--num-tasks", "8", *TINY, "--pipeline-stages", "2", "--batch", "9"], 1,
+        REFUSED + "--batch 9 does not split into 2 equal micro-batches"),
+       (["--num-tasks", "8", "--pipeline-microbatches", "4"], 1,
+        REFUSED + "--pipeline-microbatches applies to a model cut into stages"),
+       (["--num-tasks", "8", "--pipeline-schedule", "interleaved-1f1b"], 1,
+        REFUSED + "--pipeline-schedule applies to a model cut into stages"),
+       (["--num-tasks", "8", "--shard-group-size", "2"], 1,
+        REFUSED + "--shard-group-size applies to --sharding hybrid"),
+       (["--num-tasks", "8", "--sharding", "hybrid"], 1,
+        "fixres_dist: dry run: --sharding hybrid needs --shard-group-size in a dry run"),
+       (["--num-tasks", "8", "--sharding", "hybrid", "--shard-group-size", "1"], 1,
+        "fixres_dist: dry run: --shard-group-size 1 shards over one rank, which is DDP: use --sharding ddp"),
+       (["--num-tasks", "8", "--sharding", "hybrid", "--shard-group-size", "3"], 1,
+        "fixres_dist: dry run: --sharding hybrid: 8 data-parallel ranks do not split into shard groups of 3"),
+       (["--num-tasks", "1040", "--tensor-parallel", "8", "--pipeline-stages", "16", "--sized-ahead"], 1,
+        "fixres_dist: dry run: --tensor-parallel 8 x --pipeline-stages 16 (128 ranks per model) must divide the "
+        "number of ranks (1040)"),
+       (["--num-tasks", "8", "--architecture", "vit_b_16", "--tensor-parallel", "2", "--sized-ahead"], 1,
+        REFUSED + "--tensor-parallel cannot run torchvision's vit_b_16")]
+
+
+@pytest.mark.parametrize("argv, status, line", BAD, ids=[" ".join(argv) for argv, _, _ in BAD])
+def test_a_dry_run_refuses_bad_input_in_one_line(argv, status, line, capsys):
+    """Bad values (usage errors, exit status 2) and what the run itself refuses (its configuration's
+    checks and the preflight's, exit status 1): one line on stderr, nothing estimated, no process group left."""
+    try:
+        found = dry_run.main(argv)
+    except SystemExit as exc:
+        found = exc.code
+    err = capsys.readouterr().err
+    assert found == status and err.startswith(line) and err.count("\n") == 1, err
+    assert not torch.distributed.is_initialized()
+
+
+def test_a_dry_run_takes_the_scripts_names_and_schedules(capsys):
+    """--num-classes (the scripts' name), interleaved 1F1B (two micro-batches per stage by default)."""
+    assert dry_run.main(["--num-tasks", "4", *TINY, "--num-classes", "7", "--pipeline-stages", "2",
+                         "--pipeline-schedule", "interleaved-1f1b"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "4 micro-batch(es) of 2 images" in captured.out, captured.out
 
 
 def _held(rank: int, world: int, port: int, folder) -> None:
@@ -260,14 +330,16 @@ def test_a_hybrid_checkpoint_records_the_shard_groups_its_mesh_was_built_with(ti
 
 @pytest.mark.parametrize("split", [["--pipeline-stages", "2"], ["--tensor-parallel", "2"]])
 def test_a_dry_run_shards_a_split_model_over_its_data_parallel_ranks(split):
-    """--sharding full with stages or tensor groups (a layout the run refuses for now): each rank holds a
+    """--sharding full with stages or tensor groups (a layout the run refuses for now: --sized-ahead): each rank holds a
     quarter of its stage's or tensor rank's weights (and the largest block gathered), of their gradients
     and optimizer state, against DDP's whole ones."""
     common = ["--num-tasks", "8", *split, "--architecture", VIT, "--input-size", "32", "--classes", "10",
-              "--batch", "8"]
+              "--batch", "8", "--sized-ahead"]
     sharded = dry_run.dry_run(dry_run.parser().parse_args([*common, "--sharding", "full"]))
     replicated = dry_run.dry_run(dry_run.parser().parse_args(common))
     assert sharded.layout.shard == 4 and replicated.layout.replicate == 4
+    assert sharded.refused == f"the run refuses this layout: {split[0]} 2 does not go with --sharding full yet " \
+                              "(docs/sharding.md: split rather than shard)" and replicated.refused is None
     for shard, whole in zip(sharded.stages, replicated.stages):
         assert whole.parameters / 4 < shard.parameters < whole.parameters
         assert shard.gradients < whole.gradients / 3 and shard.optimizer < whole.optimizer / 3

@@ -9,8 +9,9 @@ tensor groups or pipeline stages, then halving the batch). The estimate is the o
 
 A fake process group lives in its process until destroyed, and the launcher must keep none: the
 preflight (:func:`check_budget`) runs every estimate that needs one in a short-lived child process
-(``python -m fixres_dist.training.memory_budget``, :func:`serve`: one JSON request on stdin, the
-:class:`Check` as one JSON line on stdout).
+(``python -m fixres_dist.training.memory_budget``, :func:`main`: one JSON request on stdin, the
+:class:`Check` as one JSON line on stdout; internal, not a command: ``--help`` says so, and a terminal or
+a request that is not JSON on stdin is refused in one line).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import attrs
 
 from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import layout
-from fixres_dist.errors import FixresError, say
+from fixres_dist.errors import FixresError, first_line, say
 from fixres_dist.training.memory_estimate import (
     GIB,
     METHOD,
@@ -233,15 +234,55 @@ def _in_child(request: dict) -> dict:
     return json.loads(lines[-1])
 
 
-def serve() -> None:
-    """The child process of :func:`check_run`: one JSON request on stdin (a configuration, its number of
-    classes and a budget in bytes), the :class:`Check` as one JSON line on stdout."""
-    request = json.loads(sys.stdin.read())
-    config = TrainerConfig.from_dict(request["config"])
+HELP = ("Internal: the child process of the preflight's memory check (fixres_dist.training.memory_budget."
+        "check_budget), not a command to run by hand. It reads one JSON request on stdin (a training run's "
+        "configuration, its number of classes and a memory budget in bytes), estimates the run's peak memory per "
+        "rank on a fake process group of its ranks (and, over the budget, the cheapest change that fits), and "
+        "writes the answer as one JSON line on stdout. To size a layout by hand: python -m "
+        "fixres_dist.training.dry_run; to check a run against a budget: the scripts' --memory-budget.")
+
+
+def serve(config: TrainerConfig, num_classes: int, budget: int) -> None:
+    """The child process of :func:`check_run`: ``config``, its number of classes and a budget in bytes,
+    answered with the :class:`Check` as one JSON line on stdout."""
     with fake_process_group(config.num_tasks):
-        found = checked(config, request["num_classes"], request["budget"])
+        found = checked(config, num_classes, budget)
     sys.stdout.write(json.dumps(found.to_dict()) + "\n")
 
 
+def read_request() -> dict:
+    """The request on stdin (:func:`serve`); FixresError (one line) for a terminal or what is not one."""
+    if sys.stdin is None or sys.stdin.isatty():
+        raise FixresError("this is the preflight's internal child process: it reads a JSON request on "
+                          "stdin, not a terminal (see --help)")
+    text = sys.stdin.read()
+    try:
+        request = json.loads(text)
+    except ValueError as exc:
+        raise FixresError(f"it reads a JSON request on stdin (see --help); that is not JSON: {exc}") from None
+    if not isinstance(request, dict) or not {"config", "num_classes", "budget"} <= request.keys():
+        raise FixresError("it reads a JSON object with config, num_classes and budget on stdin (see --help)")
+    return request
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fixres_dist.training.memory_budget``: :func:`serve` the request on stdin; exit status 0,
+    2 with one line on stderr for a request it cannot read."""
+    from fixres_dist.entry import cli
+
+    cli._Parser(prog=f"python -m {MODULE}", description=HELP, formatter_class=cli._Formatter).parse_args(argv)
+    try:
+        request = read_request()
+        config = TrainerConfig.from_dict(request["config"])
+    except FixresError as exc:
+        say(f"fixres_dist: memory_budget: {first_line(exc)}")
+        return 2
+    except (KeyError, TypeError, ValueError) as exc:
+        say(f"fixres_dist: memory_budget: the request's config is not a run's configuration: "
+            f"{type(exc).__name__}: {first_line(exc)}"[:400])
+        return 2
+    serve(config, request["num_classes"], request["budget"])
+    return 0
+
 if __name__ == "__main__":
-    serve()
+    sys.exit(main())

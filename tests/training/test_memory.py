@@ -2,6 +2,8 @@
 its table command (memory_table), and the preflight's refusal of a run over its memory budget (memory_budget)."""
 from __future__ import annotations
 
+import io
+import json
 import sys
 
 import pytest
@@ -94,6 +96,45 @@ def test_the_command_refuses_bad_input_in_one_line(args, status, message, capsys
         memory_table.main(args)
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == status and len(err.splitlines()) == 1 and message in err, err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stdin, message", [
+    (_Terminal(), "this is the preflight's internal child process: it reads a JSON request on stdin, not a terminal"),
+    (io.StringIO("{not json"), "it reads a JSON request on stdin (see --help); that is not JSON: "),
+    (io.StringIO("[1]"), "it reads a JSON object with config, num_classes and budget on stdin"),
+    (io.StringIO('{"config": {"bogus": 1}, "num_classes": 10, "budget": 1}'), "config has unknown keys ['bogus']"),
+    (io.StringIO('{"config": {"batch": 0}, "num_classes": 10, "budget": 1}'), "--batch must be > 0, got 0"),
+])
+def test_the_preflights_child_refuses_a_request_it_cannot_read_in_one_line(stdin, message, monkeypatch, capsys):
+    """python -m fixres_dist.training.memory_budget (internal: the preflight's child process): a terminal, or
+    what is not a request, on stdin: one line, exit status 2, nothing estimated."""
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert memory_budget.main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"fixres_dist: memory_budget: {message}{captured.err.split(message, 1)[1]}" \
+        and captured.err.count("\n") == 1 and captured.out == "", captured.err
+    assert not dist.is_initialized()
+
+
+def test_the_preflights_child_says_in_its_help_that_it_is_internal(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        memory_budget.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert exit_info.value.code == 0 and "Internal: the child process of the preflight's memory check" in out
+    assert "one JSON request on stdin" in out and "one JSON line on stdout" in out
+
+
+def test_the_preflights_child_answers_a_request_in_one_json_line(monkeypatch, capsys):
+    request = {"config": config(num_tasks=2, sharding="full").to_dict(), "num_classes": CLASSES, "budget": 2 ** 40}
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(request)))
+    assert memory_budget.main([]) == 0
+    found = memory_budget.Check.from_dict(json.loads(capsys.readouterr().out))
+    assert found.first.known and found.fit is None and not dist.is_initialized()
 
 
 def run_args(tmp_path, *args) -> list[str]:

@@ -44,18 +44,20 @@ METHOD = "torch's MemTracker/FSDPMemTracker on fake tensors, or on the meta devi
 
 def number(size: float) -> str:
     """``size`` bytes as a number of GiB, three significant digits: ``"5.37"``, ``"0.0139"``, ``"140"``;
-    ``"<0.001"`` for less than a MiB."""
+    below 0.001 GiB with its unit, where GiB would round it away: ``"0.977 MiB"``, below a MiB
+    ``"524 bytes"`` (exact)."""
     value = size / GIB
     if value == 0:
         return "0"
     if value < 0.001:
-        return "<0.001"
+        return f"{size / 2 ** 20:.3g} MiB" if size >= 2 ** 20 else f"{int(size):,} bytes"
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def gib(size: float) -> str:
-    """``size`` bytes in GiB, for messages: ``"5.37 GiB"``."""
-    return f"{number(size)} GiB"
+    """``size`` bytes in GiB, for messages: ``"5.37 GiB"`` (below 0.001 GiB: :func:`number`'s MiB or bytes)."""
+    found = number(size)
+    return found if found.endswith(("MiB", "bytes")) else f"{found} GiB"
 
 
 @attrs.frozen
@@ -88,10 +90,14 @@ class MemoryEstimate:
         return self.peak is not None and self.peak <= budget
 
     def breakdown(self) -> str:
-        """``"parameters 0.10, gradients 0.10, optimizer state 0.10, activations 5.07 GiB"``."""
+        """``"parameters 0.10, gradients 0.10, optimizer state 0.10, activations 5.07 GiB"``; each with its
+        unit where one is below 0.001 GiB (``"parameters 0.977 MiB, gradients 0.977 MiB, ..., activations
+        0.012 GiB"``)."""
         parts = [("parameters", self.parameters), ("gradients", self.gradients), ("optimizer state", self.optimizer),
                  ("activations", self.activations)]
-        return ", ".join(f"{name} {number(size)}" for name, size in parts) + " GiB"
+        if all(size == 0 or size >= GIB / 1000 for _, size in parts):
+            return ", ".join(f"{name} {number(size)}" for name, size in parts) + " GiB"
+        return ", ".join(f"{name} {gib(size)}" for name, size in parts)
 
     def describe(self) -> str:
         """One line: the peak in GiB per rank and its breakdown, or why there is no estimate."""

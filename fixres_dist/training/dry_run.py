@@ -168,7 +168,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--architecture", default="timm/vit_large_patch16_224", help="default %(default)s")
     p.add_argument("--input-size", type=cli._training_size, default=224,
                    help="training resolution in pixels (default 224)")
-    p.add_argument("--num-classes", "--classes", dest="classes", type=whole, default=1000,
+    p.add_argument("--num-classes", "--classes", dest="classes", type=whole, default=1000, metavar="N",
                    help="classes of the head (default 1000)")
     p.add_argument("--batch", type=whole, default=64, help="images per data-parallel rank per step (default 64)")
     p.add_argument("--pipeline-microbatches", type=whole, default=None,

@@ -11,10 +11,14 @@ from __future__ import annotations
 import argparse
 import functools
 import re
-import textwrap
 
 import attrs
 
+from fixres_dist.arguments import Formatter as _Formatter
+from fixres_dist.arguments import OneLineParser
+from fixres_dist.arguments import pixels as _pixels
+from fixres_dist.arguments import positive_int as _positive_int
+from fixres_dist.arguments import training_size as _training_size
 from fixres_dist.config import (
     AUTO_AUGMENT_POLICIES,
     CIFAR_RESNETS,
@@ -78,38 +82,9 @@ def shown(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _whole(text: str, unit: str = "") -> int:
-    """A positive whole number (of ``unit``, for the message); ArgumentTypeError otherwise."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number{unit}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number{unit}, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    """A count: a positive whole number."""
-    return _whole(text)
-
-
-def _pixels(text: str) -> int:
-    """A resolution: a positive whole number of pixels."""
-    return _whole(text, " of pixels")
-
-
 def _finetune_size(text: str) -> int | str:
     """main_finetune.py's --input-size: pixels, or ``auto`` (the best of --test-sizes)."""
     return "auto" if text == "auto" else _pixels(text)
-
-
-def _training_size(text: str) -> int:
-    """main_scratch.py's --input-size: pixels (``auto`` is main_finetune.py's)."""
-    if text == "auto":
-        raise argparse.ArgumentTypeError("'auto' only applies to main_finetune.py, which finetunes at the best "
-                                         "of --test-sizes")
-    return _pixels(text)
 
 
 def _int_list(text: str, noun: str, smallest: int) -> tuple[int, ...]:
@@ -199,38 +174,18 @@ TIMM_OPTIMIZERS = {"momentum": "sgd", "nesterov": "sgd-nesterov",
 SCHEDULER_ALIASES = {"cosineannealinglr": "cosine", "steplr": "step", "exponentiallr": "exponential"}
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with usage errors in one line, ``<prog>: error: <message>`` (exit status 2), instead of
-    the whole usage message before it; an unrecognised flag of torchvision's, DeiT's or timm's scripts
-    is answered with this tool's name for it. ``check(namespace)``, if set, runs after parsing:
-    flags given together that do not go together (raises FixresError) are usage errors too."""
+class _Parser(OneLineParser):
+    """:class:`~fixres_dist.arguments.OneLineParser` (usage errors in one line, ``check``) whose
+    unrecognised flag of torchvision's, DeiT's or timm's scripts is answered with this tool's name for it."""
 
-    check = None
-
-    def parse_known_args(self, args=None, namespace=None):
-        parsed, rest = super().parse_known_args(args, namespace)
-        if self.check is not None:
-            try:
-                self.check(parsed)
-            except FixresError as exc:
-                self.error(str(exc))
-        return parsed, rest
-
-    def error(self, message: str):
+    def hint(self, message: str) -> str:
         unknown = re.match(r"unrecognized arguments: (.*)", message)
         if unknown:
             named = [f"{flag} is {OTHER_NAMES[flag]} here" for flag in
                      (word.split("=", 1)[0] for word in unknown.group(1).split()) if OTHER_NAMES.get(flag)]
             if named:
                 message += f" ({'; '.join(named)}: see docs/recipes.md)"
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-class _Formatter(argparse.HelpFormatter):
-    """argparse's help layout, wrapping only between words: ``--input-size`` is never split at its hyphen."""
-
-    def _split_lines(self, text: str, width: int) -> list[str]:
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+        return message
 
 
 class _OtherScript(argparse.Action):

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from fixres_dist import arguments
 from fixres_dist.config import OPTIMIZERS, PIPELINE_SCHEDULES, SHARDINGS, TrainerConfig
 from fixres_dist.distributed.layout import Layout
-from fixres_dist.entry import cli
 from fixres_dist.errors import FixresError, first_line, say
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class DryRun:
 
 def _ranks(text: str) -> int:
     """--num-tasks: a positive whole number of ranks, at most :data:`MAX_RANKS`."""
-    value = cli._positive_int(text)
+    value = arguments.positive_int(text)
     if value > MAX_RANKS:
         raise argparse.ArgumentTypeError(f"a dry run takes at most {MAX_RANKS:,} ranks (its fake process group "
                                          f"builds a mesh that large in seconds), got {text}")
@@ -155,10 +155,10 @@ def dry_run(args: argparse.Namespace) -> DryRun:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line (the scripts' flag names and their checks; usage errors in one line)."""
-    whole = cli._positive_int
-    p = cli._Parser(prog="python -m fixres_dist.training.dry_run", description=DESCRIPTION,
-                    formatter_class=cli._Formatter)
+    """The command line (the scripts' flag names and their types; usage errors in one line)."""
+    whole = arguments.positive_int
+    p = arguments.OneLineParser(prog="python -m fixres_dist.training.dry_run", description=DESCRIPTION,
+                    formatter_class=arguments.Formatter)
     p.add_argument("--num-tasks", type=_ranks, required=True, help=f"ranks in the job (at most {MAX_RANKS:,})")
     p.add_argument("--tensor-parallel", type=whole, default=1, help="ranks per tensor group (default 1)")
     p.add_argument("--pipeline-stages", type=whole, default=1, help="pipeline stages (default 1)")
@@ -166,7 +166,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-group-size", type=whole, default=None,
                    help="--sharding hybrid's shard group (ranks; required with it)")
     p.add_argument("--architecture", default="timm/vit_large_patch16_224", help="default %(default)s")
-    p.add_argument("--input-size", type=cli._training_size, default=224,
+    p.add_argument("--input-size", type=arguments.training_size, default=224,
                    help="training resolution in pixels (default 224)")
     p.add_argument("--num-classes", "--classes", dest="classes", type=whole, default=1000, metavar="N",
                    help="classes of the head (default 1000)")

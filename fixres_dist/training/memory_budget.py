@@ -25,6 +25,7 @@ from pathlib import Path
 
 import attrs
 
+from fixres_dist import arguments
 from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import layout
 from fixres_dist.errors import FixresError, first_line, say
@@ -268,9 +269,8 @@ def read_request() -> dict:
 def main(argv: list[str] | None = None) -> int:
     """``python -m fixres_dist.training.memory_budget``: :func:`serve` the request on stdin; exit status 0,
     2 with one line on stderr for a request it cannot read."""
-    from fixres_dist.entry import cli
-
-    cli._Parser(prog=f"python -m {MODULE}", description=HELP, formatter_class=cli._Formatter).parse_args(argv)
+    arguments.OneLineParser(prog=f"python -m {MODULE}", description=HELP,
+                            formatter_class=arguments.Formatter).parse_args(argv)
     try:
         request = read_request()
         config = TrainerConfig.from_dict(request["config"])

@@ -65,8 +65,8 @@ def test_activation_checkpointing_keeps_fewer_activations(base, checkpointed):
 
 def test_sizes_below_a_thousandth_of_a_gib_keep_their_value():
     """No ``<0.001``: MiB, or bytes exactly below a MiB, where GiB would round the size away."""
-    assert [memory_estimate.gib(size) for size in (0, 3112, 3 * 2 ** 19, 2 ** 30)] == \
-        ["0 GiB", "3,112 bytes", "1.5 MiB", "1 GiB"]
+    assert [memory_estimate.gib(size) for size in (0, 3112, 2 ** 20, 2 ** 30)] == \
+        ["0 GiB", "3,112 bytes", "1 MiB", "1 GiB"]
     found = memory_estimate.MemoryEstimate("s", 2 ** 30 + 3112, parameters=2 ** 30, gradients=3112)
     assert found.breakdown() == "parameters 1 GiB, gradients 3,112 bytes, optimizer state 0 GiB, activations 0 GiB"
 

@@ -142,9 +142,11 @@ class EpochMeter:
     """This rank's summed loss, images and unreadable images of the epoch so far, and its duration.
 
     The loss sum stays on the device (no host sync per step); the counts are host integers.
-    ``start`` holds the totals and ``seconds_before`` the training time (seconds) before a
-    mid-epoch stop (rank 0 carries them across a resume). ``counted``: whether its totals count in the
-    job's (False: a rank that saw the same images as another of its tensor group; its totals are 0).
+    ``start`` holds the totals before a mid-epoch stop (the rank whose sums count carries them across a
+    resume) and ``seconds_before`` the epoch's training time (seconds) before it (every rank: the speed is
+    the images over all ranks over the epoch's time, whichever rank reports it). ``counted``: whether its
+    totals count in the job's (False: a rank that saw the same images as another of its tensor group; its
+    totals are 0).
     """
 
     def __init__(self, device: torch.device, start=(0.0, 0.0, 0.0), seconds_before: float = 0.0,

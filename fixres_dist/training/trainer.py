@@ -204,7 +204,7 @@ class Trainer:
         where, counted = self.network.layout, self.network.layout.counts_metrics(cfg.global_rank)
         resumed = cfg.global_rank == where.totals_rank and state.images_in_epoch  # it continues the epoch's totals
         state.meter = engine.EpochMeter(self.network.device, state.resumed_sums if resumed else (0.0, 0.0, 0.0),
-                                        state.resumed_seconds if resumed else 0.0, counted)
+                                        state.resumed_seconds if state.images_in_epoch else 0.0, counted)
         bar = progress.Bar(self.data.images_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", enabled=progress.shown(cfg),
                            initial=state.images_in_epoch, postfix=self.remaining.postfix)
         try:

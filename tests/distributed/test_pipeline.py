@@ -260,12 +260,17 @@ def test_a_pipeline_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data,
 @pytest.mark.slow
 def test_a_ddp_job_stopped_mid_epoch_resumes_in_stages(split_jobs, tiny_data, tmp_path):
     """And back: stopped on 2 DDP ranks, resumed on 2 pipelines of 2 stages (rank 0 is not the rank that
-    carries the epoch's totals then): the same end."""
+    carries the epoch's totals then): the same end. The resumed epoch's speed counts its time before the
+    stop as well as its images before it (rank 0 reports it: once it counted the images only)."""
     stopped = job(tmp_path, tiny_data, "s", fault="signal:rank=0:step=2")
     assert stopped.returncode == 3, stopped.stderr[-3000:]
+    before = torch.load(tmp_path / "s" / CHECKPOINT_FILE, weights_only=True)["epoch_seconds"]
     resumed = job(tmp_path, tiny_data, "s", "--pipeline-stages", 2, world=4)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(tmp_path / "s", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
+    epochs = [json.loads(line) for line in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
+    [stopped_epoch] = [e for e in epochs if e["event"] == "train" and e["epoch"] == 1][-1:]
+    assert 0 < before and stopped_epoch["img_per_s"] < stopped_epoch["images"] / before, (before, stopped_epoch)
 
 
 @pytest.mark.slow

@@ -261,8 +261,9 @@ def test_a_pipeline_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data,
 def test_a_ddp_job_stopped_mid_epoch_resumes_in_stages(split_jobs, tiny_data, tmp_path):
     """And back: stopped on 2 DDP ranks, resumed on 2 pipelines of 2 stages (rank 0 is not the rank that
     carries the epoch's totals then): the same end. The resumed epoch's speed counts its time before the
-    stop as well as its images before it (rank 0 reports it: once it counted the images only)."""
-    stopped = job(tmp_path, tiny_data, "s", fault="signal:rank=0:step=2")
+    stop as well as its images before it (rank 0 reports it: once it counted the images only; stopped after
+    4 of the epoch's 5 steps, the speed over the last step alone is well above the speed before the stop)."""
+    stopped = job(tmp_path, tiny_data, "s", fault="signal:rank=0:step=3")
     assert stopped.returncode == 3, stopped.stderr[-3000:]
     before = torch.load(tmp_path / "s" / CHECKPOINT_FILE, weights_only=True)["epoch_seconds"]
     resumed = job(tmp_path, tiny_data, "s", "--pipeline-stages", 2, world=4)

@@ -1,7 +1,7 @@
 """How the ranks hold the model: DDP (a full replica each), full shard (FSDP2) or hybrid shard
 (HSDP), and activation checkpointing; the full-state checkpoints of a sharded model.
 
-* ``ddp``: ``DistributedDataParallel`` (:class:`~fixres_dist.training.network.Network` wraps).
+* ``ddp``: ``DistributedDataParallel`` (:class:`~fixres_dist.distributed.ddp_strategy.Replicated` wraps).
 * ``full``: ``torch.distributed.fsdp.fully_shard`` per residual block
   (:func:`fixres_dist.distributed.blocks.blocks`), then the root, on a 1-D mesh of all ranks: each rank
   keeps 1/world of the parameters, gradients and optimizer state and gathers a block's parameters

@@ -16,6 +16,7 @@ from fixres_dist.distributed.ddp_strategy import Replicated
 from fixres_dist.distributed.fsdp_strategy import FullySharded
 from fixres_dist.distributed.pipeline_strategy import PipelineSplit
 from fixres_dist.distributed.strategy import INTERFACE, SingleProcess, Strategy
+from fixres_dist.distributed.tensor_fsdp_strategy import ShardedTensorSplit
 from fixres_dist.distributed.tensor_strategy import TensorSplit
 from fixres_dist.training import engine
 
@@ -52,12 +53,15 @@ def _chosen(**fields) -> Strategy:
 @pytest.mark.parametrize("fields, kind", [
     ({}, SingleProcess), ({"sharding": "full"}, SingleProcess), ({"num_tasks": 4}, Replicated),
     ({"num_tasks": 4, "sharding": "full"}, FullySharded), ({"num_tasks": 4, "sharding": "hybrid"}, FullySharded),
-    ({"num_tasks": 4, "tensor_parallel": 2}, TensorSplit), ({"num_tasks": 4, "pipeline_stages": 2}, PipelineSplit)])
+    ({"num_tasks": 4, "tensor_parallel": 2}, TensorSplit), ({"num_tasks": 4, "pipeline_stages": 2}, PipelineSplit),
+    ({"num_tasks": 4, "tensor_parallel": 2, "sharding": "full"}, ShardedTensorSplit),
+    ({"num_tasks": 2, "tensor_parallel": 2, "sharding": "full"}, TensorSplit)])  # a shard group of 1: no FSDP
 def test_the_layout_picks_one_strategy(fields, kind):
     chosen = _chosen(**fields)
     assert type(chosen) is kind
     assert chosen.lays_out_before_evaluating == (kind not in (SingleProcess, Replicated))
-    assert chosen.writes_shards == (kind is FullySharded) and chosen.schedules == (kind is PipelineSplit)
+    assert chosen.writes_shards == (kind in (FullySharded, ShardedTensorSplit))
+    assert chosen.schedules == (kind is PipelineSplit)
 
 
 def test_one_process_with_a_sharding_asked_for_says_so_when_it_wraps():

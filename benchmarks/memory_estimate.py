@@ -76,10 +76,8 @@ def wrapped(config, model, device):
 
     if not dist.is_initialized():
         return model, SINGLE
-    def quiet(line):
-        return None
     strategy = Replicated(device, broadcast_buffers=True) if config.sharding == "ddp" else \
-        FullySharded(config, device, AMP_DTYPES[config.amp], quiet, quiet)
+        FullySharded(config, device, AMP_DTYPES[config.amp], log=lambda line: None, warn=lambda line: None)
     return strategy.wrap(model, None, config.input_size)[1], strategy
 
 

@@ -561,10 +561,11 @@ def _check_sharding(config: TrainerConfig) -> None:
                           "ddp")
 
 
-def _refuse_with_a_split(config: TrainerConfig, split: str, *more: tuple[str, bool]) -> None:
-    """A split model (``split``: its flag) does not compose yet with the options in effect here, nor
-    with ``more`` ((flag, in effect) pairs): FixresError naming the first."""
-    refused = [flag for flag, on in (*more, ("--sharding " + config.sharding, config.sharding != "ddp"),
+def _refuse_with_a_split(config: TrainerConfig, split: str, *more: tuple[str, bool], shards: bool = False) -> None:
+    """A split model (``split``: its flag) does not compose yet with the options in effect here (``shards``:
+    but for ``--sharding full/hybrid``), nor with ``more`` ((flag, in effect) pairs): FixresError naming
+    the first."""
+    refused = [flag for flag, on in (*more, ("--sharding " + config.sharding, config.sharding != "ddp" and not shards),
                                      ("--model-ema", config.model_ema), ("--compile", bool(config.compile)),
                                      ("--amp fp16", config.amp == "fp16"),
                                      ("--activation-checkpointing", config.activation_checkpointing),
@@ -577,7 +578,7 @@ def _check_tensor_parallel(config: TrainerConfig) -> None:
     ranks = config.tensor_parallel  # its division of the world size: the preflight's (fixres_dist.training.inputs)
     if ranks == 1:
         return
-    _refuse_with_a_split(config, f"--tensor-parallel {ranks}")
+    _refuse_with_a_split(config, f"--tensor-parallel {ranks}", shards=True)  # FSDP x tensor: 2-D
     if config.architecture.startswith("vit_"):
         raise FixresError(f"--tensor-parallel cannot run torchvision's {config.architecture}: its attention cannot "
                           "be split and it copies the model to change resolution; use a timm ViT (e.g. "

@@ -163,7 +163,7 @@ def preflight(config: TrainerConfig) -> JobInputs:
             model = architectures.build_model(config.architecture, len(inputs.classes),
                                               image_size=config.first_input_size, low_res_stem=config.low_res_stem)
         if ranks.tensor_enabled:
-            tensor_parallel.splittable(model, ranks.tensor, config.architecture)
+            tensor_parallel.splittable(model, ranks.tensor, config.architecture, heads=not ranks.shard_enabled)
         else:
             _check_stages(config, ranks.pipeline, model)
     sizes = {config.input_size, config.test_size, config.train_size, *(config.test_sizes or ())} - {None, "auto"}

@@ -27,7 +27,7 @@ from fixres_dist.distributed import sharding
 # The interface, by name: what every strategy answers (tests/distributed/test_strategies.py checks it).
 INTERFACE = ("wrap", "no_sync", "reduce_gradients", "clip_grad_norm", "full_state", "load_state_dict",
              "load_optimizer_state_dict", "evaluated", "data_group", "schedules", "schedule",
-             "writes_shards", "lays_out_before_evaluating", "time_gradient_reduction")
+             "writes_shards", "lays_out_before_evaluating", "time_gradient_reduction", "laid_out")
 
 
 class Strategy(abc.ABC):

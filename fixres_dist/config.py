@@ -561,14 +561,15 @@ def _check_sharding(config: TrainerConfig) -> None:
                           "ddp")
 
 
-def _refuse_with_a_split(config: TrainerConfig, split: str, *more: tuple[str, bool], shards: bool = False) -> None:
+def _refuse_with_a_split(config: TrainerConfig, split: str, *more: tuple[str, bool], shards: bool = False,
+                         recomputes: bool = False) -> None:
     """A split model (``split``: its flag) does not compose yet with the options in effect here (``shards``:
-    but for ``--sharding full/hybrid``), nor with ``more`` ((flag, in effect) pairs): FixresError naming
-    the first."""
+    but for ``--sharding full/hybrid``; ``recomputes``: but for ``--activation-checkpointing``), nor with
+    ``more`` ((flag, in effect) pairs): FixresError naming the first."""
     refused = [flag for flag, on in (*more, ("--sharding " + config.sharding, config.sharding != "ddp" and not shards),
                                      ("--model-ema", config.model_ema), ("--compile", bool(config.compile)),
                                      ("--amp fp16", config.amp == "fp16"),
-                                     ("--activation-checkpointing", config.activation_checkpointing),
+                                     ("--activation-checkpointing", config.activation_checkpointing and not recomputes),
                                      ("--dist-bn broadcast", config.dist_bn == "broadcast")) if on]
     if refused:
         flag = refused[0].split()[0]
@@ -587,7 +588,8 @@ NEAREST_COMPOSITION = {
     "--model-ema": "--sharding full --model-ema (the average sharded as the model is)",
     "--compile": "--compile with DDP (no split)",
     "--amp": "--amp bf16 (no loss scale to agree on between the parts)",
-    "--activation-checkpointing": "--sharding full --activation-checkpointing",
+    "--activation-checkpointing": "--sharding full --activation-checkpointing, or --pipeline-stages N "
+                                  "--activation-checkpointing (each stage's blocks recomputed)",
     "--dist-bn": "--dist-bn reduce, the default",
     "--extract-features": "--extract-features on DDP ranks (the same checkpoint, without --pipeline-stages)",
 }
@@ -673,8 +675,9 @@ def _check_pipeline(config: TrainerConfig) -> None:
             flag = given[0]
             raise FixresError(f"{flag} applies to a model cut into stages: add --pipeline-stages N (N >= 2)")
         return
+    # --activation-checkpointing: a stage's blocks are the model's own, checkpointed before the cut
     _refuse_with_a_split(config, f"--pipeline-stages {stages}", ("--tensor-parallel", config.tensor_parallel > 1),
-                         ("--extract-features", bool(config.extract_features)))
+                         ("--extract-features", bool(config.extract_features)), recomputes=True)
     if config.grad_accum_steps > 1:
         raise FixresError(f"--pipeline-stages {stages} already accumulates micro-batches: use "
                           f"--pipeline-microbatches instead of --grad-accum-steps {config.grad_accum_steps}")

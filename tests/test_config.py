@@ -61,3 +61,13 @@ def test_a_refused_composition_names_the_nearest_that_works(refused, nearest):
     with pytest.raises(FixresError, match="does not go with .* yet; the nearest that works: --"):
         TrainerConfig(**SPLIT, **refused)
     TrainerConfig(**SPLIT, **nearest)
+
+
+def test_pipeline_stages_take_activation_checkpointing_and_tensor_groups_do_not_yet():
+    """docs/sharding.md's table: a pipeline's stages recompute their blocks (built); tensor groups refuse it,
+    naming both compositions that run."""
+    TrainerConfig(**SPLIT, pipeline_stages=2, activation_checkpointing=True)
+    with pytest.raises(FixresError, match="--tensor-parallel 2 does not go with --activation-checkpointing yet; the "
+                       "nearest that works: --sharding full --activation-checkpointing, or --pipeline-stages N "
+                       "--activation-checkpointing"):
+        TrainerConfig(**SPLIT, tensor_parallel=2, activation_checkpointing=True)

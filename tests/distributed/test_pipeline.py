@@ -33,6 +33,8 @@ from split_models import (
     VIT,
     assert_same_run,
     batch,
+    events,
+    full,
     model_of,
     share,
     unsplit_steps,
@@ -236,6 +238,28 @@ def test_a_pipeline_job_trains_as_ddp(split_jobs):
     assert "--pipeline-stages 2: pipeline: 2 stages x 2 data-parallel ranks, Schedule1F1B, 2 micro-batches per " \
            "step; this rank holds stage 0: stem .. blocks.2; 174,784 parameters on this rank" in out
     assert "lr 0.00625 = 0.1 x 8 x 2 / 256" in out  # the linear scaling rule counts data-parallel ranks
+
+
+@pytest.mark.numeric
+def test_a_pipeline_job_with_activation_checkpointing_ends_as_the_same_job_without(split_jobs, tiny_data, tmp_path):
+    """``--activation-checkpointing`` on 2 pipelines of 2 stages: each stage's blocks (the model's own,
+    checkpointed before the cut) recompute their forward in the 1F1B schedule's backward. The cut is the
+    same (the FLOPs are counted once per block) and the job ends as the split_jobs' pipeline job bit for
+    bit: losses, learning rates, top-1 and the final weights. On CPU the recomputation runs the same kernels
+    on the same inputs (no dropout in the test ViT; the RNG state would be restored anyway), and the
+    gradients flow through the same operations: equal, not merely within rounding."""
+    result = job(tmp_path, tiny_data, "ac", "--pipeline-stages", 2, "--activation-checkpointing", world=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "activation checkpointing: 6 blocks recompute their forward in the backward" in result.stdout
+    assert "2 micro-batches per step; this rank holds stage 0: stem .. blocks.2; 174,784 parameters" in result.stdout
+    reference = split_jobs / "pp"
+    for kind in ("train", "eval"):
+        ours, theirs = events(tmp_path / "ac", kind), events(reference, kind)
+        assert len(ours) == len(theirs) > 0, kind
+        for x, y in zip(ours, theirs):
+            assert all(x.get(f) == y.get(f) for f in ("epoch", "loss", "lr", "top1", "images")), (kind, x, y)
+    ours, theirs = (full(folder / CHECKPOINT_FILE)["model"] for folder in (tmp_path / "ac", reference))
+    assert ours.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in ours.items())
 
 
 @pytest.mark.numeric

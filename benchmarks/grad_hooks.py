@@ -1,5 +1,5 @@
 """What the step times' all-reduce mark costs a DDP step: the post-accumulate-grad hooks on a model's
-first 4 trainable parameters (:meth:`fixres_dist.training.network.Network.time_gradient_reduction`),
+first 4 trainable parameters (:meth:`fixres_dist.distributed.ddp_strategy.Replicated.time_gradient_reduction`),
 as an A/B within the same 2 gloo ranks, so that the noise between two launches (about 5 % on a
 shared 2-core machine) does not hide it.
 
@@ -29,8 +29,8 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package is not installed in .venv
+from fixres_dist.distributed.ddp_strategy import LAST_GRADIENTS
 from fixres_dist.models.architectures import build_model
-from fixres_dist.training.network import LAST_GRADIENTS
 
 
 def rank_main(rank: int, port: int, args) -> None:

@@ -65,21 +65,20 @@ def status_bytes(field: str) -> int:
 
 
 def wrapped(config, model, device):
-    """``(forward, no_sync)`` of ``model`` as a run of ``config`` on more than one rank trains it (DDP,
-    or sharded per block by ``fixres_dist.distributed.sharding``); the model itself on one rank."""
+    """``(forward, strategy)`` of ``model`` as a run of ``config`` on more than one rank trains it (DDP,
+    or sharded per block: ``fixres_dist.distributed``'s strategies); the model itself on one rank."""
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    from fixres_dist.distributed import sharding
+    from fixres_dist.distributed.ddp_strategy import Replicated
+    from fixres_dist.distributed.fsdp_strategy import FullySharded
+    from fixres_dist.distributed.strategy import SINGLE
     from fixres_dist.training.engine import AMP_DTYPES
 
     if not dist.is_initialized():
-        return model, None
-    if config.sharding == "ddp":
-        ddp = DistributedDataParallel(model)
-        return ddp, ddp.no_sync
-    sharding.shard([model], sharding.device_mesh(config, device), config, AMP_DTYPES[config.amp])
-    return model, lambda: sharding.gradient_sync_off(model)
+        return model, SINGLE
+    strategy = Replicated(device, broadcast_buffers=True) if config.sharding == "ddp" else \
+        FullySharded(config, device, AMP_DTYPES[config.amp], log=lambda line: None, warn=lambda line: None)
+    return strategy.wrap(model, None, config.input_size)[1], strategy
 
 
 def real_steps(config, device, track: bool, steps: int = 2) -> int | None:
@@ -93,7 +92,7 @@ def real_steps(config, device, track: bool, steps: int = 2) -> int | None:
     from fixres_dist.training import engine, optim
 
     model = architectures.build_model(config.architecture, CLASSES, image_size=config.input_size).to(device).train()
-    forward, no_sync = wrapped(config, model, device)
+    forward, strategy = wrapped(config, model, device)
     optimizer = optim.build_optimizer(config.opt, optim.parameter_groups(model, config.weight_decay,
                                                                          config.norm_weight_decay),
                                       0.01, config.momentum)
@@ -105,8 +104,8 @@ def real_steps(config, device, track: bool, steps: int = 2) -> int | None:
         tracker.track_external(model, optimizer)
     with tracker if tracker is not None else torch.enable_grad():
         for _ in range(steps):
-            engine.train_step(forward, optimizer, scaler, images, labels, device=device, world=config.num_tasks,
-                              amp=engine.AMP_DTYPES[config.amp], no_sync=no_sync)
+            engine.train_step(forward, optimizer, scaler, images, labels, engine.StepSettings(
+                device, world=config.num_tasks, amp=engine.AMP_DTYPES[config.amp]), strategy=strategy)
             if tracker is not None:
                 tracker.reset_mod_stats()
     if tracker is None:

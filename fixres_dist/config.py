@@ -561,23 +561,48 @@ def _check_sharding(config: TrainerConfig) -> None:
                           "ddp")
 
 
-def _refuse_with_a_split(config: TrainerConfig, split: str, *more: tuple[str, bool]) -> None:
-    """A split model (``split``: its flag) does not compose yet with the options in effect here, nor
-    with ``more`` ((flag, in effect) pairs): FixresError naming the first."""
-    refused = [flag for flag, on in (*more, ("--sharding " + config.sharding, config.sharding != "ddp"),
+def _refuse_with_a_split(config: TrainerConfig, split: str, *more: tuple[str, bool], shards: bool = False,
+                         recomputes: bool = False) -> None:
+    """A split model (``split``: its flag) does not compose yet with the options in effect here (``shards``:
+    but for ``--sharding full/hybrid``; ``recomputes``: but for ``--activation-checkpointing``), nor with
+    ``more`` ((flag, in effect) pairs): FixresError naming the first."""
+    refused = [flag for flag, on in (*more, ("--sharding " + config.sharding, config.sharding != "ddp" and not shards),
                                      ("--model-ema", config.model_ema), ("--compile", bool(config.compile)),
                                      ("--amp fp16", config.amp == "fp16"),
-                                     ("--activation-checkpointing", config.activation_checkpointing),
+                                     ("--activation-checkpointing", config.activation_checkpointing and not recomputes),
                                      ("--dist-bn broadcast", config.dist_bn == "broadcast")) if on]
     if refused:
-        raise FixresError(f"{split} does not go with {refused[0]} yet (docs/sharding.md: split rather than shard)")
+        flag = refused[0].split()[0]
+        raise FixresError(f"{split} does not go with {refused[0]} yet; the nearest that works: "
+                          f"{NEAREST_COMPOSITION[flag].format(sharding=config.sharding)} (docs/sharding.md, "
+                          "which compositions run)")
+
+
+# What a refused composition of a split model (tensor groups, pipeline stages) with another option becomes
+# in the refusal's line: the nearest that runs (docs/sharding.md's table of compositions).
+NEAREST_COMPOSITION = {
+    "--sharding": "--sharding {sharding} without --pipeline-stages (each rank holds a shard of every layer), or "
+                  "--pipeline-stages with its stages' data-parallel ranks as DDP replicas",
+    "--tensor-parallel": "--tensor-parallel N --sharding full without --pipeline-stages (2-D: tensor groups, "
+                         "sharded over the data-parallel ranks)",
+    "--model-ema": "--sharding full --model-ema (the average sharded as the model is)",
+    "--compile": "--compile with DDP (no split)",
+    "--amp": "--amp bf16 (no loss scale to agree on between the parts)",
+    "--activation-checkpointing": "--sharding full --activation-checkpointing, or --pipeline-stages N "
+                                  "--activation-checkpointing (each stage's blocks recomputed)",
+    "--dist-bn": "--dist-bn reduce, the default",
+    "--extract-features": "--extract-features on DDP ranks (the same checkpoint, without --pipeline-stages)",
+}
 
 def _check_tensor_parallel(config: TrainerConfig) -> None:
     """What tensor parallelism needs, and what it does not compose with yet (refused before start)."""
     ranks = config.tensor_parallel  # its division of the world size: the preflight's (fixres_dist.training.inputs)
     if ranks == 1:
         return
-    _refuse_with_a_split(config, f"--tensor-parallel {ranks}")
+    _refuse_with_a_split(config, f"--tensor-parallel {ranks}", shards=True)  # FSDP x tensor: 2-D
+    if config.sharding == "hybrid":  # runs, but no test has shown it equal to DDP yet
+        raise FixresError(f"--tensor-parallel {ranks} does not go with --sharding hybrid yet; the nearest that works: "
+                          f"--tensor-parallel {ranks} --sharding full (docs/sharding.md, which compositions run)")
     if config.architecture.startswith("vit_"):
         raise FixresError(f"--tensor-parallel cannot run torchvision's {config.architecture}: its attention cannot "
                           "be split and it copies the model to change resolution; use a timm ViT (e.g. "
@@ -650,8 +675,9 @@ def _check_pipeline(config: TrainerConfig) -> None:
             flag = given[0]
             raise FixresError(f"{flag} applies to a model cut into stages: add --pipeline-stages N (N >= 2)")
         return
+    # --activation-checkpointing: a stage's blocks are the model's own, checkpointed before the cut
     _refuse_with_a_split(config, f"--pipeline-stages {stages}", ("--tensor-parallel", config.tensor_parallel > 1),
-                         ("--extract-features", bool(config.extract_features)))
+                         ("--extract-features", bool(config.extract_features)), recomputes=True)
     if config.grad_accum_steps > 1:
         raise FixresError(f"--pipeline-stages {stages} already accumulates micro-batches: use "
                           f"--pipeline-microbatches instead of --grad-accum-steps {config.grad_accum_steps}")

@@ -38,3 +38,36 @@ def test_frozen_and_unknown_keys():
         config.batch = 3
     with pytest.raises(FixresError, match="unknown keys"):
         TrainerConfig.from_dict({**config.to_dict(), "bogus": 1})
+
+
+SPLIT = {"architecture": "timm/test_vit", "num_tasks": 4}
+
+
+@pytest.mark.parametrize("refused, nearest", [
+    ({"pipeline_stages": 2, "sharding": "full"}, {"sharding": "full"}),
+    ({"pipeline_stages": 2, "tensor_parallel": 2}, {"tensor_parallel": 2, "sharding": "full"}),
+    ({"pipeline_stages": 2, "model_ema": True}, {"sharding": "full", "model_ema": True}),
+    ({"tensor_parallel": 2, "model_ema": True}, {"sharding": "full", "model_ema": True}),
+    ({"tensor_parallel": 2, "compile": "inductor"}, {"compile": "inductor"}),
+    ({"pipeline_stages": 2, "amp": "fp16", "device": "cuda"}, {"pipeline_stages": 2, "amp": "bf16", "device": "cuda"}),
+    ({"tensor_parallel": 2, "activation_checkpointing": True}, {"sharding": "full", "activation_checkpointing": True}),
+    ({"pipeline_stages": 2, "dist_bn": "broadcast"}, {"pipeline_stages": 2}),
+    ({"pipeline_stages": 2, "extract_features": "/tmp/features"}, {"extract_features": "/tmp/features"}),
+    ({"tensor_parallel": 2, "sharding": "hybrid", "shard_group_size": 2}, {"tensor_parallel": 2, "sharding": "full"}),
+])
+def test_a_refused_composition_names_the_nearest_that_works(refused, nearest):
+    """docs/sharding.md's table of compositions: a refusal names the nearest composition that runs, and that
+    one passes the same checks."""
+    with pytest.raises(FixresError, match="does not go with .* yet; the nearest that works: --"):
+        TrainerConfig(**SPLIT, **refused)
+    TrainerConfig(**SPLIT, **nearest)
+
+
+def test_pipeline_stages_take_activation_checkpointing_and_tensor_groups_do_not_yet():
+    """docs/sharding.md's table: a pipeline's stages recompute their blocks (built); tensor groups refuse it,
+    naming both compositions that run."""
+    TrainerConfig(**SPLIT, pipeline_stages=2, activation_checkpointing=True)
+    with pytest.raises(FixresError, match="--tensor-parallel 2 does not go with --activation-checkpointing yet; the "
+                       "nearest that works: --sharding full --activation-checkpointing, or --pipeline-stages N "
+                       "--activation-checkpointing"):
+        TrainerConfig(**SPLIT, tensor_parallel=2, activation_checkpointing=True)

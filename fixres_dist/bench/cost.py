@@ -111,8 +111,8 @@ def measure(setting: Setting, device: torch.device, num_classes: int = 1000, ste
         scaler = torch.amp.GradScaler(device.type, enabled=setting.amp == "fp16")
 
         def train():
-            engine.train_step(forward, optimizer, scaler, images, labels, device=device, world=1, amp=amp,
-                              channels_last=setting.channels_last)
+            engine.train_step(forward, optimizer, scaler, images, labels,
+                              engine.StepSettings(device, amp=amp, channels_last=setting.channels_last))
 
         def infer():
             with torch.no_grad(), engine.autocast(device, amp):

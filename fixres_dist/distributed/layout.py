@@ -173,6 +173,11 @@ class Layout:
         parts = [f"{size:,} {name}" for size, name in zip(self.shape, names) if size > 1]
         return f"{self.world:,} ranks = {' x '.join(parts)}"
 
+    def data_ranks_words(self) -> str:
+        """The ranks a gradient or a BatchNorm statistic is averaged over: ``"4 ranks"``, or ``"2
+        data-parallel ranks"`` where the model is split."""
+        return f"{self.data_parallel_size} {'data-parallel ' if self.data_parallel_size < self.world else ''}ranks"
+
     def split_words(self) -> str:
         """How the ranks split the model, for a resume line: ``" (2 ranks per tensor group)"``,
         ``" (2 pipeline stages)"``, both, or nothing."""

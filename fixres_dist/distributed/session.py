@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from fixres_dist import io
 from fixres_dist.config import TrainerConfig
-from fixres_dist.distributed import collectives, joblock, placement
+from fixres_dist.distributed import collectives, joblock, layout, placement
 from fixres_dist.distributed.preemption import Preempted, StepAgreement, StopSignals
 from fixres_dist.distributed.rendezvous import LostPeers, NetworkInterrupted, RendezvousInterrupted
 from fixres_dist.distributed.watchdog import StallWatchdog
@@ -71,7 +71,7 @@ class RankSession:
                 self.lock = joblock.JobLock.acquire(cfg.job_folder, cfg.num_tasks)
             derived = " (derived from the configuration: the same command resumes this job)" \
                 if cfg.job_id == cfg.derived_job_id() else ""
-            self.log(f"job {cfg.job_id}{derived}: {cfg.run_name} {cfg.architecture}, {cfg.num_tasks} rank(s) on "
+            self.log(f"job {cfg.job_id}{derived}: {cfg.run_name} {cfg.architecture}, {layout.of(cfg).describe()} on "
                      f"{self.device.type}, folder {cfg.job_folder}")
             if intro:
                 self.log(intro)

@@ -1,7 +1,7 @@
 """How the ranks hold the model: DDP (a full replica each), full shard (FSDP2) or hybrid shard
 (HSDP), and activation checkpointing; the full-state checkpoints of a sharded model.
 
-* ``ddp``: ``DistributedDataParallel`` (:class:`~fixres_dist.training.network.Network` wraps).
+* ``ddp``: ``DistributedDataParallel`` (:class:`~fixres_dist.distributed.ddp_strategy.Replicated` wraps).
 * ``full``: ``torch.distributed.fsdp.fully_shard`` per residual block
   (:func:`fixres_dist.distributed.blocks.blocks`), then the root, on a 1-D mesh of all ranks: each rank
   keeps 1/world of the parameters, gradients and optimizer state and gathers a block's parameters
@@ -75,15 +75,26 @@ def _checkpointed(forward):
 
 
 def device_mesh(config: TrainerConfig, device: torch.device) -> DeviceMesh:
-    """The ranks' mesh for ``config.sharding``, a sub-mesh of the job's one mesh
-    (:meth:`fixres_dist.distributed.layout.Layout.mesh`): 1-D ``shard`` (``full``) or ``data`` (the
-    replicate groups) x ``shard`` (``hybrid``, shard groups of ``--shard-group-size`` ranks, else of the
-    ranks on one node). A collective: every rank calls it. Raises :class:`FixresError` when the world size is not a
-    multiple of the group size, or a node's ranks are not consecutive."""
+    """The ranks' mesh for ``config.sharding``, a sub-mesh of the job's one mesh (:func:`job_mesh`): 1-D
+    ``shard`` (``full``) or ``data`` (the replicate groups) x ``shard`` (``hybrid``, shard groups of
+    ``--shard-group-size`` ranks, else of the ranks on one node). A collective: every rank calls it.
+    Raises :class:`FixresError` when the world size is not a multiple of the group size, or a node's ranks
+    are not consecutive."""
+    return job_mesh(config, device)[shard_axes(config)]
+
+
+def job_mesh(config: TrainerConfig, device: torch.device) -> DeviceMesh:
+    """The job's one mesh (:meth:`fixres_dist.distributed.layout.Layout.mesh`, axes ``data``, ``shard``,
+    ``stage``, ``tensor``), a hybrid shard group not given being a node's ranks. A collective; raises as
+    :func:`device_mesh`."""
     by_node = config.sharding == "hybrid" and not config.shard_group_size
     per_node = _ranks_per_node(config.num_tasks) if by_node else None
-    mesh = layout.of(config, per_node).mesh(device.type)  # the job's one mesh (distributed/layout.py)
-    return mesh["shard"] if config.sharding == "full" else mesh["data", "shard"]
+    return layout.of(config, per_node).mesh(device.type)
+
+
+def shard_axes(config: TrainerConfig) -> tuple[str, ...]:
+    """The axes of the job's mesh that ``config.sharding`` (``full``, ``hybrid``) shards over."""
+    return ("shard",) if config.sharding == "full" else ("data", "shard")
 
 
 def _ranks_per_node(world: int) -> int:
@@ -98,9 +109,11 @@ def _ranks_per_node(world: int) -> int:
     return per_node
 
 
-def shard(modules: list[nn.Module], mesh: DeviceMesh, config: TrainerConfig, amp: torch.dtype | None) -> int:
+def shard(modules: list[nn.Module], mesh: DeviceMesh, config: TrainerConfig, amp: torch.dtype | None,
+          from_rank0: bool = True) -> int:
     """FSDP2 on each of ``modules`` alike (the model, and the EMA's copy made before: a sharded module
-    cannot be copied): ``fully_shard`` per block, then the root. ``amp``: the ``--amp`` dtype or None.
+    cannot be copied): ``fully_shard`` per block, then the root. ``amp``: the ``--amp`` dtype or None;
+    ``from_rank0``: rank 0's weights first (False: every rank holds them already, split by tensors).
     Returns the number of blocks per module (0: root only)."""
     options = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward,
                    offload_policy=CPUOffloadPolicy() if config.cpu_offload else None)
@@ -110,7 +123,8 @@ def shard(modules: list[nn.Module], mesh: DeviceMesh, config: TrainerConfig, amp
         del options["offload_policy"]
     count = 0
     for module in modules:
-        start_from_rank0(module)
+        if from_rank0:
+            start_from_rank0(module)
         found = blocks(module)
         for _, block in found:
             fully_shard(block, **options)

@@ -100,12 +100,13 @@ def _mlp_layers(block: nn.Module) -> tuple[str, str] | None:
     return None
 
 
-def splittable(model: nn.Module, ranks: int, architecture: str = "this model") -> list[tuple[str, nn.Module, tuple]]:
+def splittable(model: nn.Module, ranks: int, architecture: str = "this model",
+               heads: bool = True) -> list[tuple[str, nn.Module, tuple]]:
     """``model``'s transformer blocks that :func:`parallelize` splits over ``ranks`` ranks, as ``(name,
     block, (first, second MLP layer names))``; reads shapes only (a model on the ``meta`` device will
     do: the preflight's check). Raises :class:`FixresError` naming ``architecture`` when it has no
     transformer block with an MLP of two linear layers (ResNets, ConvNeXt: nothing to split here), or
-    a head count or hidden width that ``ranks`` does not divide."""
+    a hidden width (with ``heads``, a head count) that ``ranks`` does not divide."""
     found = []
     for name, block in blocks(model):
         layers = _mlp_layers(block)
@@ -115,7 +116,7 @@ def splittable(model: nn.Module, ranks: int, architecture: str = "this model") -
         if hidden % ranks:
             raise FixresError(f"--tensor-parallel {ranks}: {name}'s MLP has {hidden} hidden units, not a multiple of "
                               f"{ranks}")
-        if _timm_attention(block) is not None:
+        if heads and _timm_attention(block) is not None:
             _check_heads(_timm_attention(block), ranks, name)
         found.append((name, block, layers))
     if not found:
@@ -124,14 +125,17 @@ def splittable(model: nn.Module, ranks: int, architecture: str = "this model") -
     return found
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, architecture: str = "this model") -> tuple[int, int]:
+def parallelize(model: nn.Module, mesh: DeviceMesh, architecture: str = "this model",
+                heads: bool = True) -> tuple[int, int]:
     """Split ``model``'s transformer blocks over ``mesh`` (1-D: the ``tensor`` dimension), in place;
-    returns ``(MLPs split, attentions split)``. Every rank of ``mesh`` must then be given the same
-    images. Raises :class:`FixresError` as :func:`splittable` (before changing anything)."""
-    found, attentions = splittable(model, mesh.size(), architecture), 0
+    returns ``(MLPs split, attentions split)``. ``heads``: timm's attentions split by heads too (False:
+    kept whole, as FSDP2 on top needs: it would gather the heads' strided ``qkv`` permuted). Every rank
+    of ``mesh`` must then be given the same images. Raises :class:`FixresError` as :func:`splittable`
+    (before changing anything)."""
+    found, attentions = splittable(model, mesh.size(), architecture, heads), 0
     for _, block, (first, second) in found:
         parallelize_module(block, mesh, {first: ColwiseParallel(), second: RowwiseParallel()})
-        if _timm_attention(block) is not None:
+        if heads and _timm_attention(block) is not None:
             _split_heads(_timm_attention(block), mesh)
             attentions += 1
     return len(found), attentions
@@ -170,18 +174,21 @@ def average_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Scale ``model``'s gradients so that the L2 norm of all of them together is at most ``max_norm``
-    (``torch.nn.utils.clip_grad_norm_``'s rule); returns that norm before clipping. The split
-    parameters' norms are summed over their tensor group; the replicated ones count once."""
+    (``torch.nn.utils.clip_grad_norm_``'s rule); returns that norm before clipping (a 0-dim tensor). The
+    split parameters' norms are summed over their mesh (one group per mesh: the tensor group's, and
+    under FSDP2 also the shard mesh's and the 2-D one); the replicated ones count once."""
     parameters = [p for p in model.parameters() if p.grad is not None]
-    plain = [p for p in parameters if not isinstance(p.grad, DTensor)]
-    split = [p for p in parameters if isinstance(p.grad, DTensor)]
+    by_mesh: dict = {None: []}  # the plain (replicated) parameters first, then each mesh's, in model order
+    for parameter in parameters:
+        by_mesh.setdefault(parameter.grad.device_mesh if isinstance(parameter.grad, DTensor) else None,
+                           []).append(parameter)
     squares = torch.zeros((), device=parameters[0].grad.device if parameters else None)
-    if plain:
-        squares = squares + torch.nn.utils.get_total_norm([p.grad for p in plain]) ** 2
-    if split:
-        squares = squares + torch.nn.utils.get_total_norm([p.grad for p in split]).full_tensor() ** 2
+    for mesh, group in by_mesh.items():
+        if group:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+            squares = squares + (norm if mesh is None else norm.full_tensor()) ** 2
     total = squares.sqrt()
-    for group in (plain, split):
+    for group in by_mesh.values():
         if group:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=False)
     return total

@@ -82,6 +82,17 @@ def of_weights(found: weights.WeightFile | None, depth: int = MAX_DEPTH) -> Line
     return Lineage(train, size)
 
 
+def trained(config, loaded: Lineage, input_size: int) -> Lineage:
+    """The lineage of the network a run of ``config`` reports on and checkpoints: the weights it
+    evaluates (``--eval-only``: ``loaded``, :func:`for_run`'s), those it trains from scratch at
+    ``input_size`` pixels, or those it finetunes at ``input_size`` from ``loaded``."""
+    if config.eval_only:
+        return loaded
+    if config.mode == "scratch":
+        return Lineage(input_size)
+    return Lineage(loaded.train_size, input_size)
+
+
 def for_run(config, found: weights.WeightFile | None) -> Lineage:
     """What a run of ``config`` (a TrainerConfig) reports about its network: scratch training, the
     weights it trains (``--input-size``); otherwise the lineage of the weights it loads (``found``),

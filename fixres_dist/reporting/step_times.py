@@ -15,7 +15,7 @@ Each optimizer step of an epoch is cut by five marks into these phases (millisec
 Cost: a mark is a ``time.perf_counter()`` on the CPU, a recorded ``torch.cuda.Event`` on a GPU (read
 once per epoch, one synchronisation per epoch, none per step); the bucket mark comes from
 post-accumulate-grad hooks on the model's first trainable parameters, whose gradients are the last
-of the backward (:meth:`~fixres_dist.training.network.Network.time_gradient_reduction`; DDP keeps its
+of the backward (:meth:`~fixres_dist.distributed.ddp_strategy.Replicated.time_gradient_reduction`; DDP keeps its
 own all-reduce). ``benchmarks/step_times.py`` measures it against the same run without it
 (``--no-step-times``).
 

@@ -62,8 +62,8 @@ class Checkpointer:
         if not all(map(math.isfinite, epoch_sums)):  # a last guard: the callers agreed on this step first
             raise self.diverged(state, state.global_step)
         error, weights, shards, digests = None, None, None, None
-        full = network.full_tensors(step.optimizer)  # all ranks: a tensor-parallel model's, gathered whole
-        if network.sharded:  # every rank writes its shards first (a collective)
+        full = network.strategy.full_state(network.model, step.optimizer)  # all ranks: a split model's, whole
+        if network.strategy.writes_shards:  # every rank writes its shards first (a collective)
             try:
                 shards, digests = checkpoint_shards.write(
                     cfg.job_folder, state.global_step, network.model, step.optimizer,
@@ -134,7 +134,7 @@ class Checkpointer:
                                         step.ema.module if step.ema is not None else None)
             sharding.load_buffers(network.model, buffers)
         else:
-            network.load_state_dict({**contents.model, **buffers})
+            network.strategy.load_state_dict(network.model, {**contents.model, **buffers})
             step.load_tensors(contents)
         step.load(contents, checkpoint.rank_buffers(contents.ranks, rank, "ema_buffers") if step.ema else None)
         if not same_world and state.epoch < cfg.epochs:

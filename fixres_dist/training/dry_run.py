@@ -15,8 +15,8 @@ data-parallel group sharded or not) counted stage by stage on the meta device
 (:mod:`~fixres_dist.training.split_memory`: parameters, gradients and optimizer state exact, activations
 an upper bound), any other by torch's trackers on fake tensors. A layout the run refuses is refused in
 one line (``the run refuses this layout: ...``); with ``--sized-ahead``, one it refuses only for now
-(pipeline x tensor, a split model sharded) is sized for when it is built. Not counted: the CUDA
-context, communication buffers; activations are float32 even under ``--amp``.
+(pipeline x tensor, stages sharded, tensor groups in hybrid shards) is sized for when it is built. Not
+counted: the CUDA context, communication buffers; activations are float32 even under ``--amp``.
 """
 from __future__ import annotations
 
@@ -92,8 +92,8 @@ def _fields(args: argparse.Namespace) -> dict:
 
 
 def _for_now(fields: dict) -> dict:
-    """``fields`` without what a run refuses only for now: a split model sharded (then replicated), pipeline
-    x tensor (then the pipeline alone)."""
+    """``fields`` without what a run refuses only for now: a split model sharded (then replicated; tensor
+    groups sharded in full run), pipeline x tensor (then the pipeline alone)."""
     split = fields["tensor_parallel"] > 1 or fields["pipeline_stages"] > 1
     fields = {**fields, **({"sharding": "ddp", "shard_group_size": None} if split else {})}
     return {**fields, **({"tensor_parallel": 1} if fields["pipeline_stages"] > 1 else {})}
@@ -177,8 +177,8 @@ def parser() -> argparse.ArgumentParser:
                    help="with --pipeline-stages (default 1f1b)")
     p.add_argument("--opt", choices=OPTIMIZERS, default="sgd", help="default sgd (with momentum 0.9)")
     p.add_argument("--sized-ahead", action="store_true",
-                   help="size a layout the run refuses only for now (pipeline x tensor, a split model sharded) "
-                        "for when it is built, instead of refusing it")
+                   help="size a layout the run refuses only for now (pipeline x tensor, stages sharded, tensor "
+                        "groups in hybrid shards) for when it is built, instead of refusing it")
     return p
 
 

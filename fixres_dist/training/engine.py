@@ -1,7 +1,8 @@
 """The training and evaluation loops, as functions of explicit arguments (no Trainer state).
 
 * :func:`train_step`: one optimizer step on this rank's share of a global batch (accumulated
-  micro-batches, MixUp/CutMix, gradient clipping as asked);
+  micro-batches, MixUp/CutMix, gradient clipping as asked), the run's constants in one
+  :class:`StepSettings`, the layout's acts its :class:`~fixres_dist.distributed.strategy.Strategy`'s;
 * :func:`train_one_epoch`: the steps of one epoch (or of its rest, after a mid-epoch resume),
   with the caller's hooks for the learning rate and for what happens after each step;
 * :func:`evaluate`: exact top-1/top-5 over every validation image once, whatever the world size;
@@ -24,6 +25,7 @@ from torch import nn
 
 from fixres_dist.data.pipeline import IMAGENET_NORMALIZATION, to_device
 from fixres_dist.distributed import collectives, sharding
+from fixres_dist.distributed.strategy import SINGLE, Strategy
 from fixres_dist.fixres.finetuning import eval_mode
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}
@@ -45,61 +47,67 @@ def micro_batches(images: int, accumulation: int) -> int:
     return max(1, min(accumulation, images // 2))
 
 
+@attrs.frozen
+class StepSettings:
+    """A run's constants of every training step, made once: ``device``; ``world``: data-parallel ranks;
+    ``amp``: the autocast dtype (``torch.bfloat16``/``torch.float16``) or None; ``channels_last``;
+    ``normalization``: the (mean, std) the images are normalised with; ``label_smoothing``;
+    ``accumulation``: micro-batches per step (:func:`micro_batches`); ``clip_grad_norm``: the largest L2
+    norm of the whole gradient, or None (no clipping)."""
+
+    device: torch.device
+    world: int = 1
+    amp: torch.dtype | None = None
+    channels_last: bool = False
+    normalization: tuple = IMAGENET_NORMALIZATION
+    label_smoothing: float = 0.0
+    accumulation: int = 1
+    clip_grad_norm: float | None = None
+
+
 def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               images: torch.Tensor, labels: torch.Tensor, *, device: torch.device, world: int,
-               global_batch: int | None = None, amp: torch.dtype | None = None, channels_last: bool = False,
-               label_smoothing: float = 0.0, normalization=IMAGENET_NORMALIZATION, accumulation: int = 1,
-               no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+               images: torch.Tensor, labels: torch.Tensor, settings: StepSettings, *,
+               global_batch: int | None = None, strategy: Strategy = SINGLE,
                mix: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-               clip_grad_norm: float | None = None, times=None, reduce_gradients: Callable[[], None] | None = None,
-               clip: Callable = torch.nn.utils.clip_grad_norm_) -> torch.Tensor:
+               times=None) -> torch.Tensor:
     """One optimizer step on this rank's uint8 (B, 3, H, W) share of a global batch.
 
-    The loss is the mean over the *global* batch (``global_batch`` images on all ``world`` ranks;
-    default B x world): this rank's summed cross-entropy x world / global batch, which DDP's gradient
-    averaging turns into exactly the gradient of one process on the whole batch, even when the last
-    batch is split unevenly. ``forward`` is the (DDP-wrapped, maybe compiled) model.
+    The loss is the mean over the *global* batch (``global_batch`` images on all ``settings.world``
+    data-parallel ranks; default B x world): this rank's summed cross-entropy x world / global batch,
+    which the gradients' averaging over the ranks turns into exactly the gradient of one process on the
+    whole batch, even when the last batch is split unevenly. ``forward`` is the (wrapped, maybe compiled)
+    model; ``strategy``: how the ranks hold it (:class:`~fixres_dist.distributed.strategy.Strategy`).
 
-    ``accumulation``: the share is cut into that many micro-batches (:func:`micro_batches`), each
-    forward and backward in turn, gradients summed; all but the last under ``no_sync()`` (DDP's, so
-    that gradients are all-reduced once per step). The step's gradient is the same as one pass over
-    the whole share (up to float rounding and BatchNorm, whose statistics are per micro-batch).
+    The share is cut into ``settings.accumulation`` micro-batches (:func:`micro_batches`), each forward
+    and backward in turn, gradients summed; all but the last under the strategy's ``no_sync()``, so that
+    gradients are reduced once per step. The step's gradient is the same as one pass over the whole share
+    (up to float rounding and BatchNorm, whose statistics are per micro-batch). A strategy that
+    :attr:`~fixres_dist.distributed.strategy.Strategy.schedules` its own micro-batches (a pipeline's)
+    runs the share instead, mixed once (micro-batch 0). Then the strategy's ``reduce_gradients()`` and,
+    with ``settings.clip_grad_norm``, its ``clip_grad_norm`` (fp16 unscaled first).
     ``mix(images, labels, micro-batch index)``: MixUp/CutMix (:mod:`fixres_dist.training.mixing`) on the
-    normalised float images; returns them and float (b, classes) soft targets.
-    ``clip_grad_norm``: clip the global gradient norm (L2, all parameters, fp16 unscaled) to this. ``times``: the step's
+    normalised float images; returns them and float (b, classes) soft targets. ``times``: the step's
     :class:`~fixres_dist.reporting.step_times.StepTimes`, marked after the backward and the optimizer.
-    ``reduce_gradients()``: after the backward; ``clip(parameters, max norm)`` (tensor parallelism's own).
-    Returns the detached *summed* loss of this rank's images (against the mixed targets if mixing).
+    Returns the detached *summed* loss of this rank's images (against the mixed targets if mixing; 0 on a
+    pipeline rank that holds no last stage).
     """
-    images = to_device(images, device, channels_last, normalization)
+    device = settings.device
+    images = to_device(images, device, settings.channels_last, settings.normalization)
     labels = labels.to(device, non_blocking=True)
-    global_batch = global_batch or labels.numel() * world
-    scale = world / global_batch
+    global_batch = global_batch or labels.numel() * settings.world
+    scale = settings.world / global_batch
     optimizer.zero_grad(set_to_none=True)
-    # The same count on every rank (shares differ by one image at most), unless unreadable images
-    # skipped left this share too small for it.
-    count = micro_batches(global_batch // world, accumulation)
-    if labels.numel() < 2 * count:
-        count = micro_batches(labels.numel(), accumulation)
-    total = None
-    for index, (part, part_labels) in enumerate(zip(images.tensor_split(count), labels.tensor_split(count))):
-        targets = part_labels
-        if mix is not None:
-            part, targets = mix(part, part_labels, index)
-        syncing = no_sync is None or index == count - 1
-        with contextlib.nullcontext() if syncing else no_sync():
-            with autocast(device, amp):
-                logits = forward(part)
-            loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum", label_smoothing=label_smoothing)
-            scaler.scale(loss_sum * scale).backward()  # fp16: scaled against underflow; otherwise as is
-        total = loss_sum.detach() if total is None else total + loss_sum.detach()
-    if reduce_gradients is not None:
-        reduce_gradients()
+    if strategy.schedules:
+        total = _scheduled(strategy, images, labels, scale, settings, mix)
+    else:
+        total = _accumulated(forward, scaler, images, labels, scale, settings, global_batch, strategy, mix)
+    strategy.reduce_gradients()
     if times is not None:
         times.mark("backward")
-    if clip_grad_norm is not None:
+    if settings.clip_grad_norm is not None:
         scaler.unscale_(optimizer)
-        clip([p for group in optimizer.param_groups for p in group["params"]], clip_grad_norm)
+        strategy.clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]],
+                                settings.clip_grad_norm)
     scaler.step(optimizer)
     scaler.update()
     if times is not None:
@@ -107,44 +115,48 @@ def train_step(forward: Callable, optimizer: torch.optim.Optimizer, scaler: torc
     return total
 
 
-def pipeline_train_step(pipe, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor, *,
-                        device: torch.device, world: int, global_batch: int | None = None,
-                        amp: torch.dtype | None = None, channels_last: bool = False,
-                        normalization=IMAGENET_NORMALIZATION, mix=None, clip_grad_norm: float | None = None,
-                        times=None) -> torch.Tensor:
-    """One optimizer step of a pipeline rank (``pipe``: a :class:`~fixres_dist.distributed.pipeline.Pipeline`
-    made ``summed``) on its pipeline's uint8 (B, 3, H, W) share of a global batch: :func:`train_step`'s
-    arithmetic (each image's cross-entropy summed, times ``world`` data-parallel ranks / global batch,
-    the micro-batches' gradients summed, DDP averaging them over the data-parallel ranks), the
-    micro-batches the pipeline's schedule's; MixUp/CutMix drawn once for the share (micro-batch 0);
-    ``clip_grad_norm``: the norm of all stages' gradients together. Returns the share's summed loss on
-    the last stage's ranks, a 0 on the others (whose sums do not count)."""
-    images = to_device(images, device, channels_last, normalization)
-    labels = labels.to(device, non_blocking=True)
-    global_batch = global_batch or labels.numel() * world
-    optimizer.zero_grad(set_to_none=True)
+def _accumulated(forward, scaler, images, labels, scale, settings, global_batch, strategy, mix) -> torch.Tensor:
+    """:func:`train_step`'s micro-batches: forwards and backwards, the gradients summed; the summed loss."""
+    # The same count on every rank (shares differ by one image at most), unless unreadable images
+    # skipped left this share too small for it.
+    count = micro_batches(global_batch // settings.world, settings.accumulation)
+    if labels.numel() < 2 * count:
+        count = micro_batches(labels.numel(), settings.accumulation)
+    total = None
+    for index, (part, part_labels) in enumerate(zip(images.tensor_split(count), labels.tensor_split(count))):
+        targets = part_labels
+        if mix is not None:
+            part, targets = mix(part, part_labels, index)
+        with contextlib.nullcontext() if index == count - 1 else strategy.no_sync():
+            with autocast(settings.device, settings.amp):
+                logits = forward(part)
+            loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum",
+                                       label_smoothing=settings.label_smoothing)
+            scaler.scale(loss_sum * scale).backward()  # fp16: scaled against underflow; otherwise as is
+        total = loss_sum.detach() if total is None else total + loss_sum.detach()
+    return total
+
+
+def _scheduled(strategy: Strategy, images, labels, scale, settings, mix) -> torch.Tensor:
+    """:func:`train_step`'s share run by the strategy's own schedule (a pipeline's micro-batches): each
+    image's cross-entropy summed, times ``scale``; the summed loss (0 where no last stage is held)."""
     targets = labels
     if mix is not None:
         images, targets = mix(images, labels, 0)
-    with autocast(device, amp):
-        loss = pipe.train_step(images, targets, world / global_batch)
-    if times is not None:
-        times.mark("backward")
-    if clip_grad_norm is not None:
-        pipe.clip_grad_norm(clip_grad_norm)
-    optimizer.step()
-    if times is not None:
-        times.mark("optimizer")
-    return loss if loss is not None else torch.zeros((), device=device)
+    with autocast(settings.device, settings.amp):
+        loss = strategy.schedule(images, targets, scale)
+    return loss if loss is not None else torch.zeros((), device=settings.device)
 
 
 class EpochMeter:
     """This rank's summed loss, images and unreadable images of the epoch so far, and its duration.
 
     The loss sum stays on the device (no host sync per step); the counts are host integers.
-    ``start`` holds the totals and ``seconds_before`` the training time (seconds) before a
-    mid-epoch stop (rank 0 carries them across a resume). ``counted``: whether its totals count in the
-    job's (False: a rank that saw the same images as another of its tensor group; its totals are 0).
+    ``start`` holds the totals before a mid-epoch stop (the rank whose sums count carries them across a
+    resume) and ``seconds_before`` the epoch's training time (seconds) before it (every rank: the speed is
+    the images over all ranks over the epoch's time, whichever rank reports it). ``counted``: whether its
+    totals count in the job's (False: a rank that saw the same images as another of its tensor group; its
+    totals are 0).
     """
 
     def __init__(self, device: torch.device, start=(0.0, 0.0, 0.0), seconds_before: float = 0.0,

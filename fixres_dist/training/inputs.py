@@ -190,7 +190,7 @@ def check_split(config: TrainerConfig, num_classes: int) -> None:
         model = architectures.build_model(config.architecture, num_classes, image_size=config.first_input_size,
                                           low_res_stem=config.low_res_stem)
     if ranks.tensor_enabled:
-        tensor_parallel.splittable(model, ranks.tensor, config.architecture)
+        tensor_parallel.splittable(model, ranks.tensor, config.architecture, heads=not ranks.shard_enabled)
     else:
         _check_stages(config, ranks.pipeline, model)
 

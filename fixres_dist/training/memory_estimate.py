@@ -168,7 +168,8 @@ def split_step(config: TrainerConfig, num_classes: int) -> split_memory.SplitSte
         if staged else config.grad_accum_steps,
         schedule=config.pipeline_schedule if staged else "1f1b", cut=config.pipeline_split, opt=config.opt,
         momentum=config.momentum, frozen=frozen,
-        foreach=config.device == "cuda", low_res_stem=config.low_res_stem)
+        foreach=config.device == "cuda", low_res_stem=config.low_res_stem,
+        activation_checkpointing=config.activation_checkpointing)
 
 
 def split_estimates(step: split_memory.SplitStep, setting: str) -> list[MemoryEstimate]:

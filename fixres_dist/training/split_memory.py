@@ -52,7 +52,8 @@ class SplitStep:
     ``1f1b`` or ``interleaved-1f1b``; unstaged: micro-batches of accumulation, one in flight), ``cut``
     (``--pipeline-split``'s first piece of each stage, or None: balanced), ``opt``, ``momentum``, and
     ``foreach``: whether the optimizer steps all parameters at once (torch's choice on CUDA);
-    ``low_res_stem``: ``--low-res-stem``."""
+    ``low_res_stem``: ``--low-res-stem``; ``activation_checkpointing``: the blocks recompute their forward
+    in the backward (``--activation-checkpointing``, applied before the cut as a run does)."""
 
     layout: Layout
     architecture: str
@@ -67,6 +68,7 @@ class SplitStep:
     frozen: tuple[str, str | None] | None = None
     foreach: bool = False
     low_res_stem: bool = False
+    activation_checkpointing: bool = False
 
     @property
     def micro(self) -> int:
@@ -129,6 +131,10 @@ def _whole(step: SplitStep) -> nn.Module:
         from fixres_dist.fixres import finetuning
 
         finetuning.freeze_for_finetune(model, step.size, *step.frozen)
+    if step.activation_checkpointing:
+        from fixres_dist.distributed import sharding
+
+        sharding.checkpoint_activations(model)
     return model
 
 

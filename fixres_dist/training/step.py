@@ -62,7 +62,11 @@ class TrainStep:
         self.watch = watch  # the first step whose loss was not finite, on this rank
         self.times = StepTimes(network.device, config.global_rank, config.step_times)  # where its time goes
         if config.step_times:
-            network.time_gradient_reduction(self.times.bucket_ready)
+            network.strategy.time_gradient_reduction(network.model, self.times.bucket_ready)
+        self.settings = engine.StepSettings(  # the constants of every step
+            network.device, world=config.data_parallel_size, amp=self.amp, channels_last=config.channels_last,
+            normalization=network.preprocessing.normalization, label_smoothing=config.label_smoothing,
+            accumulation=config.accumulation, clip_grad_norm=config.clip_grad_norm)
         self.progress = 0.0  # epochs of training done when the current step started (the LR schedule's)
         if self.ema is not None:
             self._check_ema_horizon(steps_per_epoch, warn)
@@ -91,17 +95,8 @@ class TrainStep:
             def mix(batch, targets, micro_batch):  # drawn from (seed, step, virtual rank): the same after a resume,
                 virtual = data_rank + micro_batch * cfg.data_parallel_size  # on any world size
                 return self.mixing(batch, targets, (global_step + 1, virtual, 0))
-        common = dict(device=self.network.device, world=cfg.data_parallel_size, global_batch=global_batch,
-                      amp=self.amp, channels_last=cfg.channels_last,
-                      normalization=self.network.preprocessing.normalization, mix=mix,
-                      clip_grad_norm=cfg.clip_grad_norm, times=self.times)
-        if self.network.pipeline is not None:
-            loss = engine.pipeline_train_step(self.network.pipeline, self.optimizer, images, labels, **common)
-        else:
-            loss = engine.train_step(self.network, self.optimizer, self.scaler, images, labels,
-                                     label_smoothing=cfg.label_smoothing, accumulation=cfg.accumulation,
-                                     no_sync=self.network.no_sync, reduce_gradients=self.network.reduce_gradients,
-                                     clip=self.network.clip_grad_norm, **common)
+        loss = engine.train_step(self.network, self.optimizer, self.scaler, images, labels, self.settings,
+                                 global_batch=global_batch, strategy=self.network.strategy, mix=mix, times=self.times)
         self.watch.observe(global_step + 1, loss)
         return loss
 
@@ -139,7 +134,7 @@ class TrainStep:
     def load_tensors(self, contents) -> None:
         """The optimizer's state and the EMA's weights of a one-file checkpoint's
         :class:`~fixres_dist.training.checkpoint.Contents`, into a sharded or unsharded model's."""
-        self.network.load_optimizer_state_dict(self.optimizer, contents.optimizer)
+        self.network.strategy.load_optimizer_state_dict(self.network.model, self.optimizer, contents.optimizer)
         if self.ema is not None:
             self.ema.load_weights(contents.model_ema)
 

@@ -178,7 +178,8 @@ def _run_steps(config: TrainerConfig, size: int, sharded: bool, model, optimizer
     peak snapshot (category -> bytes) on the device where it was largest."""
     import torch
 
-    from fixres_dist.distributed import sharding
+    from fixres_dist.distributed.fsdp_strategy import FullySharded
+    from fixres_dist.distributed.strategy import SINGLE
     from fixres_dist.training import engine
 
     def batch():  # as the loader hands it over: uint8 images, int64 labels
@@ -187,7 +188,10 @@ def _run_steps(config: TrainerConfig, size: int, sharded: bool, model, optimizer
     # copies it to the GPU first (made under the tracker: counted).
     images, labels = batch()
     scaler = torch.amp.GradScaler("cpu", enabled=False)  # fp16's loss scale: a scalar
-    no_sync = (lambda: sharding.gradient_sync_off(model)) if sharded else None
+    strategy = FullySharded.of(model) if sharded else SINGLE
+    settings = engine.StepSettings(torch.device("cpu"), world=config.num_tasks, amp=engine.AMP_DTYPES[config.amp],
+                                   channels_last=config.channels_last, label_smoothing=config.label_smoothing,
+                                   accumulation=config.grad_accum_steps, clip_grad_norm=config.clip_grad_norm)
     def forward(part):
         tracker.reset_mod_stats()  # the trackers record one forward per module (a micro-batch each); the peak stays
         return model(part)
@@ -196,11 +200,7 @@ def _run_steps(config: TrainerConfig, size: int, sharded: bool, model, optimizer
         if config.device == "cuda":
             images, labels = batch()
         for _ in range(STEPS):
-            engine.train_step(forward, optimizer, scaler, images, labels, device=torch.device("cpu"),
-                              world=config.num_tasks, amp=engine.AMP_DTYPES[config.amp],
-                              channels_last=config.channels_last, label_smoothing=config.label_smoothing,
-                              accumulation=config.grad_accum_steps, no_sync=no_sync,
-                              clip_grad_norm=config.clip_grad_norm)
+            engine.train_step(forward, optimizer, scaler, images, labels, settings, strategy=strategy)
     peaks = tracker.get_tracker_snapshot("peak")
     return max(peaks.values(), key=lambda snapshot: snapshot.get("Total", 0)) if peaks else {}
 

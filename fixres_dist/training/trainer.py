@@ -129,7 +129,7 @@ class Trainer:
         self.network = Network(cfg, self.data.classes, Network.build_size(cfg, self.state.input_size),
                                inputs.weights, self.session.device, log, self.run_log.warn)
         self.protocol = plan.protocol(cfg)
-        if self.network.shards_before_evaluating:  # every evaluation then runs on the shards
+        if self.network.strategy.lays_out_before_evaluating:  # every evaluation runs on its parts
             self.network.lay_out(self.state.input_size, self.protocol.trains)
         self.checkpointer = Checkpointer(cfg, self.run_log, self.faults, self.network, per_epoch,
                                          self.session.control_group, inputs.index.identity())
@@ -158,7 +158,7 @@ class Trainer:
         if isinstance(step, TrainEpoch):
             self.train_epoch()
             if cfg.dist_bn == "reduce":
-                collectives.average_batchnorm_statistics(self.network.model, self.network.data_group)
+                collectives.average_batchnorm_statistics(self.network.model, self.network.strategy.data_group)
             if self.step.ema is not None:
                 self.step.ema.average_statistics(self.network.model)
         elif isinstance(step, Evaluate):
@@ -204,7 +204,7 @@ class Trainer:
         where, counted = self.network.layout, self.network.layout.counts_metrics(cfg.global_rank)
         resumed = cfg.global_rank == where.totals_rank and state.images_in_epoch  # it continues the epoch's totals
         state.meter = engine.EpochMeter(self.network.device, state.resumed_sums if resumed else (0.0, 0.0, 0.0),
-                                        state.resumed_seconds if resumed else 0.0, counted)
+                                        state.resumed_seconds if state.images_in_epoch else 0.0, counted)
         bar = progress.Bar(self.data.images_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", enabled=progress.shown(cfg),
                            initial=state.images_in_epoch, postfix=self.remaining.postfix)
         try:

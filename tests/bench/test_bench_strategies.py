@@ -18,7 +18,7 @@ from fixres_dist.bench import local_ranks, strategies
 from fixres_dist.bench.layouts import parse_layouts
 
 TINY = ["--architecture", "timm/test_vit", "--size", "32", "--batch", "8"]
-LAYOUTS = ["ddp", "full", "tensor:2", "pipeline:2", "full+tensor:2"]  # the last: refused by the Trainer (not yet)
+LAYOUTS = ["ddp", "full", "tensor:2", "pipeline:2", "full+pipeline:2"]  # the last: refused by the Trainer (not yet)
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -46,14 +46,14 @@ def test_four_layouts_on_two_ranks_side_by_side(tmp_path):
         img_s, step, peak, states = (float(v.replace(",", "")) for v in r[2:6])
         assert img_s > 0 and step > 0 and peak > 0 and states > 0, r
     assert rows[0][6:] == ["1.00", "1.00"]  # the reference row
-    assert rows[4][2].startswith("error: --tensor-parallel 2 does not go with --sharding full"), rows[4]
+    assert rows[4][2].startswith("error: --pipeline-stages 2 does not go with --sharding full"), rows[4]
 
     figures = json.loads(saved.read_text())
     assert figures["settings"] == {"architecture": "timm/test_vit", "size": 32, "batch": 8, "ranks": 2, "amp": "off",
                                    "steps": 2, "warmup": 0, "memory_steps": 1}
     layouts = {row["layout"]: row for row in figures["layouts"]}
     assert list(layouts) == LAYOUTS
-    assert layouts["full+tensor:2"]["error"] and layouts["full+tensor:2"]["ranks"] == []
+    assert layouts["full+pipeline:2"]["error"] and layouts["full+pipeline:2"]["ranks"] == []
     for name in LAYOUTS[:4]:
         row = layouts[name]
         assert row["error"] is None and [r["rank"] for r in row["ranks"]] == [0, 1]

@@ -33,6 +33,8 @@ from split_models import (
     VIT,
     assert_same_run,
     batch,
+    events,
+    full,
     model_of,
     share,
     unsplit_steps,
@@ -239,6 +241,28 @@ def test_a_pipeline_job_trains_as_ddp(split_jobs):
 
 
 @pytest.mark.numeric
+def test_a_pipeline_job_with_activation_checkpointing_ends_as_the_same_job_without(split_jobs, tiny_data, tmp_path):
+    """``--activation-checkpointing`` on 2 pipelines of 2 stages: each stage's blocks (the model's own,
+    checkpointed before the cut) recompute their forward in the 1F1B schedule's backward. The cut is the
+    same (the FLOPs are counted once per block) and the job ends as the split_jobs' pipeline job bit for
+    bit: losses, learning rates, top-1 and the final weights. On CPU the recomputation runs the same kernels
+    on the same inputs (no dropout in the test ViT; the RNG state would be restored anyway), and the
+    gradients flow through the same operations: equal, not merely within rounding."""
+    result = job(tmp_path, tiny_data, "ac", "--pipeline-stages", 2, "--activation-checkpointing", world=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "activation checkpointing: 6 blocks recompute their forward in the backward" in result.stdout
+    assert "2 micro-batches per step; this rank holds stage 0: stem .. blocks.2; 174,784 parameters" in result.stdout
+    reference = split_jobs / "pp"
+    for kind in ("train", "eval"):
+        ours, theirs = events(tmp_path / "ac", kind), events(reference, kind)
+        assert len(ours) == len(theirs) > 0, kind
+        for x, y in zip(ours, theirs):
+            assert all(x.get(f) == y.get(f) for f in ("epoch", "loss", "lr", "top1", "images")), (kind, x, y)
+    ours, theirs = (full(folder / CHECKPOINT_FILE)["model"] for folder in (tmp_path / "ac", reference))
+    assert ours.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in ours.items())
+
+
+@pytest.mark.numeric
 def test_a_pipeline_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data, tmp_path):
     """Stopped after step 3 on 2 pipelines of 2 stages cut by hand (by the last stage of the first), resumed on 2 plain
     DDP ranks: it ends as the uninterrupted job (its checkpoint is the whole model's, its optimizer's
@@ -260,12 +284,18 @@ def test_a_pipeline_job_stopped_mid_epoch_resumes_unsplit(split_jobs, tiny_data,
 @pytest.mark.slow
 def test_a_ddp_job_stopped_mid_epoch_resumes_in_stages(split_jobs, tiny_data, tmp_path):
     """And back: stopped on 2 DDP ranks, resumed on 2 pipelines of 2 stages (rank 0 is not the rank that
-    carries the epoch's totals then): the same end."""
-    stopped = job(tmp_path, tiny_data, "s", fault="signal:rank=0:step=2")
+    carries the epoch's totals then): the same end. The resumed epoch's speed counts its time before the
+    stop as well as its images before it (rank 0 reports it: once it counted the images only; stopped after
+    4 of the epoch's 5 steps, the speed over the last step alone is well above the speed before the stop)."""
+    stopped = job(tmp_path, tiny_data, "s", fault="signal:rank=0:step=3")
     assert stopped.returncode == 3, stopped.stderr[-3000:]
+    before = torch.load(tmp_path / "s" / CHECKPOINT_FILE, weights_only=True)["epoch_seconds"]
     resumed = job(tmp_path, tiny_data, "s", "--pipeline-stages", 2, world=4)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_run(tmp_path / "s", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
+    epochs = [json.loads(line) for line in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
+    [stopped_epoch] = [e for e in epochs if e["event"] == "train" and e["epoch"] == 1][-1:]
+    assert 0 < before and stopped_epoch["img_per_s"] < stopped_epoch["images"] / before, (before, stopped_epoch)
 
 
 @pytest.mark.slow

@@ -15,8 +15,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 import shown_commands as shown
 from conftest import free_port
-from fixres_dist.distributed import collectives, sharding
+from fixres_dist.config import TrainerConfig
+from fixres_dist.distributed import collectives, layout, sharding
 from fixres_dist.distributed import tensor_parallel as tp
+from fixres_dist.distributed.tensor_fsdp_strategy import ShardedTensorSplit
 from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE
@@ -94,12 +96,37 @@ def refusals(folder) -> None:
         (folder / "refusals.json").write_text(json.dumps(said))
 
 
+def run_sharded(folder) -> None:
+    """FSDP2 x tensor parallelism (2-D) on 2 shard x 2 tensor ranks, as a run lays it out
+    (:class:`~fixres_dist.distributed.tensor_fsdp_strategy.ShardedTensorSplit`): its clipped SGD steps on
+    each shard rank's share, the weights gathered whole."""
+    config = TrainerConfig(num_tasks=4, sharding="full", tensor_parallel=2, architecture=VIT)
+    strategy = ShardedTensorSplit(config, layout.of(config), torch.device("cpu"), None, print, print)
+    model, forward = strategy.wrap(model_of(VIT), None, 32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    index, losses = layout.of(config).data_rank(torch.distributed.get_rank()), []
+    for step in range(STEPS):
+        images, labels = batch(step)
+        loss = nn.functional.cross_entropy(forward(share(images, index, 2)), share(labels, index, 2))
+        loss.backward()
+        strategy.reduce_gradients()
+        strategy.clip_grad_norm(list(model.parameters()), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    weights = {k: v.tolist() for k, v in sharding.full_state_dicts(model, optimizer)["model"].items()}
+    if torch.distributed.get_rank() == 0:
+        (folder / "sharded-2x2.json").write_text(json.dumps({"weights": weights}))
+    (folder / f"sharded-2x2-losses{torch.distributed.get_rank()}.json").write_text(json.dumps(losses))
+
+
 def _ranks(rank: int, world: int, port: int, folder) -> None:
     torch.set_num_threads(1)
     collectives.init_process_group("gloo", f"tcp://127.0.0.1:{port}", rank, world, 120)
     for name in RUNS:
         run(name, folder)
     refusals(folder)
+    run_sharded(folder)
     collectives.destroy_process_group()
 
 
@@ -132,6 +159,22 @@ def test_a_split_model_steps_as_the_unsplit_one(tensor_runs, name):
     assert recorded["split"] == [blocks, 0 if architecture == TORCHVISION_VIT else blocks]
     assert_near_reference({k: torch.tensor(v) for k, v in recorded["weights"].items()}, model.state_dict(),
                           model64.state_dict(), f"{name}: weights")
+
+
+@pytest.mark.numeric
+def test_a_split_and_sharded_model_steps_as_the_unsplit_one(tensor_runs):
+    """FSDP2 x tensor parallelism on 2 shard x 2 tensor ranks: the mean loss over the shard ranks (each
+    tensor group's ranks agreeing) and the weights gathered whole are the unsplit model's clipped steps',
+    within rounding, both measured against float64 (:func:`numeric.assert_near_reference`)."""
+    losses = [json.loads((tensor_runs / f"sharded-2x2-losses{r}.json").read_text()) for r in range(4)]
+    assert losses[0] == losses[1] and losses[2] == losses[3]  # a tensor group's ranks: consecutive
+    baseline, model, _ = unsplit_steps(VIT, range(STEPS), clip=CLIP)
+    reference, model64, _ = unsplit_steps(VIT, range(STEPS), clip=CLIP, dtype=torch.float64)
+    mean = [(a + b) / 2 for a, b in zip(losses[0], losses[2])]
+    assert_near_reference({"loss": mean}, {"loss": baseline}, {"loss": reference}, "2-D: losses")
+    weights = json.loads((tensor_runs / "sharded-2x2.json").read_text())["weights"]
+    assert_near_reference({k: torch.tensor(v) for k, v in weights.items()}, model.state_dict(),
+                          model64.state_dict(), "2-D: weights")
 
 
 def test_what_cannot_be_split_is_refused(tensor_runs):
@@ -181,6 +224,38 @@ def test_a_ddp_job_stopped_mid_epoch_resumes_tensor_parallel(split_jobs, tiny_da
     assert_same_run(tmp_path / "s", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
 
 
+SHARDED_SPLIT = ("--tensor-parallel", 2, "--sharding", "full")  # 2 shard x 2 tensor on 4 ranks (2-D)
+
+
+@pytest.mark.numeric
+def test_a_sharded_tensor_parallel_job_trains_as_ddp_and_resumes_under_ddp(split_jobs, tiny_data, tmp_path):
+    """FSDP2 x tensor parallelism (2 shard x 2 tensor ranks), the same seed and 16-image global batches as
+    the 2-rank DDP job: the same losses, top-1 and final weights (its checkpoint's shards, read whole);
+    and stopped after step 3, resumed on 2 plain DDP ranks, the same end."""
+    whole = job(tmp_path, tiny_data, "tf", *SHARDED_SPLIT, world=4)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert "--tensor-parallel 2 x --sharding full: 6 MLPs split over tensor groups of 2 ranks (attention whole), " \
+           "then 6 blocks and the root sharded over 4 ranks = 2 shard x 2 tensor" in whole.stdout
+    assert_same_run(tmp_path / "tf", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
+    stopped = job(tmp_path, tiny_data, "s", *SHARDED_SPLIT, world=4, fault="signal:rank=1:step=2")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    resumed = job(tmp_path, tiny_data, "s")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step 3" in resumed.stdout, resumed.stdout[-2000:]
+    assert_same_run(tmp_path / "s", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
+
+
+@pytest.mark.numeric
+@pytest.mark.slow
+def test_a_ddp_job_stopped_mid_epoch_resumes_sharded_and_tensor_parallel(split_jobs, tiny_data, tmp_path):
+    """And back: stopped on 2 DDP ranks, resumed on 2 shard x 2 tensor ranks: the same end."""
+    stopped = job(tmp_path, tiny_data, "s", fault="signal:rank=0:step=2")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    resumed = job(tmp_path, tiny_data, "s", *SHARDED_SPLIT, world=4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(tmp_path / "s", split_jobs / "ddp", split_jobs / "ddp-other", ema=False)
+
+
 @pytest.mark.numeric
 @pytest.mark.slow
 def test_fixres_finetune_of_a_tensor_parallel_model(split_jobs, tiny_data, tmp_path):
@@ -199,8 +274,8 @@ def test_fixres_finetune_of_a_tensor_parallel_model(split_jobs, tiny_data, tmp_p
     (("--num-tasks", 2, "--tensor-parallel", 2, "--architecture", "resnet20"),
      "--tensor-parallel: resnet20 has no transformer block to split"),
     (("--num-tasks", 2, "--tensor-parallel", 2, "--model-ema"), "--tensor-parallel 2 does not go with --model-ema"),
-    (("--num-tasks", 2, "--tensor-parallel", 2, "--sharding", "full"),
-     "--tensor-parallel 2 does not go with --sharding full"),
+    (("--num-tasks", 4, "--tensor-parallel", 2, "--sharding", "full", "--model-ema"),
+     "--tensor-parallel 2 does not go with --model-ema"),
     (("--num-tasks", 2, "--tensor-parallel", 2, "--architecture", "vit_b_16", "--input-size", 224),
      "--tensor-parallel cannot run torchvision's vit_b_16"),
 ])

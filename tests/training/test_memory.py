@@ -71,6 +71,18 @@ def test_sizes_below_a_thousandth_of_a_gib_keep_their_value():
     assert found.breakdown() == "parameters 1 GiB, gradients 3,112 bytes, optimizer state 0 GiB, activations 0 GiB"
 
 
+def test_a_pipeline_stage_with_activation_checkpointing_keeps_fewer_activations():
+    """Pipeline stages (estimated on the meta device) recompute their blocks as a run's do, checkpointed
+    before the cut: the same parameters per stage, fewer activations kept for the micro-batches in flight."""
+    plain, checkpointed = (memory_estimate.estimate(config(num_tasks=4, pipeline_stages=2, activation_checkpointing=on),
+                                                    CLASSES) for on in (False, True))
+    assert plain.known and checkpointed.known, (plain.reason, checkpointed.reason)
+    assert "activation checkpointing" in checkpointed.setting and "activation checkpointing" not in plain.setting
+    assert checkpointed.parameters == plain.parameters and checkpointed.optimizer == plain.optimizer
+    assert checkpointed.activations < 0.8 * plain.activations and checkpointed.peak < plain.peak
+    print(f"resnet20 in 2 stages: activations {plain.activations:,} B, checkpointed {checkpointed.activations:,} B")
+
+
 def test_a_model_the_fake_route_cannot_run_gives_no_estimate_and_the_reason(monkeypatch):
     def fails(*args):
         raise RuntimeError("no fake kernel for this\nsecond line")

@@ -91,8 +91,8 @@ def _step_loss(label_smoothing: float) -> float:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     reference = copy.deepcopy(model)
-    loss = engine.train_step(model, optimizer, scaler, images, labels, device=torch.device("cpu"), world=1,
-                             label_smoothing=label_smoothing)
+    loss = engine.train_step(model, optimizer, scaler, images, labels,
+                             engine.StepSettings(torch.device("cpu"), label_smoothing=label_smoothing))
     from fixres_dist.data.pipeline import normalize
     expected = F.cross_entropy(reference(normalize(images)), labels, reduction="sum", label_smoothing=label_smoothing)
     assert loss.item() == expected.item()  # the same computation: bit for bit

@@ -67,8 +67,8 @@ def _gradient_after(accumulation: int, images, labels, clip=None):
     model.eval()  # BatchNorm on running statistics: micro-batches then give exactly the full batch's gradient
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
-    loss = engine.train_step(model, opt, scaler, images, labels, device=torch.device("cpu"), world=1,
-                             accumulation=accumulation, clip_grad_norm=clip)
+    settings = engine.StepSettings(torch.device("cpu"), accumulation=accumulation, clip_grad_norm=clip)
+    loss = engine.train_step(model, opt, scaler, images, labels, settings)
     return loss, [p.grad.clone() for p in model.parameters()]
 
 
@@ -123,8 +123,8 @@ def test_soft_targets_with_label_smoothing():
     soft = F.one_hot(labels, 5).float() * 0.7 + F.one_hot(labels.roll(1), 5).float() * 0.3
     opt, scaler = torch.optim.SGD(model.parameters(), lr=0.0), torch.amp.GradScaler("cuda", enabled=False)
     reference = copy.deepcopy(model)
-    loss = engine.train_step(model, opt, scaler, images, labels, device=torch.device("cpu"), world=1,
-                             label_smoothing=0.1, mix=lambda x, y, i: (x, soft))
+    settings = engine.StepSettings(torch.device("cpu"), label_smoothing=0.1)
+    loss = engine.train_step(model, opt, scaler, images, labels, settings, mix=lambda x, y, i: (x, soft))
     expected = F.cross_entropy(reference(normalize(images)), soft, reduction="sum", label_smoothing=0.1)
     assert loss.item() == expected.item()  # the same computation: bit for bit
 

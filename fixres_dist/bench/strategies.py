@@ -33,6 +33,7 @@ from pathlib import Path
 from fixres_dist.bench.__main__ import check_writable
 from fixres_dist.bench.layouts import GRAMMAR, parse_layouts
 from fixres_dist.errors import FixresError, first_line, say
+from fixres_dist.io import write_private
 from fixres_dist.startup import quiet_native_logs
 from fixres_dist.training.memory_table import OneLineParser, count
 
@@ -188,9 +189,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise SystemExit(130) from None
     print(table(rows), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"command": PROG, "device": where, "settings": {
-            k: getattr(args, k) for k in ("architecture", "size", "batch", "ranks", "amp", "steps", "warmup",
-                                          "memory_steps")}, "layouts": rows}, indent=1) + "\n")
+        try:  # atomic, owner-only: a kill mid-write leaves the previous file as it was
+            write_private(args.json, json.dumps({"command": PROG, "device": where, "settings": {
+                k: getattr(args, k) for k in ("architecture", "size", "batch", "ranks", "amp", "steps", "warmup",
+                                              "memory_steps")}, "layouts": rows}, indent=1) + "\n")
+        except OSError as exc:
+            say(f"{PROG}: cannot write --json {args.json}: {exc.strerror or exc}")
+            raise SystemExit(1) from None
     if all(r["error"] for r in rows):
         say(f"{PROG}: no layout could be measured (each row says why)")
         raise SystemExit(1)

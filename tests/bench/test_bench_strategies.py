@@ -17,6 +17,7 @@ from conftest import ROOT, clean_env
 from fixres_dist.bench import local_ranks, strategies
 from fixres_dist.bench.layouts import parse_layouts
 
+MIB = 2 ** 20
 TINY = ["--architecture", "timm/test_vit", "--size", "32", "--batch", "8"]
 LAYOUTS = ["ddp", "full", "tensor:2", "pipeline:2", "full+tensor:2"]  # the last: refused by the Trainer (not yet)
 
@@ -120,3 +121,21 @@ def test_bad_input_exits_2_from_the_command():
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == ("python -m fixres_dist.bench.strategies: --layouts pipeline:3: 3 stages does "
                                    "not divide --ranks 2")
+
+
+def test_json_replaces_an_existing_file_atomically_owner_only(tmp_path, monkeypatch, capsys):
+    """--json on an existing file: a new file renamed over it (another inode, 0600), never rewritten in place."""
+    saved = tmp_path / "strategies.json"
+    saved.write_text("old\n")
+    saved.chmod(0o644)
+    before = saved.stat().st_ino
+    monkeypatch.setattr(strategies, "check", lambda args, folder: setattr(args, "device", "cpu"))
+    layout = parse_layouts("ddp")[0]
+    rank = {"rank": 0, "step_s": 0.5, "peak": MIB, "resident": MIB, "model_states": {"parameters": MIB}}
+    monkeypatch.setattr(strategies, "measure", lambda args, folder: strategies.with_ratios(
+        [strategies.summary(layout, args, [rank], None)]))
+    strategies.main(["--ranks", "1", "--layouts", "ddp", "--json", str(saved)])
+    assert json.loads(saved.read_text())["layouts"][0]["layout"] == "ddp"
+    assert saved.stat().st_ino != before and saved.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["strategies.json"]  # no temporary file left
+    assert "| ddp |" in capsys.readouterr().out

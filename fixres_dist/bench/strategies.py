@@ -19,13 +19,23 @@ unknown model or a size it cannot take, too few GPUs, a ``--json`` file that can
 one line on stderr and exit status 2, before any rank starts. A layout that cannot run (the Trainer
 refuses it before start: a model that cannot be split so; or a rank fails: out of memory) is a row
 saying why in one line; the others go on (exit status 1 if none could be measured). ``--json FILE``
-writes every rank's figures.
+writes every rank's figures (atomically, readable by the owner only). Ctrl-C (SIGINT) or SIGTERM at any
+moment (or SIGUSR2) ends the ranks and removes their temporary folder, leaves ``--json`` as it was, and exits with one
+line: status 130 for SIGINT, 3 for SIGTERM.
 """
 from __future__ import annotations
+
+if __name__ == "__main__":
+    from fixres_dist import startup
+
+    startup.guard_signals()  # first: Ctrl-C while torch loads is one line, not a traceback
+    startup.quiet_native_logs()  # before torch is imported: c10d's page of C++ frames when a rank's store goes away
 
 import argparse
 import json
 import os
+import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +44,7 @@ from fixres_dist.bench.__main__ import check_writable
 from fixres_dist.bench.layouts import GRAMMAR, parse_layouts
 from fixres_dist.errors import FixresError, first_line, say
 from fixres_dist.io import write_private
-from fixres_dist.startup import quiet_native_logs
+from fixres_dist.startup import SIGNALS, ignore_signals, inherited_ignored
 from fixres_dist.training.memory_table import OneLineParser, count
 
 PROG = "python -m fixres_dist.bench.strategies"
@@ -165,43 +175,77 @@ def measure(args: argparse.Namespace, folder: str) -> list[dict]:
     return with_ratios(rows)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGUSR2 while the layouts are measured; ``signum``: which."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+def listen() -> dict:
+    """Stop signals raise :class:`Stopped` from here on (those the command was started with ignored stay
+    ignored); returns the handlers they replace."""
+    ignored = inherited_ignored()
+    return {signum: signal.signal(signum, _stop) for signum in SIGNALS if signum not in ignored}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Parse, check, measure every layout, print the table, write ``--json``; returns the rows. Bad input:
-    one line on stderr, exit status 2; no layout measured: exit status 1."""
+    one line on stderr, exit status 2; no layout measured: exit status 1; SIGINT or SIGTERM: the ranks
+    and their folder gone, one line, exit status 130 or 3."""
     args = build_parser().parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="fixres-strategies-") as folder:
+    import torch
+
+    from fixres_dist.bench import local_ranks
+
+    replaced = listen()
+    folder = tempfile.mkdtemp(prefix="fixres-strategies-")
+    try:
         try:
             check(args, folder)
         except FixresError as exc:
             say(f"{PROG}: {exc}")
             raise SystemExit(2) from None
-        import torch
-
         where = (f"{torch.cuda.get_device_name()} x {args.ranks}, NCCL" if args.device == "cuda" else
                  f"cpu, {len(os.sched_getaffinity(0))} cores, gloo")
-        print(f"{PROG}: {args.architecture} @ {args.size} px, batch {args.batch} per data-parallel rank, amp "
-              f"{args.amp}, {args.ranks} ranks on {where}; {args.steps} timed steps after {args.warmup}; load "
-              f"average {os.getloadavg()[0]:.2f}", flush=True)
-        try:
-            rows = measure(args, folder)
-        except KeyboardInterrupt:
-            say(f"{PROG}: interrupted; nothing written")
-            raise SystemExit(130) from None
-    print(table(rows), flush=True)
-    if args.json:
-        try:  # atomic, owner-only: a kill mid-write leaves the previous file as it was
-            write_private(args.json, json.dumps({"command": PROG, "device": where, "settings": {
-                k: getattr(args, k) for k in ("architecture", "size", "batch", "ranks", "amp", "steps", "warmup",
-                                              "memory_steps")}, "layouts": rows}, indent=1) + "\n")
-        except OSError as exc:
-            say(f"{PROG}: cannot write --json {args.json}: {exc.strerror or exc}")
-            raise SystemExit(1) from None
+        print(header(args, where), flush=True)
+        rows = measure(args, folder)
+        print(table(rows), flush=True)
+        if args.json:
+            try:  # atomic, owner-only: a kill mid-write leaves the previous file as it was
+                write_private(args.json, json.dumps({"command": PROG, "device": where, "settings": {
+                    k: getattr(args, k) for k in ("architecture", "size", "batch", "ranks", "amp", "steps", "warmup",
+                                                  "memory_steps")}, "layouts": rows}, indent=1) + "\n")
+            except OSError as exc:
+                say(f"{PROG}: cannot write --json {args.json}: {exc.strerror or exc}")
+                raise SystemExit(1) from None
+    except Stopped as stop:
+        ignore_signals()  # a second Ctrl-C while the ranks end changes nothing
+        local_ranks.stop_all()  # before the folder goes: no rank writes into it afterwards
+        shutil.rmtree(folder, ignore_errors=True)
+        say(f"{PROG}: stopped by {signal.Signals(stop.signum).name}; nothing written")
+        raise SystemExit(130 if stop.signum == signal.SIGINT else 3) from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    for signum, handler in replaced.items():
+        signal.signal(signum, handler)
     if all(r["error"] for r in rows):
         say(f"{PROG}: no layout could be measured (each row says why)")
         raise SystemExit(1)
     return rows
 
 
+def header(args: argparse.Namespace, where: str) -> str:
+    """The first line of the output: the model, the batch, the ranks, the steps."""
+    return (f"{PROG}: {args.architecture} @ {args.size} px, batch {args.batch} per data-parallel rank, amp "
+            f"{args.amp}, {args.ranks} ranks on {where}; {args.steps} timed steps after {args.warmup}; load "
+            f"average {os.getloadavg()[0]:.2f}")
+
+
 if __name__ == "__main__":
-    quiet_native_logs()  # before torch is imported: c10d's page of C++ frames when a rank's store goes away at the end
     main()

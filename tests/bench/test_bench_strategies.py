@@ -3,9 +3,14 @@ local gloo ranks, side by side in one table and in JSON; a layout the Trainer re
 why; bad input is one line and exit status 2 before any rank starts."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -139,3 +144,57 @@ def test_json_replaces_an_existing_file_atomically_owner_only(tmp_path, monkeypa
     assert saved.stat().st_ino != before and saved.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["strategies.json"]  # no temporary file left
     assert "| ddp |" in capsys.readouterr().out
+
+
+def group_processes(group: int) -> dict[int, int]:
+    """The processes of process group ``group``: {pid: parent pid}."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == group:
+            found[int(stat.parent.name)] = int(fields[1])
+    return found
+
+
+@pytest.mark.parametrize("moment", ["ranks running", "starting"])
+def test_ctrl_c_ends_everything_in_one_line(tmp_path, moment):
+    """SIGINT to the whole process group, as a terminal sends it: while a layout's ranks run, or while torch
+    loads. Exit status 130, one line, no traceback, no process of the group left, no temporary folder, the
+    --json file as it was."""
+    temp = Path(tempfile.mkdtemp(prefix="bs"))  # short: the forkserver's socket goes there (AF_UNIX: 108 bytes)
+    saved = tmp_path / "strategies.json"
+    saved.write_text("before\n")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fixres_dist.bench.strategies", *TINY, "--ranks", "2", "--steps", "400", "--warmup", "1",
+         "--layouts", "ddp,tensor:2", "--json", str(saved)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**clean_env(), "TMPDIR": str(temp)}, cwd=ROOT, start_new_session=True)
+    group = process.pid
+    try:
+        deadline = time.monotonic() + (0.5 if moment == "starting" else 180)
+        while time.monotonic() < deadline and process.poll() is None:
+            ranks = [pid for pid, parent in group_processes(group).items() if parent not in (group, 1)]
+            if moment == "ranks running" and len(ranks) >= 2:  # forked by the forkserver
+                time.sleep(1.5)
+                break
+            time.sleep(0.1)
+        assert process.poll() is None, process.communicate()
+        os.killpg(group, signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+        left = sorted(p.name for p in temp.iterdir())
+        shutil.rmtree(temp)
+    assert process.returncode == 130, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "stopped by SIGINT" in err and "nothing" in err, err
+    for _ in range(50):  # no process of the group outlives it (not even the forkserver)
+        if not group_processes(group):
+            break
+        time.sleep(0.1)
+    assert group_processes(group) == {}
+    assert left == [] and saved.read_text() == "before\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["strategies.json"]

@@ -101,9 +101,27 @@ def check(args: argparse.Namespace, folder: str) -> None:
     args.size = args.size or (224 if args.device == "cuda" else 64)
     architectures.check_architecture(args.architecture)
     architectures.check_resolution(args.architecture, args.size)
+    check_patches(args.architecture, args.size)
     why = refusal(spec_of(args, parse_layouts("ddp")[0], "check"), folder)  # what every layout is refused for
     if why:
         raise FixresError(why)
+
+
+def check_patches(architecture: str, size: int) -> None:
+    """Raise :class:`FixresError` in one line, as the scripts' resolution check does for a torchvision ViT,
+    where ``architecture`` (a timm model too: its ``patch_embed``) cuts images into square patches that do
+    not divide ``size``: the model the ranks build for ``size`` px runs at no size at all, and the Trainer's
+    own check can only say that. Built on the meta device: nothing is allocated."""
+    from fixres_dist.models import architectures, resolutions
+
+    try:
+        model = resolutions.build_on_meta(architecture, 10, architectures.DEFAULT_SIZE)
+    except Exception:  # noqa: BLE001 - the Trainer's check says why a model cannot be built
+        return
+    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    patch = patch if isinstance(patch, (tuple, list)) else (patch, patch)
+    if isinstance(patch[0], int) and patch[0] == patch[1] and patch[0] > 1 and size % patch[0]:
+        raise FixresError(f"--size {size}: " + architectures._patch_message(architecture, patch[0], size))
 
 
 def refusal(spec: dict, folder: str) -> str | None:

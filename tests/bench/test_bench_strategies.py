@@ -109,6 +109,8 @@ def test_meshes_in_words():
     (["--ranks", "4", "--layouts", "hybrid:3"], "shard groups of 3 do not divide the 4 data-parallel ranks"),
     (["--architecture", "resnet81"], "did you mean resnet18"),
     (["--architecture", "timm/test_vit", "--size", "30"], "timm/test_vit"),
+    (["--architecture", "timm/test_vit", "--size", "7"], "--size 7: timm/test_vit needs an image size divisible by its "
+     "patch size 16; 7 is not (nearest: 16)"),
     (["--amp", "fp16", "--device", "cpu"], "--amp fp16 needs --device cuda"),
     (["--json", "/proc/strategies.json"], "--json /proc/strategies.json: cannot write there"),
 ])

@@ -245,10 +245,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     except Stopped as stop:
         ignore_signals()  # a second Ctrl-C while the ranks end changes nothing
         local_ranks.stop_all()  # before the folder goes: no rank writes into it afterwards
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)  # files a rank wrote as it was stopped too
         say(f"{PROG}: stopped by {signal.Signals(stop.signum).name}; nothing written")
         raise SystemExit(130 if stop.signum == signal.SIGINT else 3) from None
     finally:
+        local_ranks.stop_all()  # the forkserver too: nothing of this command outlives it
         shutil.rmtree(folder, ignore_errors=True)
     for signum, handler in replaced.items():
         signal.signal(signum, handler)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from fixres_dist.bench.__main__ import check_writable
 from fixres_dist.bench.layouts import GRAMMAR, parse_layouts
-from fixres_dist.errors import FixresError, first_line, say
+from fixres_dist.errors import FixresError, first_line, plural, say
 from fixres_dist.io import write_private
 from fixres_dist.startup import SIGNALS, ignore_signals, inherited_ignored
 from fixres_dist.training.memory_table import OneLineParser, count
@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def header(args: argparse.Namespace, where: str) -> str:
     """The first line of the output: the model, the batch, the ranks, the steps."""
     return (f"{PROG}: {args.architecture} @ {args.size} px, batch {args.batch} per data-parallel rank, amp "
-            f"{args.amp}, {args.ranks} ranks on {where}; {args.steps} timed steps after {args.warmup}; load "
+            f"{args.amp}, {plural(args.ranks, 'rank')} on {where}; {plural(args.steps, 'timed step')} after "
+            f"{plural(args.warmup, 'warm-up step')}; load "
             f"average {os.getloadavg()[0]:.2f}")
 
 

@@ -44,10 +44,11 @@ def test_four_layouts_on_two_ranks_side_by_side(tmp_path):
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     out = done.stdout.splitlines()
     assert out[0].startswith("python -m fixres_dist.bench.strategies: timm/test_vit @ 32 px, batch 8 ")
+    assert "; 2 timed steps after 0 warm-up steps; " in out[0], out[0]
     header = out.index("| " + " | ".join(strategies.COLUMNS) + " |")
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in out[header + 2:header + 2 + len(LAYOUTS)]]
     assert [r[0] for r in rows] == LAYOUTS
-    assert [r[1] for r in rows[:4]] == ["2 replicate", "2 shard", "1 data x 2 tensor", "1 data x 2 stage"]
+    assert [r[1] for r in rows[:4]] == ["2 data", "2 shard", "2 tensor", "2 stage"]
     for r in rows[:4]:
         img_s, step, peak, states = (float(v.replace(",", "")) for v in r[2:6])
         assert img_s > 0 and step > 0 and peak > 0 and states > 0, r
@@ -93,17 +94,24 @@ def test_a_failed_rank_ends_its_peers_and_is_one_line(tmp_path):
 
 def test_meshes_in_words():
     layouts = parse_layouts("ddp,full,hybrid:2,tensor:2,pipeline:2,pipeline:2+tensor:2")
-    assert [layout.mesh(8) for layout in layouts] == ["8 replicate", "8 shard", "4 replicate x 2 shard",
+    assert [layout.mesh(8) for layout in layouts] == ["8 data", "8 shard", "4 replicate x 2 shard",
                                                      "4 data x 2 tensor", "4 data x 2 stage",
                                                      "2 data x 2 stage x 2 tensor"]
     assert layouts[2].fields() == {"sharding": "hybrid", "shard_group_size": 2, "tensor_parallel": 1,
                                    "pipeline_stages": 1}
 
 
+def test_the_header_counts_in_words():
+    args = Namespace(architecture="resnet18", size=32, batch=8, amp="off", ranks=1, steps=1, warmup=1)
+    assert "amp off, 1 rank on cpu; 1 timed step after 1 warm-up step; load average" in strategies.header(args, "cpu")
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--layouts", "ddp,foo"], "argument --layouts: unknown layout 'foo': expected ddp, full, hybrid[:G]"),
+    (["--layouts", "ddp,foo"], "argument --layouts: unknown layout 'foo': expected ddp, full, hybrid:G"),
     (["--layouts", "tensor:1"], "tensor:1 must be at least 2"),
     (["--layouts", "full+ddp"], "'full+ddp': two shardings"),
+    (["--layouts", "ddp,,full"], "'ddp,,full': an empty layout between commas"),
+    (["--layouts", "ddp,hybrid"], "'hybrid': give hybrid's shard group size, as hybrid:2"),
     (["--ranks", "0"], "argument --ranks: must be >= 1, got 0"),
     (["--ranks", "3", "--layouts", "ddp,tensor:2"], "--layouts tensor:2: 2 tensor does not divide --ranks 3"),
     (["--ranks", "4", "--layouts", "hybrid:3"], "shard groups of 3 do not divide the 4 data-parallel ranks"),

@@ -19,9 +19,9 @@ unknown model or a size it cannot take, too few GPUs, a ``--json`` file that can
 one line on stderr and exit status 2, before any rank starts. A layout that cannot run (the Trainer
 refuses it before start: a model that cannot be split so; or a rank fails: out of memory) is a row
 saying why in one line; the others go on (exit status 1 if none could be measured). ``--json FILE``
-writes every rank's figures (atomically, readable by the owner only). Ctrl-C (SIGINT) or SIGTERM at any
-moment (or SIGUSR2) ends the ranks and removes their temporary folder, leaves ``--json`` as it was, and exits with one
-line: status 130 for SIGINT, 3 for SIGTERM.
+writes every rank's figures (atomically, readable by the owner only). Ctrl-C (SIGINT), SIGTERM or SIGUSR2
+at any moment ends the ranks and the forkserver, removes their temporary folder, leaves ``--json`` as it
+was, and exits with one line: status 130 for SIGINT, else 3.
 """
 from __future__ import annotations
 
@@ -120,8 +120,11 @@ def check_patches(architecture: str, size: int) -> None:
         return
     patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
     patch = patch if isinstance(patch, (tuple, list)) else (patch, patch)
-    if isinstance(patch[0], int) and patch[0] == patch[1] and patch[0] > 1 and size % patch[0]:
-        raise FixresError(f"--size {size}: " + architectures._patch_message(architecture, patch[0], size))
+    patch = patch[0] if isinstance(patch[0], int) and patch[0] == patch[1] and patch[0] > 1 else None
+    if patch and size % patch:  # the words of architectures.check_resolution's for a torchvision ViT
+        below = size - size % patch
+        raise FixresError(f"--size {size}: {architecture} needs an image size divisible by its patch size {patch}; "
+                          f"{size} is not (nearest: {f'{below} or {below + patch}' if below else patch})")
 
 
 def refusal(spec: dict, folder: str) -> str | None:
@@ -223,6 +226,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     replaced = listen()
     folder = tempfile.mkdtemp(prefix="fixres-strategies-")
+    stopped = None
     try:
         try:
             check(args, folder)
@@ -243,16 +247,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 say(f"{PROG}: cannot write --json {args.json}: {exc.strerror or exc}")
                 raise SystemExit(1) from None
     except Stopped as stop:
+        stopped = stop
         ignore_signals()  # a second Ctrl-C while the ranks end changes nothing
         local_ranks.stop_all()  # before the folder goes: no rank writes into it afterwards
-        shutil.rmtree(folder, ignore_errors=True)  # files a rank wrote as it was stopped too
+        shutil.rmtree(folder, ignore_errors=True)  # with any file a rank wrote as it was stopped
         say(f"{PROG}: stopped by {signal.Signals(stop.signum).name}; nothing written")
         raise SystemExit(130 if stop.signum == signal.SIGINT else 3) from None
     finally:
-        local_ranks.stop_all()  # the forkserver too: nothing of this command outlives it
-        shutil.rmtree(folder, ignore_errors=True)
-    for signum, handler in replaced.items():
-        signal.signal(signum, handler)
+        if stopped is None:  # done, refused or failed: a late Ctrl-C cannot interrupt the cleanup
+            before = {signum: signal.getsignal(signum) for signum in SIGNALS}
+            ignore_signals()
+            local_ranks.stop_all()  # the forkserver too: nothing of this command outlives it
+            shutil.rmtree(folder, ignore_errors=True)
+            for signum, handler in {**before, **replaced}.items():  # as they were, for a caller
+                if handler is not None:
+                    signal.signal(signum, handler)
     if all(r["error"] for r in rows):
         say(f"{PROG}: no layout could be measured (each row says why)")
         raise SystemExit(1)

@@ -1,5 +1,6 @@
-"""The strategy benchmark's parallel layouts as short strings: ``ddp``, ``full``, ``hybrid`` or
-``hybrid:G``, ``tensor:N``, ``pipeline:N``, and combinations joined by ``+`` (``full+tensor:2``; the
+"""The strategy benchmark's parallel layouts as short strings: ``ddp``, ``full``,
+``hybrid:G`` (shard groups of G ranks: bare ``hybrid``, the Trainer's a node's ranks, would be ``full`` on
+one machine, and is refused), ``tensor:N``, ``pipeline:N``, and combinations joined by ``+`` (``full+tensor:2``; the
 Trainer refuses the ones it cannot run yet, and the benchmark shows why); each one's ``TrainerConfig``
 fields (``--sharding``, ``--shard-group-size``, ``--tensor-parallel``, ``--pipeline-stages``), whether it
 divides a number of ranks, and its mesh in words. Nothing here imports torch."""
@@ -11,13 +12,13 @@ import attrs
 
 from fixres_dist.errors import FixresError
 
-GRAMMAR = "ddp, full, hybrid[:G], tensor:N, pipeline:N, or several joined by + (e.g. full+tensor:2)"
+GRAMMAR = "ddp, full, hybrid:G, tensor:N, pipeline:N, or several joined by + (e.g. full+tensor:2)"
 
 
 @attrs.frozen
 class BenchLayout:
     """One layout: ``sharding`` (``ddp``, ``full``, ``hybrid``), ``shard_group_size`` (hybrid's ranks per
-    shard group; None: a node's), ``tensor_parallel`` and ``pipeline_stages`` (ranks per tensor group and
+    shard group; None for the others), ``tensor_parallel`` and ``pipeline_stages`` (ranks per tensor group and
     stages per pipeline, 1 for none); ``text``: its name in the table, as given."""
 
     text: str
@@ -47,18 +48,14 @@ class BenchLayout:
                               f"{self.data_parallel(ranks)} data-parallel ranks of --ranks {ranks}")
 
     def mesh(self, ranks: int) -> str:
-        """The ranks' mesh in words, its axes named as torchtitan's: ``"2 replicate x 2 shard"``,
-        ``"2 data x 2 tensor"``, ``"1 data x 2 stage"``."""
-        data = self.data_parallel(ranks)
-        if self.sharding == "full":
-            axes = [(data, "shard")]
-        elif self.sharding == "hybrid":
-            group = self.shard_group_size or data
-            axes = [(data // group, "replicate"), (group, "shard")]
-        else:
-            axes = [(data, "replicate" if self.tensor_parallel * self.pipeline_stages == 1 else "data")]
-        axes += [(n, what) for n, what in ((self.pipeline_stages, "stage"), (self.tensor_parallel, "tensor")) if n > 1]
-        return " x ".join(f"{n} {what}" for n, what in axes)
+        """The ranks' mesh in the words of the Trainer's logs, checkpoints and dry run
+        (:meth:`fixres_dist.distributed.layout.Layout.describe`, less its ``"N ranks = "``): ``"2 data"``,
+        ``"2 replicate x 2 shard"``, ``"2 data x 2 tensor"``, ``"2 stage"`` (an axis of 1 is left out)."""
+        from fixres_dist.distributed.layout import Layout
+
+        words = Layout.of_world(ranks, sharding=self.sharding, shard_group=self.shard_group_size,
+                                tensor=self.tensor_parallel, pipeline=self.pipeline_stages).describe()
+        return words.partition(" = ")[2] or words
 
 
 def _size(part: str, text: str) -> int:
@@ -86,7 +83,10 @@ def parse_layout(text: str) -> BenchLayout:
             raise argparse.ArgumentTypeError(f"{text!r}: two {'shardings' if key == 'sharding' else kind + 's'}")
         if key == "sharding":
             fields["sharding"] = kind
-            if kind == "hybrid" and part != kind:
+            if kind == "hybrid" and part == kind:  # the Trainer's default, a node's ranks: all of them here
+                raise argparse.ArgumentTypeError(f"{text!r}: give hybrid's shard group size, as hybrid:2 (its "
+                                                 "default, a node's ranks, is every local rank here: that is full)")
+            if kind == "hybrid":
                 fields["shard_group_size"] = _size(part, text)
         else:
             fields[key] = _size(part, text)
@@ -95,7 +95,10 @@ def parse_layout(text: str) -> BenchLayout:
 
 def parse_layouts(text: str) -> list[BenchLayout]:
     """An argparse type: a comma-separated list of layouts, each once, in the order given."""
-    names = list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
-    if not names:
+    items = [item.strip() for item in text.split(",")]
+    if not any(items):
         raise argparse.ArgumentTypeError("an empty list")
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"{text!r}: an empty layout between commas")
+    names = list(dict.fromkeys(items))
     return [parse_layout(name) for name in names]

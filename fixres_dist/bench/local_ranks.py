@@ -1,10 +1,19 @@
 """Benchmark ranks on this machine: N processes forked from a forkserver that imported torch, timm and
 the package once, meeting at tcp://127.0.0.1:<a free port>; each writes its figures, or why it
-failed in one line, to a JSON file that the parent reads back, one list entry per rank."""
+failed in one line, to a JSON file that the parent reads back, one list entry per rank.
+
+The parent decides when to stop: the forkserver is started with SIGINT blocked, which it and every rank
+forked from it inherit, so that a Ctrl-C sent to the whole process group (as a terminal sends it) reaches
+the parent alone; on it the parent ends the ranks and the forkserver (:func:`stop_all`) and only then
+removes their folder (:mod:`fixres_dist.bench.strategies`)."""
 from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
 import socket
 import traceback
 from pathlib import Path
@@ -17,6 +26,7 @@ from fixres_dist.errors import first_line
 # What the forkserver imports once (each rank is forked from it with these already imported).
 PRELOAD = ["fixres_dist.training.trainer", "timm", "torch.distributed.fsdp"]
 GRACE_SECONDS = 10  # after one rank failed, how long the others have to end before SIGTERM (then SIGKILL)
+STOP_SECONDS = 5  # after SIGTERM, how long a rank has to end before SIGKILL
 
 
 def free_port() -> int:
@@ -52,7 +62,7 @@ def run_ranks(target: Callable, spec: dict, folder: str | Path, name: str | None
     none is ``{"rank": r, "error": "no result (...)"}``. When a rank fails, the others have ``grace``
     seconds to end, then are ended (SIGTERM, then SIGKILL), and the parent goes on."""
     name = name or spec["name"]
-    mp.set_forkserver_preload(PRELOAD)
+    start_forkserver()
     failure = "the process wrote none"
     try:
         context = mp.start_processes(target, args=(spec, free_port(), str(folder)), nprocs=spec["world"],
@@ -63,6 +73,50 @@ def run_ranks(target: Callable, spec: dict, folder: str | Path, name: str | None
         failure = f"ended when rank {exc.error_index} failed"
     except mp.ProcessExitedException as exc:  # killed, or exited without raising
         failure = f"ended when rank {exc.error_index} exited: {first_line(exc)}"
+    except BaseException:  # Ctrl-C, SIGTERM: no rank outlives this call, nor writes after it
+        stop_ranks()
+        raise
     paths = [result_path(folder, name, rank) for rank in range(spec["world"])]
     return [json.loads(path.read_text()) if path.exists() else {"rank": rank, "error": f"no result ({failure})"}
             for rank, path in enumerate(paths)]
+
+
+def start_forkserver() -> None:
+    """Start the forkserver (once per process) with SIGINT blocked: it, and every rank forked from it,
+    inherit the blocked signal, so that neither prints a KeyboardInterrupt traceback (not even while the
+    forkserver imports :data:`PRELOAD`) nor writes a result after the parent gave up on it."""
+    mp.set_forkserver_preload(PRELOAD)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a SIGINT meanwhile is delivered to the parent now
+
+
+def stop_ranks(timeout: float = STOP_SECONDS) -> None:
+    """End every rank this process started that is still running (SIGTERM, then SIGKILL after
+    ``timeout`` seconds) and wait until each has ended."""
+    children = multiprocessing.active_children()
+    for child in children:
+        with contextlib.suppress(OSError):
+            child.terminate()
+    for child in children:
+        child.join(timeout)
+    for child in children:
+        if child.is_alive():
+            with contextlib.suppress(OSError):
+                child.kill()
+            child.join()
+
+
+def stop_all() -> None:
+    """:func:`stop_ranks`, then the forkserver (SIGTERM: it may still be importing) and wait for it."""
+    stop_ranks()
+    server = multiprocessing.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(OSError, AttributeError):
+        server._stop()  # closes its pipe, waits for it, removes its socket

@@ -19,21 +19,32 @@ unknown model or a size it cannot take, too few GPUs, a ``--json`` file that can
 one line on stderr and exit status 2, before any rank starts. A layout that cannot run (the Trainer
 refuses it before start: a model that cannot be split so; or a rank fails: out of memory) is a row
 saying why in one line; the others go on (exit status 1 if none could be measured). ``--json FILE``
-writes every rank's figures.
+writes every rank's figures (atomically, readable by the owner only). Ctrl-C (SIGINT), SIGTERM or SIGUSR2
+at any moment ends the ranks and the forkserver, removes their temporary folder, leaves ``--json`` as it
+was, and exits with one line: status 130 for SIGINT, else 3.
 """
 from __future__ import annotations
+
+if __name__ == "__main__":
+    from fixres_dist import startup
+
+    startup.guard_signals()  # first: Ctrl-C while torch loads is one line, not a traceback
+    startup.quiet_native_logs()  # before torch is imported: c10d's page of C++ frames when a rank's store goes away
 
 import argparse
 import json
 import os
+import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
 
 from fixres_dist.bench.__main__ import check_writable
 from fixres_dist.bench.layouts import GRAMMAR, parse_layouts
-from fixres_dist.errors import FixresError, first_line, say
-from fixres_dist.startup import quiet_native_logs
+from fixres_dist.errors import FixresError, first_line, plural, say
+from fixres_dist.io import write_private
+from fixres_dist.startup import SIGNALS, ignore_signals, inherited_ignored
 from fixres_dist.training.memory_table import OneLineParser, count
 
 PROG = "python -m fixres_dist.bench.strategies"
@@ -90,9 +101,30 @@ def check(args: argparse.Namespace, folder: str) -> None:
     args.size = args.size or (224 if args.device == "cuda" else 64)
     architectures.check_architecture(args.architecture)
     architectures.check_resolution(args.architecture, args.size)
+    check_patches(args.architecture, args.size)
     why = refusal(spec_of(args, parse_layouts("ddp")[0], "check"), folder)  # what every layout is refused for
     if why:
         raise FixresError(why)
+
+
+def check_patches(architecture: str, size: int) -> None:
+    """Raise :class:`FixresError` in one line, as the scripts' resolution check does for a torchvision ViT,
+    where ``architecture`` (a timm model too: its ``patch_embed``) cuts images into square patches that do
+    not divide ``size``: the model the ranks build for ``size`` px runs at no size at all, and the Trainer's
+    own check can only say that. Built on the meta device: nothing is allocated."""
+    from fixres_dist.models import architectures, resolutions
+
+    try:
+        model = resolutions.build_on_meta(architecture, 10, architectures.DEFAULT_SIZE)
+    except Exception:  # noqa: BLE001 - the Trainer's check says why a model cannot be built
+        return
+    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    patch = patch if isinstance(patch, (tuple, list)) else (patch, patch)
+    patch = patch[0] if isinstance(patch[0], int) and patch[0] == patch[1] and patch[0] > 1 else None
+    if patch and size % patch:  # the words of architectures.check_resolution's for a torchvision ViT
+        below = size - size % patch
+        raise FixresError(f"--size {size}: {architecture} needs an image size divisible by its patch size {patch}; "
+                          f"{size} is not (nearest: {f'{below} or {below + patch}' if below else patch})")
 
 
 def refusal(spec: dict, folder: str) -> str | None:
@@ -164,39 +196,85 @@ def measure(args: argparse.Namespace, folder: str) -> list[dict]:
     return with_ratios(rows)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGUSR2 while the layouts are measured; ``signum``: which."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+def listen() -> dict:
+    """Stop signals raise :class:`Stopped` from here on (those the command was started with ignored stay
+    ignored); returns the handlers they replace."""
+    ignored = inherited_ignored()
+    return {signum: signal.signal(signum, _stop) for signum in SIGNALS if signum not in ignored}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Parse, check, measure every layout, print the table, write ``--json``; returns the rows. Bad input:
-    one line on stderr, exit status 2; no layout measured: exit status 1."""
+    one line on stderr, exit status 2; no layout measured: exit status 1; SIGINT or SIGTERM: the ranks
+    and their folder gone, one line, exit status 130 or 3."""
     args = build_parser().parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="fixres-strategies-") as folder:
+    import torch
+
+    from fixres_dist.bench import local_ranks
+
+    replaced = listen()
+    folder = tempfile.mkdtemp(prefix="fixres-strategies-")
+    stopped = None
+    try:
         try:
             check(args, folder)
         except FixresError as exc:
             say(f"{PROG}: {exc}")
             raise SystemExit(2) from None
-        import torch
-
         where = (f"{torch.cuda.get_device_name()} x {args.ranks}, NCCL" if args.device == "cuda" else
                  f"cpu, {len(os.sched_getaffinity(0))} cores, gloo")
-        print(f"{PROG}: {args.architecture} @ {args.size} px, batch {args.batch} per data-parallel rank, amp "
-              f"{args.amp}, {args.ranks} ranks on {where}; {args.steps} timed steps after {args.warmup}; load "
-              f"average {os.getloadavg()[0]:.2f}", flush=True)
-        try:
-            rows = measure(args, folder)
-        except KeyboardInterrupt:
-            say(f"{PROG}: interrupted; nothing written")
-            raise SystemExit(130) from None
-    print(table(rows), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"command": PROG, "device": where, "settings": {
-            k: getattr(args, k) for k in ("architecture", "size", "batch", "ranks", "amp", "steps", "warmup",
-                                          "memory_steps")}, "layouts": rows}, indent=1) + "\n")
+        print(header(args, where), flush=True)
+        rows = measure(args, folder)
+        print(table(rows), flush=True)
+        if args.json:
+            try:  # atomic, owner-only: a kill mid-write leaves the previous file as it was
+                write_private(args.json, json.dumps({"command": PROG, "device": where, "settings": {
+                    k: getattr(args, k) for k in ("architecture", "size", "batch", "ranks", "amp", "steps", "warmup",
+                                                  "memory_steps")}, "layouts": rows}, indent=1) + "\n")
+            except OSError as exc:
+                say(f"{PROG}: cannot write --json {args.json}: {exc.strerror or exc}")
+                raise SystemExit(1) from None
+    except Stopped as stop:
+        stopped = stop
+        ignore_signals()  # a second Ctrl-C while the ranks end changes nothing
+        local_ranks.stop_all()  # before the folder goes: no rank writes into it afterwards
+        shutil.rmtree(folder, ignore_errors=True)  # with any file a rank wrote as it was stopped
+        say(f"{PROG}: stopped by {signal.Signals(stop.signum).name}; nothing written")
+        raise SystemExit(130 if stop.signum == signal.SIGINT else 3) from None
+    finally:
+        if stopped is None:  # done, refused or failed: a late Ctrl-C cannot interrupt the cleanup
+            before = {signum: signal.getsignal(signum) for signum in SIGNALS}
+            ignore_signals()
+            local_ranks.stop_all()  # the forkserver too: nothing of this command outlives it
+            shutil.rmtree(folder, ignore_errors=True)
+            for signum, handler in {**before, **replaced}.items():  # as they were, for a caller
+                if handler is not None:
+                    signal.signal(signum, handler)
     if all(r["error"] for r in rows):
         say(f"{PROG}: no layout could be measured (each row says why)")
         raise SystemExit(1)
     return rows
 
 
+def header(args: argparse.Namespace, where: str) -> str:
+    """The first line of the output: the model, the batch, the ranks, the steps."""
+    return (f"{PROG}: {args.architecture} @ {args.size} px, batch {args.batch} per data-parallel rank, amp "
+            f"{args.amp}, {plural(args.ranks, 'rank')} on {where}; {plural(args.steps, 'timed step')} after "
+            f"{plural(args.warmup, 'warm-up step')}; load "
+            f"average {os.getloadavg()[0]:.2f}")
+
+
 if __name__ == "__main__":
-    quiet_native_logs()  # before torch is imported: c10d's page of C++ frames when a rank's store goes away at the end
     main()

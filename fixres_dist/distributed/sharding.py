@@ -64,13 +64,39 @@ def checkpoint_activations(model: nn.Module) -> int:
     blocks, nothing changed). Do it before sharding."""
     found = blocks(model)
     for _, block in found:
-        block.forward = _checkpointed(block.forward)
+        block.forward = _checkpointed(block.forward, _norm_statistics(block))
     return len(found)
 
 
-def _checkpointed(forward):
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _norm_statistics(block: nn.Module) -> list[torch.Tensor]:
+    """The running statistics of ``block``'s BatchNorms (mean, variance, batches counted)."""
+    return [buffer for module in block.modules() if isinstance(module, BATCH_NORMS)
+            for buffer in module.buffers(recurse=False)]
+
+
+def _checkpointed(forward, statistics: list[torch.Tensor]):
+    """``forward`` under non-reentrant activation checkpointing. Its recomputation in the backward runs
+    in train mode too, and would update the BatchNorms' running ``statistics`` a second time per step:
+    they are put back as the first forward left them."""
     def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        calls = []
+
+        def once(*inner, **named):
+            calls.append(None)
+            if len(calls) == 1 or not statistics:
+                return forward(*inner, **named)
+            with torch.no_grad():
+                kept = [buffer.clone() for buffer in statistics]
+            try:  # the recomputation may stop early (torch's checkpoint, once it has what it needs): finally
+                return forward(*inner, **named)
+            finally:
+                with torch.no_grad():
+                    for buffer, value in zip(statistics, kept):
+                        buffer.copy_(value)
+        return checkpoint(once, *args, use_reentrant=False, **kwargs)
     return run
 
 

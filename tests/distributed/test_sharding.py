@@ -11,6 +11,7 @@ import torch
 import shown_commands as shown
 from conftest import make_subset, run_main, run_script
 from fixres_dist.distributed.blocks import blocks
+from fixres_dist.distributed.sharding import checkpoint_activations
 from fixres_dist.models.architectures import build_model
 from fixres_dist.training import export
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
@@ -180,6 +181,27 @@ def test_a_damaged_sharded_checkpoint_is_refused_before_start(vit_jobs, tmp_path
                            "--resume", copy / CHECKPOINT_FILE, *VIT[:4])
     assert status == 1 and message in err and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in copy.rglob("*")) == before and not (tmp_path / "runs" / "new").exists()
+
+
+def test_activation_checkpointing_leaves_batchnorm_statistics_as_one_forward_does():
+    """The recomputation in the backward runs each block's forward again in train mode: the BatchNorms'
+    running statistics stay those of the one forward (they were updated twice per step); the gradients are
+    the same, bit for bit (the same kernels on the same inputs)."""
+    torch.manual_seed(0)
+    plain = build_model("resnet20", 10)
+    checkpointed = build_model("resnet20", 10)
+    checkpointed.load_state_dict(plain.state_dict())
+    assert checkpoint_activations(checkpointed) == 9
+    images = torch.randn(4, 3, 32, 32)
+    for model in (plain, checkpointed):
+        model.train()
+        model(images).square().sum().backward()
+    assert checkpointed.state_dict().keys() == plain.state_dict().keys()
+    for key, value in plain.state_dict().items():
+        assert torch.equal(checkpointed.state_dict()[key], value), key
+    assert plain.state_dict()["layer1.0.bn1.num_batches_tracked"].item() == 1
+    for (name, param), other in zip(plain.named_parameters(), checkpointed.parameters()):
+        assert torch.equal(param.grad, other.grad), name
 
 
 def test_blocks_of_each_family():

@@ -81,16 +81,25 @@ def run_ranks(target: Callable, spec: dict, folder: str | Path, name: str | None
             for rank, path in enumerate(paths)]
 
 
+_STARTED_HERE: list[int] = []  # the pid of the forkserver start_forkserver started (stop_all ends only that one)
+
+
 def start_forkserver() -> None:
     """Start the forkserver (once per process) with SIGINT blocked: it, and every rank forked from it,
     inherit the blocked signal, so that neither prints a KeyboardInterrupt traceback (not even while the
-    forkserver imports :data:`PRELOAD`) nor writes a result after the parent gave up on it."""
+    forkserver imports :data:`PRELOAD`) nor writes a result after the parent gave up on it. A forkserver
+    the calling process runs already (a test session's) is used as it is, and left running."""
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        multiprocessing.forkserver.ensure_running()
+        return
     mp.set_forkserver_preload(PRELOAD)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a SIGINT meanwhile is delivered to the parent now
+    _STARTED_HERE.append(server._forkserver_pid)
 
 
 def stop_ranks(timeout: float = STOP_SECONDS) -> None:
@@ -114,8 +123,9 @@ def stop_all() -> None:
     stop_ranks()
     server = multiprocessing.forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
+    if pid is None or pid not in _STARTED_HERE:  # none, or the caller's own: it stays (other jobs fork from it)
         return
+    _STARTED_HERE.remove(pid)
     with contextlib.suppress(OSError):
         os.kill(pid, signal.SIGTERM)
     with contextlib.suppress(OSError, AttributeError):

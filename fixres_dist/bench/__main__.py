@@ -27,8 +27,8 @@ from pathlib import Path
 
 import attrs
 
+from fixres_dist.arguments import OneLineParser, positive_int
 from fixres_dist.errors import FixresError, say
-from fixres_dist.training.memory_table import OneLineParser, count
 
 MODULE = "fixres_dist.bench"
 PROG = f"python -m {MODULE}"
@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "image, training and inference img/s, peak memory; FixRes' train/test trade (docs/profiling.md).")
     p.add_argument("--architectures", type=_listed(str), required=True, metavar="A,B",
                    help="model names, as main_scratch.py's --architecture")
-    p.add_argument("--sizes", type=_listed(count), required=True, metavar="PX,PX", help="resolutions in pixels")
-    p.add_argument("--batch", type=_listed(count), default=[32], metavar="N,N", help="images per step (default: 32)")
+    p.add_argument("--sizes", type=_listed(positive_int), required=True, metavar="PX,PX", help="resolutions in pixels")
+    p.add_argument("--batch", type=_listed(positive_int), default=[32], metavar="N,N",
+                   help="images per step (default: 32)")
     p.add_argument("--amp", type=_listed(_amp), default=["off"], metavar="off,bf16,fp16",
                    help="mixed precision settings to try (default: off)")
     p.add_argument("--channels-last", type=_listed(_switch), default=[False], metavar="off,on",
@@ -72,9 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile backends to try, off for none (default: off)")
     p.add_argument("--fixres", metavar="TRAIN:TEST", help="the train and test resolutions of the FixRes trade "
                    "(default: the smallest and largest of --sizes)")
-    p.add_argument("--steps", type=count, default=10, help="timed steps per setting (default: %(default)s)")
-    p.add_argument("--warmup", type=count, default=3, help="untimed steps before them (default: %(default)s)")
-    p.add_argument("--num-classes", type=count, default=1000, help="classes of the head (default: %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per setting (default: %(default)s)")
+    p.add_argument("--warmup", type=positive_int, default=3, help="untimed steps before them (default: %(default)s)")
+    p.add_argument("--num-classes", type=positive_int, default=1000, help="classes of the head (default: %(default)s)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available, else cpu")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the rows and the trade as JSON")
     p.add_argument("--plot", type=Path, metavar="FILE.png",

@@ -40,12 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from fixres_dist.arguments import OneLineParser, positive_int
 from fixres_dist.bench.__main__ import check_writable
 from fixres_dist.bench.layouts import GRAMMAR, parse_layouts
 from fixres_dist.errors import FixresError, first_line, plural, say
 from fixres_dist.io import write_private
 from fixres_dist.startup import SIGNALS, ignore_signals, inherited_ignored
-from fixres_dist.training.memory_table import OneLineParser, count
 
 PROG = "python -m fixres_dist.bench.strategies"
 COLUMNS = ("layout", "mesh", "img/s", "step s", "peak MiB/rank", "model states MiB/rank", "img/s / DDP",
@@ -59,15 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
                       "step time and peak memory per rank of each, side by side (docs/sharding.md).")
     p.add_argument("--architecture", default="timm/vit_small_patch16_224",
                    help="the model, as main_scratch.py's --architecture (default: %(default)s)")
-    p.add_argument("--size", type=count, help="input size in pixels (default: 64 on the CPU, 224 on a GPU)")
-    p.add_argument("--batch", type=count, default=16, help="images per data-parallel rank per step (default: 16)")
-    p.add_argument("--ranks", type=count, default=2, help="local ranks (processes) per layout (default: 2)")
+    p.add_argument("--size", type=positive_int, help="input size in pixels (default: 64 on the CPU, 224 on a GPU)")
+    p.add_argument("--batch", type=positive_int, default=16,
+                   help="images per data-parallel rank per step (default: 16)")
+    p.add_argument("--ranks", type=positive_int, default=2, help="local ranks (processes) per layout (default: 2)")
     p.add_argument("--layouts", type=parse_layouts, default="ddp,full,tensor:2,pipeline:2", metavar="L,L",
                    help=f"layouts: {GRAMMAR} (default: %(default)s)")
     p.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off", help="mixed precision (default: off)")
-    p.add_argument("--steps", type=count, default=5, help="timed steps per layout (default: %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps per layout (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default: %(default)s)")
-    p.add_argument("--memory-steps", type=count, default=1,
+    p.add_argument("--memory-steps", type=positive_int, default=1,
                    help="steps whose peak memory is measured, before the warmup (default: %(default)s)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available, else cpu")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write every rank's figures as JSON")

@@ -11,6 +11,7 @@ import argparse
 
 import attrs
 
+from fixres_dist.arguments import OneLineParser, positive_int
 from fixres_dist.config import OPTIMIZERS, TrainerConfig
 from fixres_dist.errors import FixresError, say
 from fixres_dist.training.memory_estimate import GIB, METHOD, estimate
@@ -19,37 +20,18 @@ MODULE = "fixres_dist.training.memory_table"
 PROG = f"python -m {MODULE}"
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse with a usage error in one line on stderr, ``<prog>: error: <message>``, exit status 2."""
-
-    def error(self, message: str):
-        say(f"{self.prog}: error: {message}")
-        raise SystemExit(2)
-
-
-def count(text: str) -> int:
-    """An argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=PROG, description="The estimated peak memory per rank (GiB) of a training step, for DDP, "
                       "full and hybrid sharding, with and without activation checkpointing: torch's MemTracker/"
                       "FSDPMemTracker on fake tensors, in seconds on a CPU (docs/sharding.md, 'Will it fit').")
     p.add_argument("--architecture", help="model name, as main_scratch.py's --architecture (required)")
-    p.add_argument("--input-size", type=count, metavar="PX", help="training resolution in pixels (required)")
-    p.add_argument("--batch", type=count, default=64, help="images per rank per step (default: %(default)s)")
-    p.add_argument("--num-tasks", type=count, default=1, help="ranks (default: %(default)s)")
-    p.add_argument("--num-classes", type=count, default=1000, help="classes (default: %(default)s)")
+    p.add_argument("--input-size", type=positive_int, metavar="PX", help="training resolution in pixels (required)")
+    p.add_argument("--batch", type=positive_int, default=64, help="images per rank per step (default: %(default)s)")
+    p.add_argument("--num-tasks", type=positive_int, default=1, help="ranks (default: %(default)s)")
+    p.add_argument("--num-classes", type=positive_int, default=1000, help="classes (default: %(default)s)")
     p.add_argument("--amp", choices=("bf16", "fp16", "off"), default="off", help="mixed precision (default: off)")
     p.add_argument("--opt", choices=OPTIMIZERS, default="sgd", help="optimizer (default: sgd)")
-    p.add_argument("--shard-group-size", type=count, metavar="N",
+    p.add_argument("--shard-group-size", type=positive_int, metavar="N",
                    help="also a row for hybrid sharding in groups of N ranks")
     p.add_argument("--low-res-stem", action="store_true", help="torchvision ResNets' 3x3 stride-1 stem")
     p.add_argument("--device", choices=("cuda", "cpu"),

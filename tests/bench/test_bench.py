@@ -47,7 +47,7 @@ def test_the_table_of_two_architectures_at_three_resolutions(tmp_path, capsys):
     (["--architectures", "resnet81", "--sizes", "32"], 1, "did you mean resnet18"),
     (["--architectures", "vit_b_16", "--sizes", "100"], 1, "vit_b_16"),
     (["--architectures", "alexnet", "--sizes", "32"], 1, "the smallest size it runs at is 63 px"),
-    (["--architectures", "resnet20", "--sizes", "32,0"], 2, "--sizes: must be >= 1"),
+    (["--architectures", "resnet20", "--sizes", "32,0"], 2, "--sizes: must be a positive whole number"),
     (["--architectures", "resnet20", "--sizes", "32", "--amp", "fp8"], 2, "'fp8' is not one of off, bf16, fp16"),
     (["--architectures", "resnet20", "--sizes", "32,64", "--fixres", "48:64"], 1, "must be among --sizes"),
     (["--architectures", "resnet20", "--sizes", "32,64", "--fixres", "64:32"], 1, "TRAIN < TEST"),

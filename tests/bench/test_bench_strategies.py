@@ -112,7 +112,7 @@ def test_the_header_counts_in_words():
     (["--layouts", "full+ddp"], "'full+ddp': two shardings"),
     (["--layouts", "ddp,,full"], "'ddp,,full': an empty layout between commas"),
     (["--layouts", "ddp,hybrid"], "'hybrid': give hybrid's shard group size, as hybrid:2"),
-    (["--ranks", "0"], "argument --ranks: must be >= 1, got 0"),
+    (["--ranks", "0"], "argument --ranks: must be a positive whole number, got 0"),
     (["--ranks", "3", "--layouts", "ddp,tensor:2"], "--layouts tensor:2: 2 tensor does not divide --ranks 3"),
     (["--ranks", "4", "--layouts", "hybrid:3"], "shard groups of 3 do not divide the 4 data-parallel ranks"),
     (["--architecture", "resnet81"], "did you mean resnet18"),

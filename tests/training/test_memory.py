@@ -108,7 +108,8 @@ def test_the_command_prints_its_table(capsys):
 @pytest.mark.parametrize("args, status, message", [
     (["--architecture", "resnet81", "--input-size", "32"], 1, "did you mean resnet18"),
     (["--architecture", "alexnet", "--input-size", "32"], 1, "the smallest size it runs at is 63 px"),
-    (["--architecture", "resnet20", "--input-size", "32", "--batch", "0"], 2, "--batch: must be >= 1"),
+    (["--architecture", "resnet20", "--input-size", "32", "--batch", "0"], 2,
+     "--batch: must be a positive whole number"),
     (["--architecture", "resnet20"], 2, "--architecture and --input-size are required"),
 ])
 def test_the_command_refuses_bad_input_in_one_line(args, status, message, capsys):

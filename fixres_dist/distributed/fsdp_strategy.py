@@ -1,6 +1,8 @@
 """FSDP2's strategy (``--sharding full/hybrid``): the model and the EMA's copy sharded per block over the
 job's mesh (:func:`fixres_dist.distributed.sharding.shard`), gradients reduce-scattered in the backward,
-checkpoints written as each rank's shards, every evaluation on the shards.
+checkpoints written as each rank's shards, every evaluation on the shards. No rank but 0 ever holds the
+whole model: they build it on the meta device and receive their shards of rank 0's tensors one tensor at
+a time (:attr:`builds_from_rank0`; with ``--cpu-offload`` every rank builds it whole first).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class FullySharded(Strategy):
     def __init__(self, config: TrainerConfig, device: torch.device, amp: torch.dtype | None,
                  log: Callable[[str], None], warn: Callable[[str], None]):
         self.config, self.device, self.amp, self.log, self.warn = config, device, amp, log, warn
+        self.builds_from_rank0 = config is not None and not config.cpu_offload  # offloaded: whole on every rank first
         self.model: nn.Module | None = None
         self.shard_group: int | None = None  # the mesh's shard axis, as the ranks met (wrap)
 

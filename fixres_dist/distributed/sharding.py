@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import warnings
 from typing import Iterator
 
 import torch
@@ -136,10 +137,13 @@ def _ranks_per_node(world: int) -> int:
 
 
 def shard(modules: list[nn.Module], mesh: DeviceMesh, config: TrainerConfig, amp: torch.dtype | None,
-          from_rank0: bool = True) -> int:
+          states: list[dict[str, torch.Tensor]] | None = None, values: bool = True) -> int:
     """FSDP2 on each of ``modules`` alike (the model, and the EMA's copy made before: a sharded module
-    cannot be copied): ``fully_shard`` per block, then the root. ``amp``: the ``--amp`` dtype or None;
-    ``from_rank0``: rank 0's weights first (False: every rank holds them already, split by tensors).
+    cannot be copied): ``fully_shard`` per block, then the root; then rank 0's weights loaded into every
+    rank's shards (:func:`load_from_rank0`). ``modules`` may be on the meta device on every rank but 0
+    (:attr:`~fixres_dist.distributed.strategy.Strategy.builds_from_rank0`). ``amp``: the ``--amp`` dtype or
+    None; ``states``: :func:`rank0_states` of ``modules`` taken before they were split by tensors (default:
+    taken here); ``values``: False for a model of shapes only (the memory estimate's): nothing loaded.
     Returns the number of blocks per module (0: root only)."""
     options = dict(mesh=mesh, reshard_after_forward=config.reshard_after_forward,
                    offload_policy=CPUOffloadPolicy() if config.cpu_offload else None)
@@ -147,22 +151,54 @@ def shard(modules: list[nn.Module], mesh: DeviceMesh, config: TrainerConfig, amp
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=amp, reduce_dtype=torch.float32)
     if options["offload_policy"] is None:
         del options["offload_policy"]
+    states = rank0_states(modules) if states is None and values else states or [{}] * len(modules)
     count = 0
-    for module in modules:
-        if from_rank0:
+    for module, state in zip(modules, states):
+        if config.cpu_offload and values:  # the shards land on the CPU, where NCCL cannot broadcast: rank 0's first
             start_from_rank0(module)
         found = blocks(module)
         for _, block in found:
             fully_shard(block, **options)
         fully_shard(module, **options)
+        if values and not config.cpu_offload:
+            load_from_rank0(module, state)
         count = len(found)
     return count
+
+
+def rank0_states(modules: list[nn.Module]) -> list[dict[str, torch.Tensor]]:
+    """On rank 0, each of ``modules``' state_dict (its full tensors, kept alive until
+    :func:`load_from_rank0` has sent them); on the other ranks an empty dict each (their modules may be
+    on the meta device). Before sharding or splitting."""
+    return [module.state_dict() if dist.get_rank() == 0 else {} for module in modules]
+
+
+@torch.no_grad()
+def load_from_rank0(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Rank 0's full tensors ``state`` (:func:`rank0_states`) into every rank's part of ``module`` (sharded,
+    split by tensors, or both), one tensor at a time (``set_model_state_dict(broadcast_from_rank0=True)``):
+    a rank other than 0 holds at most one full tensor at once, never the whole model, and its ``module``
+    may be on the meta device (its parts are then allocated on the process group's device). Buffers outside
+    the state_dict (non-persistent) are broadcast from rank 0 too. A collective: every rank calls it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on the meta device and the default device
+        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    unsaved = set(dict(module.named_buffers())) - set(module.state_dict())
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    for name in sorted(unsaved):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        buffer = owner.get_buffer(leaf)
+        if buffer.is_meta:
+            buffer = torch.empty_like(buffer, device=device)
+            owner.register_buffer(leaf, buffer, persistent=False)
+        dist.broadcast(buffer, src=0)
 
 
 @torch.no_grad()
 def start_from_rank0(module: nn.Module) -> None:
     """Rank 0's parameters and buffers on every rank, as DDP broadcasts them when it wraps (each rank
-    then keeps its shard of the same model, whatever each initialised). Before sharding or splitting."""
+    then keeps its part of the same model, whatever each initialised). Before splitting (tensors, stages)."""
     for tensor in module.state_dict().values():
         dist.broadcast(tensor, src=0)
 

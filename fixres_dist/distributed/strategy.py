@@ -27,7 +27,8 @@ from fixres_dist.distributed import sharding
 # The interface, by name: what every strategy answers (tests/distributed/test_strategies.py checks it).
 INTERFACE = ("wrap", "no_sync", "reduce_gradients", "clip_grad_norm", "full_state", "load_state_dict",
              "load_optimizer_state_dict", "evaluated", "data_group", "schedules", "schedule",
-             "writes_shards", "lays_out_before_evaluating", "time_gradient_reduction", "laid_out")
+             "writes_shards", "lays_out_before_evaluating", "time_gradient_reduction", "laid_out",
+             "builds_from_rank0")
 
 
 class Strategy(abc.ABC):
@@ -38,6 +39,9 @@ class Strategy(abc.ABC):
     writes_shards = False  # its checkpoints are each rank's shards (torch.distributed.checkpoint)
     lays_out_before_evaluating = False  # wrapped before the first evaluation: evaluations run on its parts
     schedules = False  # runs its own micro-batches (:meth:`schedule`) instead of the step's accumulation
+    # Every rank but 0 builds the model on the meta device (no memory) and :meth:`wrap` fills its part from
+    # rank 0's tensors, one at a time (:func:`~fixres_dist.distributed.sharding.load_from_rank0`).
+    builds_from_rank0 = False
 
     @abc.abstractmethod
     def wrap(self, model: nn.Module, average: nn.Module | None, size: int) -> tuple[nn.Module, nn.Module]:

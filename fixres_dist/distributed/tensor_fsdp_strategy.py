@@ -34,11 +34,11 @@ class ShardedTensorSplit(FullySharded):
     def wrap(self, model: nn.Module, average: nn.Module | None, size: int) -> tuple[nn.Module, nn.Module]:
         cfg, tensor = self.config, self.layout.tensor
         mesh = sharding.job_mesh(cfg, self.device)
-        sharding.start_from_rank0(model)
+        modules = [model] + ([average] if average is not None else [])
+        states = sharding.rank0_states(modules)  # rank 0's full tensors, before the split
+        model.to("meta")  # on every rank alike: the split then sends nothing; the shards get rank 0's values
         mlps, _ = tensor_parallel.parallelize(model, mesh["tensor"], cfg.architecture, heads=False)
-        shards = mesh[sharding.shard_axes(cfg)]
-        blocks = sharding.shard([model] + ([average] if average is not None else []), shards, cfg, self.amp,
-                                from_rank0=False)
+        blocks = sharding.shard(modules, mesh[sharding.shard_axes(cfg)], cfg, self.amp, states)
         self.model = model
         self.log(f"--tensor-parallel {tensor} x --sharding {cfg.sharding}: {mlps} MLPs split over tensor groups of "
                  f"{tensor} ranks (attention whole), then {blocks} blocks and the root sharded over "

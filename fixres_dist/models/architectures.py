@@ -238,8 +238,9 @@ def _patch_message(what: str, patch: int, size) -> str:
 
 
 def build_model(name: str, num_classes: int, image_size: int | None = None,
-                low_res_stem: bool = False) -> nn.Module:
-    """A randomly initialised classifier with ``num_classes`` outputs; nothing is downloaded.
+                low_res_stem: bool = False, device: str | None = None) -> nn.Module:
+    """A randomly initialised classifier with ``num_classes`` outputs; nothing is downloaded. ``device``:
+    where its tensors are made (None: the CPU; ``"meta"``: shapes and dtypes only, no memory, no values).
 
     Input (B, 3, H, W) float images, output (B, num_classes) logits. ``image_size`` (pixels) matters
     only for torchvision ViTs, which are built for exactly that size (default: their own, 224); CNNs
@@ -249,6 +250,9 @@ def build_model(name: str, num_classes: int, image_size: int | None = None,
     pip extra), ``num_classes < 1``, a size a ViT cannot take, or ``low_res_stem`` for another
     architecture.
     """
+    if device is not None:
+        with torch.device(device):
+            return build_model(name, num_classes, image_size, low_res_stem)
     check_architecture(name, low_res_stem)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise FixresError(f"number of classes must be a positive integer, got {num_classes!r}")

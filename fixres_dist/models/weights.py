@@ -331,7 +331,8 @@ def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | Non
     ``weights`` is not modified. Raises a one-line :class:`FixresError` for any other missing,
     unexpected or misshapen key, when the file lacks only the head ("weight file X has no classifier
     head (missing fc.weight, fc.bias)"), and for class names the rows cannot follow (see
-    :func:`~fixres_dist.models.class_names.map_head_rows`); then ``model`` is unchanged.
+    :func:`~fixres_dist.models.class_names.map_head_rows`); then ``model`` is unchanged. A ``model`` on the
+    meta device is checked only: its values come later (``fixres_dist.distributed.sharding.load_from_rank0``).
     """
     if isinstance(weights, WeightFile):
         source, state_dict = source or weights.path, weights.state_dict
@@ -375,5 +376,6 @@ def load_weights(model: nn.Module, weights: WeightFile | dict, source: str | Non
         new_head_from = state[weight].shape[0]
         notes.append(f"new {own[weight].shape[0]}-class head {head} (weights had {new_head_from} classes)")
         state = trial
-    model.load_state_dict(state)
+    if not any(p.is_meta for p in model.parameters()):  # on the meta device: checked, its values come later
+        model.load_state_dict(state)
     return Loaded("; ".join(notes) or None, new_head_from, mapped.warning)

@@ -1,10 +1,9 @@
-"""The network a run trains or evaluates: built, its weights loaded, prepared for training.
-
-:class:`Network` holds the classifier (``model``: evaluation and checkpoints use it), the module training
-runs (``wrapped``), the forward training calls (``--compile``: compiled at its first call, uncompiled if
-that fails), the preprocessing its weights expect (:mod:`fixres_dist.models.preprocessing`) and their
-lineage (:mod:`fixres_dist.models.lineage`). Every act that depends on how the ranks hold the model is
-its ``strategy``'s (:mod:`fixres_dist.distributed.strategy`), chosen once from the layout.
+"""The network a run trains or evaluates: built (on the meta device where its strategy fills it from rank
+0's), its weights loaded, prepared for training. :class:`Network` holds the classifier (``model``: evaluation
+and checkpoints use it), the module training runs (``wrapped``), the forward training calls (``--compile``:
+compiled at its first call, uncompiled if that fails), the preprocessing its weights expect
+(:mod:`fixres_dist.models.preprocessing`) and their lineage (:mod:`fixres_dist.models.lineage`). Every act that
+depends on how the ranks hold the model is its ``strategy``'s (:mod:`fixres_dist.distributed.strategy`).
 """
 from __future__ import annotations
 
@@ -27,18 +26,22 @@ class Network:
     """Build ``config.architecture`` for ``classes`` (the data's class names, in label order) at ``size``
     pixels on ``device``, with ``found`` (the ``--weight-path`` file read, or None) loaded, its head's
     rows following the class names it records (:mod:`fixres_dist.models.class_names`); ``log``/``warn``:
-    rank 0's log. ``new_head``: ``(classes, the weight file's head's classes)`` when the weights got a new
-    head, else None; ``train_size``: the resolution (pixels) the weights were trained at from scratch, None
-    when unknown. Raises :class:`~fixres_dist.errors.FixresError` for weights that do not fit the model."""
+    rank 0's log. ``train_size``: the resolution (pixels) the weights were trained at from scratch, None when
+    unknown. Raises :class:`~fixres_dist.errors.FixresError` for weights that do not fit the model."""
 
     def __init__(self, config: TrainerConfig, classes: list[str], size: int, found: weights.WeightFile | None,
                  device: torch.device, log: Callable[[str], None], warn: Callable[[str], None]):
         self.config, self.device, self.log, self.warn = config, device, log, warn
         self.layout = layout.of(config)  # the ranks' parallel layout: sizes, this rank's place, its description
         self.classes = list(classes)  # the class of each of the head's rows: every checkpoint records them
-        model = architectures.build_model(config.architecture, len(classes), image_size=size,
-                                          low_res_stem=config.low_res_stem)
-        self.new_head = None
+        self.strategy = strategies.strategy_for(  # every act that depends on how the ranks hold the model
+            self.layout, config, device, amp=AMP_DTYPES[config.amp], log=log, warn=warn,
+            parameter_groups=lambda whole: optim.parameter_groups(whole, config.weight_decay, config.norm_weight_decay))
+        on_meta = self.strategy.builds_from_rank0 and config.global_rank != 0  # its shards come from rank 0's
+        with torch.random.fork_rng(devices=[]):  # built on the meta device or not, the RNG streams go on alike
+            model = architectures.build_model(config.architecture, len(classes), image_size=size,
+                                              low_res_stem=config.low_res_stem, device="meta" if on_meta else None)
+        self.new_head = None  # (classes, the weight file's head's classes) when the weights got a new head
         if found is not None:
             log(found.describe())
             loaded = weights.load_weights(model, found, classes=self.classes)
@@ -52,12 +55,9 @@ class Network:
         self.train_size = self.weights_lineage.train_size
         if config.eval_only:
             log(f"evaluating weights: {self.weights_lineage.describe()}")
-        self.model = model.to(device, memory_format=torch.channels_last if config.channels_last
-                              else torch.preserve_format)
+        self.model = model.to(None if on_meta else device,
+                              memory_format=torch.channels_last if config.channels_last else torch.preserve_format)
         self.wrapped = self.forward = self.model
-        self.strategy = strategies.strategy_for(  # every act that depends on how the ranks hold the model
-            self.layout, config, device, amp=AMP_DTYPES[config.amp], log=log, warn=warn,
-            parameter_groups=lambda whole: optim.parameter_groups(whole, config.weight_decay, config.norm_weight_decay))
         self.laid_out = False  # lay_out() ran: prepared, averaged and wrapped
         self.average: ModelEMA | None = None  # --model-ema's average of the weights (lay_out makes it)
         self._compile_checked = True

@@ -154,7 +154,7 @@ def _prepared_model(config: TrainerConfig, num_classes: int, size: int, mesh):
     if config.activation_checkpointing:
         sharding.checkpoint_activations(model)
     if mesh is not None:
-        sharding.shard([model], mesh, config, AMP_DTYPES[config.amp])
+        sharding.shard([model], mesh, config, AMP_DTYPES[config.amp], values=False)
     return model
 
 

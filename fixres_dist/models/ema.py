@@ -13,6 +13,10 @@ The parameters of the average are the same on every rank (the weights are); its 
 statistics are not (each rank's follow its own images) until :meth:`ModelEMA.average_statistics`
 averages them over the ranks, as the Trainer does for the model at each epoch's end
 (``--dist-bn reduce``), so that the average evaluated on every rank is one network.
+
+A strategy may replace the copy when it wraps the model (:meth:`fixres_dist.distributed.strategy.Strategy.wrap`):
+a pipeline rank keeps its stages of it (:mod:`fixres_dist.distributed.pipeline_strategy`), the model's
+stages, whose parameters and buffers are then in the same order, and the update runs on them alone.
 """
 from __future__ import annotations
 
@@ -53,6 +57,12 @@ class ModelEMA:
     def module(self) -> nn.Module:
         return self.averaged.module
 
+    @module.setter
+    def module(self, module: nn.Module) -> None:
+        """The copy as the strategy wrapped it (a pipeline rank's stages of it): the same parameters and
+        buffers, in the order of the wrapped model's, that :meth:`after_step` is given."""
+        self.averaged.module = module
+
     @property
     def updates(self) -> int:
         """Updates since the average last restarted (0: it holds no average yet)."""
@@ -67,12 +77,13 @@ class ModelEMA:
             self.averaged.n_averaged.zero_()
         self.averaged.update_parameters(model)
 
-    def average_statistics(self, model: nn.Module) -> None:
-        """Average the EMA's BatchNorm running statistics over all ranks (a collective), for the
-        normalisation layers that train in ``model`` (the others never change: they stay as they are)."""
+    def average_statistics(self, model: nn.Module, group=None) -> None:
+        """Average the EMA's BatchNorm running statistics over the ranks of ``group`` (a collective; None:
+        all ranks; a pipeline's: a stage's data-parallel ranks), for the normalisation layers that train in
+        ``model`` (the others never change: they stay as they are)."""
         for averaged, trained in zip(self.module.modules(), model.modules()):
             averaged.training = trained.training
-        collectives.average_batchnorm_statistics(self.module)
+        collectives.average_batchnorm_statistics(self.module, group)
 
     def state_dict(self) -> dict:
         """The averaged network's state_dict (the model's keys), as rank 0 saves it under ``model_ema``."""

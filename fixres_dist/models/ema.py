@@ -14,12 +14,16 @@ statistics are not (each rank's follow its own images) until :meth:`ModelEMA.ave
 averages them over the ranks, as the Trainer does for the model at each epoch's end
 (``--dist-bn reduce``), so that the average evaluated on every rank is one network.
 
-A strategy may replace the copy when it wraps the model (:meth:`fixres_dist.distributed.strategy.Strategy.wrap`):
-a pipeline rank keeps its stages of it (:mod:`fixres_dist.distributed.pipeline_strategy`), the model's
-stages, whose parameters and buffers are then in the same order, and the update runs on them alone.
+The copy is a deep copy of the model, but for the process group of a synchronised BatchNorm (a pipeline
+stage's data-parallel ranks, :func:`fixres_dist.models.batchnorm.synchronise`), which cannot be copied: the
+copy names the same group. A strategy may replace the copy when it wraps the model
+(:meth:`fixres_dist.distributed.strategy.Strategy.wrap`): a pipeline rank keeps its stages of it
+(:mod:`fixres_dist.distributed.pipeline_strategy`), cut as the model's, so that their parameters and buffers
+come in the same order, and the update runs on them alone.
 """
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -38,6 +42,20 @@ def _each_kind(average):
     return each_kind
 
 
+GROUP_ATTRIBUTES = ("group", "process_group")  # a synchronised BatchNorm's process group (ours, torch's)
+
+
+def _process_groups(model: nn.Module) -> dict[tuple[str, str], dist.ProcessGroup]:
+    """``(module name, attribute) -> process group`` of ``model``'s synchronised BatchNorms that name one."""
+    return {(name, attribute): getattr(module, attribute) for name, module in model.named_modules()
+            for attribute in GROUP_ATTRIBUTES if isinstance(getattr(module, attribute, None), dist.ProcessGroup)}
+
+
+def _set_groups(model: nn.Module, groups: dict[tuple[str, str], dist.ProcessGroup | None]) -> None:
+    for (name, attribute), group in groups.items():
+        setattr(model.get_submodule(name), attribute, group)
+
+
 class ModelEMA:
     """The EMA of ``model`` (the unwrapped module: not its DDP wrapper), on ``model``'s device. Make it
     before sharding ``model`` (a sharded module cannot be copied), then shard :attr:`module` alike.
@@ -49,7 +67,13 @@ class ModelEMA:
     def __init__(self, model: nn.Module, decay: float, every: int):
         if not 0 <= decay < 1 or every < 1:
             raise ValueError(f"EMA decay must be in [0, 1) and every >= 1, got {decay}, {every}")
-        self.averaged = AveragedModel(model, multi_avg_fn=_each_kind(get_ema_multi_avg_fn(decay)), use_buffers=True)
+        groups = _process_groups(model)  # set apart while the model is copied: a process group cannot be copied
+        _set_groups(model, dict.fromkeys(groups))
+        try:
+            self.averaged = AveragedModel(model, multi_avg_fn=_each_kind(get_ema_multi_avg_fn(decay)), use_buffers=True)
+        finally:
+            _set_groups(model, groups)
+        _set_groups(self.averaged.module, groups)
         self.averaged.requires_grad_(False)
         self.decay, self.every = decay, every
 

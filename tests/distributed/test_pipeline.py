@@ -21,9 +21,12 @@ from conftest import free_port, once_per_run, run_script
 from fixres_dist.config import PIPELINE_SCHEDULES
 from fixres_dist.distributed import checkpoint_shards, collectives
 from fixres_dist.distributed import pipeline as pp
+from fixres_dist.distributed.fake_group import fake_process_group
 from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
+from fixres_dist.models import batchnorm
 from fixres_dist.models.architectures import build_model
+from fixres_dist.models.ema import ModelEMA
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE
 from jobs_fixtures import assert_refused_before_start, job, run_shown_split_command
 from numeric import assert_near_reference, floating
@@ -388,6 +391,20 @@ def test_a_pipeline_job_s_ema_resumes_under_ddp_and_back(ema_jobs, tiny_data, tm
     assert "resuming a 2-rank checkpoint on 4 ranks (2 pipeline stages)" in back.stdout, back.stdout[-2000:]
     assert "resumed from" in back.stdout and "step 8" in back.stdout
     assert_same_run(tmp_path / "s", ema_jobs / "ddp", ema_jobs / "ddp-other")
+
+
+def test_the_ema_copies_a_model_whose_batchnorm_is_synchronised_over_a_stage_s_ranks():
+    """A finetune in stages synchronises its trainable BatchNorm over the stage's data-parallel ranks (a process
+    group, which cannot be copied) before the EMA copies the model: the copy names the same group, and the
+    model keeps it (a fake process group of 4 ranks, this process rank 0)."""
+    with fake_process_group(4):
+        stage_ranks = torch.distributed.new_group([0, 2])
+        model = model_of("resnet20")
+        assert batchnorm.synchronise(model, ["layer3.2.bn2"], "cpu", stage_ranks) == ["layer3.2.bn2"]
+        average = ModelEMA(model, 0.5, 1).module
+        assert model.layer3[2].bn2.group is stage_ranks and average.layer3[2].bn2.group is stage_ranks
+        assert average.layer3[2].bn2 is not model.layer3[2].bn2
+        assert all(torch.equal(a, b) for a, b in zip(average.state_dict().values(), model.state_dict().values()))
 
 
 @pytest.mark.parametrize("args, message", [

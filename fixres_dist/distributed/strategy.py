@@ -1,8 +1,8 @@
 """How a parallel kind trains a model, behind one small interface: :class:`Strategy`, and
 :class:`SingleProcess`, the strategy of a model trained whole in one process.
 
-A strategy does every act that depends on how the ranks hold the model: it wraps the model for
-training (:meth:`Strategy.wrap`), accumulates micro-batches without reducing them
+A strategy does every act that depends on how the ranks hold the model: it wraps the model (and the
+EMA's copy, alike) for training (:meth:`Strategy.wrap`), accumulates micro-batches without reducing them
 (:meth:`Strategy.no_sync`), reduces and clips the gradients, moves the full state dicts in and out,
 gives the module evaluation runs, and names the ranks a BatchNorm averages its statistics over
 (:attr:`Strategy.data_group`). A pipeline runs its own micro-batches: :attr:`Strategy.schedules` and

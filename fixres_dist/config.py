@@ -562,12 +562,13 @@ def _check_sharding(config: TrainerConfig) -> None:
 
 
 def _refuse_with_a_split(config: TrainerConfig, split: str, *more: tuple[str, bool], shards: bool = False,
-                         recomputes: bool = False) -> None:
+                         recomputes: bool = False, averages: bool = False) -> None:
     """A split model (``split``: its flag) does not compose yet with the options in effect here (``shards``:
-    but for ``--sharding full/hybrid``; ``recomputes``: but for ``--activation-checkpointing``), nor with
-    ``more`` ((flag, in effect) pairs): FixresError naming the first."""
+    but for ``--sharding full/hybrid``; ``recomputes``: but for ``--activation-checkpointing``; ``averages``:
+    but for ``--model-ema``), nor with ``more`` ((flag, in effect) pairs): FixresError naming the first."""
     refused = [flag for flag, on in (*more, ("--sharding " + config.sharding, config.sharding != "ddp" and not shards),
-                                     ("--model-ema", config.model_ema), ("--compile", bool(config.compile)),
+                                     ("--model-ema", config.model_ema and not averages),
+                                     ("--compile", bool(config.compile)),
                                      ("--amp fp16", config.amp == "fp16"),
                                      ("--activation-checkpointing", config.activation_checkpointing and not recomputes),
                                      ("--dist-bn broadcast", config.dist_bn == "broadcast")) if on]
@@ -585,7 +586,8 @@ NEAREST_COMPOSITION = {
                   "--pipeline-stages with its stages' data-parallel ranks as DDP replicas",
     "--tensor-parallel": "--tensor-parallel N --sharding full without --pipeline-stages (2-D: tensor groups, "
                          "sharded over the data-parallel ranks)",
-    "--model-ema": "--sharding full --model-ema (the average sharded as the model is)",
+    "--model-ema": "--sharding full --model-ema (the average sharded as the model is), or --pipeline-stages N "
+                   "--model-ema (the average cut into the model's stages)",
     "--compile": "--compile with DDP (no split)",
     "--amp": "--amp bf16 (no loss scale to agree on between the parts)",
     "--activation-checkpointing": "--sharding full --activation-checkpointing, or --pipeline-stages N "
@@ -675,9 +677,10 @@ def _check_pipeline(config: TrainerConfig) -> None:
             flag = given[0]
             raise FixresError(f"{flag} applies to a model cut into stages: add --pipeline-stages N (N >= 2)")
         return
-    # --activation-checkpointing: a stage's blocks are the model's own, checkpointed before the cut
+    # --activation-checkpointing: a stage's blocks are the model's own, checkpointed before the cut; --model-ema:
+    # its copy is cut into the same stages (fixres_dist.distributed.pipeline_strategy)
     _refuse_with_a_split(config, f"--pipeline-stages {stages}", ("--tensor-parallel", config.tensor_parallel > 1),
-                         ("--extract-features", bool(config.extract_features)), recomputes=True)
+                         ("--extract-features", bool(config.extract_features)), recomputes=True, averages=True)
     if config.grad_accum_steps > 1:
         raise FixresError(f"--pipeline-stages {stages} already accumulates micro-batches: use "
                           f"--pipeline-microbatches instead of --grad-accum-steps {config.grad_accum_steps}")

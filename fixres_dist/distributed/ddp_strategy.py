@@ -24,10 +24,11 @@ class Replicated(Strategy):
         self.device, self.broadcast_buffers = device, broadcast_buffers
         self.wrapped: DistributedDataParallel | None = None
 
-    def wrap(self, model: nn.Module, average: nn.Module | None, size: int) -> tuple[nn.Module, nn.Module]:
+    def wrap(self, model: nn.Module, average: nn.Module | None,
+             size: int) -> tuple[nn.Module, nn.Module, nn.Module | None]:
         self.wrapped = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda"
                                                else None, **{BUFFER_SYNC: self.broadcast_buffers})
-        return model, self.wrapped
+        return model, self.wrapped, average
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return self.wrapped.no_sync()

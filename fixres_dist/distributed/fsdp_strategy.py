@@ -39,7 +39,8 @@ class FullySharded(Strategy):
         strategy.model = model
         return strategy
 
-    def wrap(self, model: nn.Module, average: nn.Module | None, size: int) -> tuple[nn.Module, nn.Module]:
+    def wrap(self, model: nn.Module, average: nn.Module | None,
+             size: int) -> tuple[nn.Module, nn.Module, nn.Module | None]:
         cfg = self.config
         mesh = sharding.device_mesh(cfg, self.device)
         blocks = sharding.shard([model] + ([average] if average is not None else []), mesh, cfg, self.amp)
@@ -54,7 +55,7 @@ class FullySharded(Strategy):
         if not blocks:
             self.warn(f"--sharding {cfg.sharding}: no known blocks in {cfg.architecture}; the whole model is one "
                       "unit, gathered at once on every rank (no memory saved while it runs)")
-        return model, model
+        return model, model, average
 
     def laid_out(self, planned: layout.Layout) -> layout.Layout:
         return planned if self.shard_group is None else layout.of(self.config, self.shard_group)

@@ -4,7 +4,8 @@ Each rank of a pipeline (:class:`~fixres_dist.distributed.pipeline.Pipeline`) ho
 parameters under the whole model's names, and its optimizer numbers only those. A one-file
 checkpoint holds the *unsplit* model's ``state_dict`` and its optimizer's ``state_dict``, numbered as
 an optimizer over the whole model numbers them (its parameter groups in order, each group's
-parameters in the model's order). :func:`gather_whole` builds that from the stages' ranks;
+parameters in the model's order), and with ``--model-ema`` the EMA's ``state_dict`` (the whole model's keys,
+as a DDP run's ``model_ema``). :func:`gather_whole` builds them from the stages' ranks;
 :func:`own_optimizer_state` takes a rank's part back out. So a pipeline's checkpoint resumes unsplit
 (DDP, tensor parallel) or on another split, and theirs resume split.
 
@@ -30,30 +31,35 @@ def _to_cpu(value):
     return value
 
 
-def gather_whole(pipe: Pipeline, optimizer: torch.optim.Optimizer, whole_groups: list[list[str]]) -> dict | None:
+def gather_whole(pipe: Pipeline, optimizer: torch.optim.Optimizer, whole_groups: list[list[str]],
+                 average: nn.Module | None = None) -> dict | None:
     """Every rank of each pipeline (a collective over its stage group): ``{"model": state_dict,
-    "optimizer": state_dict}`` of the whole model and its optimizer (CPU tensors), on the first rank of
-    each pipeline (global rank 0 among them); None on the others. ``optimizer``: over ``pipe.module``."""
+    "optimizer": state_dict}`` of the whole model and its optimizer (CPU tensors), and ``"model_ema"``,
+    the whole ``state_dict`` of ``average`` (the EMA's copy of this rank's stages) when given, on the first
+    rank of each pipeline (global rank 0 among them); None on the others. ``optimizer``: over ``pipe.module``."""
     names = {param: name for name, param in pipe.module.named_parameters()}
     held = [(param, group) for group in optimizer.param_groups for param in group["params"]]
     mine = {"model": _to_cpu(pipe.module.state_dict()),
             "state": {names[p]: _to_cpu(optimizer.state[p]) for p, _ in held if p in optimizer.state},
-            "groups": {names[p]: {k: v for k, v in group.items() if k != "params"} for p, group in held}}
+            "groups": {names[p]: {k: v for k, v in group.items() if k != "params"} for p, group in held},
+            "model_ema": _to_cpu(average.state_dict()) if average is not None else {}}
     first = dist.get_global_rank(pipe.group, 0)
     parts = [None] * dist.get_world_size(pipe.group) if dist.get_rank() == first else None
     dist.gather_object(mine, parts, dst=first, group=pipe.group)
     if parts is None:
         return None
-    model, state, groups = {}, {}, {}
+    model, state, groups, ema = {}, {}, {}, {}
     for part in parts:
         model.update(part["model"])
         state.update(part["state"])
         groups.update(part["groups"])
+        ema.update(part["model_ema"])
     number = {name: index for index, name in enumerate(name for group in whole_groups for name in group)}
     return {"model": model,
             "optimizer": {"state": {number[name]: value for name, value in state.items()},
                           "param_groups": [{**groups[group[0]], "params": [number[name] for name in group]}
-                                           for group in whole_groups if group]}}
+                                           for group in whole_groups if group]},
+            **({"model_ema": ema} if average is not None else {})}
 
 
 def own_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict,

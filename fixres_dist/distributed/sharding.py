@@ -256,10 +256,12 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 @torch.no_grad()
 def load_buffers(module: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
     """Copy ``buffers`` (name -> tensor: BatchNorm statistics) into ``module``'s, sharded or not
-    (buffers are never sharded)."""
+    (buffers are never sharded); those it does not hold are left (a pipeline rank holds its stages'
+    of a whole model's, e.g. the average over the ranks of a checkpoint written on another layout)."""
     own = dict(module.named_buffers())
     for name, value in buffers.items():
-        own[name].copy_(value)
+        if name in own:
+            own[name].copy_(value)
 
 
 @contextlib.contextmanager

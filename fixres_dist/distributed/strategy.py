@@ -1,8 +1,8 @@
 """How a parallel kind trains a model, behind one small interface: :class:`Strategy`, and
 :class:`SingleProcess`, the strategy of a model trained whole in one process.
 
-A strategy does every act that depends on how the ranks hold the model: it wraps the model for
-training (:meth:`Strategy.wrap`), accumulates micro-batches without reducing them
+A strategy does every act that depends on how the ranks hold the model: it wraps the model (and the
+EMA's copy, alike) for training (:meth:`Strategy.wrap`), accumulates micro-batches without reducing them
 (:meth:`Strategy.no_sync`), reduces and clips the gradients, moves the full state dicts in and out,
 gives the module evaluation runs, and names the ranks a BatchNorm averages its statistics over
 (:attr:`Strategy.data_group`). A pipeline runs its own micro-batches: :attr:`Strategy.schedules` and
@@ -44,10 +44,12 @@ class Strategy(abc.ABC):
     builds_from_rank0 = False
 
     @abc.abstractmethod
-    def wrap(self, model: nn.Module, average: nn.Module | None, size: int) -> tuple[nn.Module, nn.Module]:
+    def wrap(self, model: nn.Module, average: nn.Module | None,
+             size: int) -> tuple[nn.Module, nn.Module, nn.Module | None]:
         """Prepare ``model`` (and ``average``, the EMA's copy made before, alike) to train at ``size``
-        pixels; returns ``(model, the module training calls)``: the model may be replaced (a pipeline
-        rank keeps its stages). Call once, on every rank (a collective for all but one process)."""
+        pixels; returns ``(model, the module training calls, average)``: the model and the average may be
+        replaced (a pipeline rank keeps its stages of each). Call once, on every rank (a collective for all
+        but one process)."""
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """A context in which a backward accumulates gradients without reducing them (all micro-batches
@@ -63,13 +65,14 @@ class Strategy(abc.ABC):
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
 
     def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict | None:
-        """All ranks (a collective where the state is split): ``{"model", "optimizer"}`` gathered whole as
-        a one-file checkpoint holds them, or None where rank 0 holds them whole already or the
-        checkpoint is written as shards."""
+        """All ranks (a collective where the state is split): ``{"model", "optimizer"}`` (and ``"model_ema"``,
+        the EMA's weights, where :meth:`wrap` split them too) gathered whole as a one-file checkpoint holds
+        them, or None where rank 0 holds them whole already or the checkpoint is written as shards."""
         return None
 
     def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Load a full state_dict (every rank holds it) into ``model``; a split one keeps its part."""
+        """Load a full state_dict (every rank holds it) into ``model`` or the EMA's average (as :meth:`wrap`
+        returned them); a split one keeps its part."""
         sharding.load_state_dict(model, state)
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -112,10 +115,11 @@ class SingleProcess(Strategy):
     def __init__(self, note: str = "", log: Callable[[str], None] = print):
         self.note, self.log = note, log
 
-    def wrap(self, model: nn.Module, average: nn.Module | None, size: int) -> tuple[nn.Module, nn.Module]:
+    def wrap(self, model: nn.Module, average: nn.Module | None,
+             size: int) -> tuple[nn.Module, nn.Module, nn.Module | None]:
         if self.note:
             self.log(self.note)
-        return model, model
+        return model, model, average
 
 
 SINGLE = SingleProcess()  # the step's default: a model in one process

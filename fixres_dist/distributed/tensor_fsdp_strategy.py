@@ -31,7 +31,8 @@ class ShardedTensorSplit(FullySharded):
         super().__init__(config, device, amp, log, warn)
         self.layout = layout
 
-    def wrap(self, model: nn.Module, average: nn.Module | None, size: int) -> tuple[nn.Module, nn.Module]:
+    def wrap(self, model: nn.Module, average: nn.Module | None,
+             size: int) -> tuple[nn.Module, nn.Module, nn.Module | None]:
         cfg, tensor = self.config, self.layout.tensor
         mesh = sharding.job_mesh(cfg, self.device)
         modules = [model] + ([average] if average is not None else [])
@@ -44,7 +45,7 @@ class ShardedTensorSplit(FullySharded):
                  f"{tensor} ranks (attention whole), then {blocks} blocks and the root sharded over "
                  f"{self.layout.describe()}; {tensor_parallel.local_parameters(model):,} of "
                  f"{sum(p.numel() for p in model.parameters()):,} parameters on this rank")
-        return model, model
+        return model, model, average
 
     def clip_grad_norm(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         return tensor_parallel.clip_grad_norm(self.model, max_norm)

@@ -26,7 +26,8 @@ class TensorSplit(Strategy):
         self.model: nn.Module | None = None
         self.mesh = None  # the data x tensor mesh (wrap makes it: a collective)
 
-    def wrap(self, model: nn.Module, average: nn.Module | None, size: int) -> tuple[nn.Module, nn.Module]:
+    def wrap(self, model: nn.Module, average: nn.Module | None,
+             size: int) -> tuple[nn.Module, nn.Module, nn.Module | None]:
         cfg, tensor = self.config, self.layout.tensor
         self.mesh = tensor_parallel.tensor_mesh(self.device, cfg.num_tasks, tensor)
         sharding.start_from_rank0(model)
@@ -37,7 +38,7 @@ class TensorSplit(Strategy):
                  + f" split over tensor groups of {tensor} ranks, {cfg.data_parallel_size} data-parallel "
                  f"group(s); {tensor_parallel.local_parameters(model):,} of "
                  f"{sum(p.numel() for p in model.parameters()):,} parameters on this rank")
-        return model, model
+        return model, model, average
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # the gradients are reduced once, after the step's last backward

@@ -156,7 +156,7 @@ def split_step(config: TrainerConfig, num_classes: int) -> split_memory.SplitSte
     """The step of ``config`` (a layout that splits the model) as :mod:`~fixres_dist.training.split_memory`
     estimates it: micro-batches of a pipeline (``--pipeline-microbatches``, default one per stage, virtual
     stages counted, as the run's) or of ``--grad-accum-steps``, the cut, the optimizer, a finetune's frozen
-    layers; CUDA's foreach step."""
+    layers, ``--model-ema``'s copy; CUDA's foreach step."""
     from fixres_dist.distributed.pipeline import virtual_stages
 
     found = layout.of(config)
@@ -169,7 +169,7 @@ def split_step(config: TrainerConfig, num_classes: int) -> split_memory.SplitSte
         schedule=config.pipeline_schedule if staged else "1f1b", cut=config.pipeline_split, opt=config.opt,
         momentum=config.momentum, frozen=frozen,
         foreach=config.device == "cuda", low_res_stem=config.low_res_stem,
-        activation_checkpointing=config.activation_checkpointing)
+        activation_checkpointing=config.activation_checkpointing, model_ema=config.model_ema)
 
 
 def split_estimates(step: split_memory.SplitStep, setting: str) -> list[MemoryEstimate]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch import nn
 
 from fixres_dist.config import TrainerConfig
 from fixres_dist.distributed import layout, sharding, strategies
@@ -55,9 +54,8 @@ class Network:
         self.train_size = self.weights_lineage.train_size
         if config.eval_only:
             log(f"evaluating weights: {self.weights_lineage.describe()}")
-        self.model = model.to(None if on_meta else device,
-                              memory_format=torch.channels_last if config.channels_last else torch.preserve_format)
-        self.wrapped = self.forward = self.model
+        self.model = self.wrapped = self.forward = model.to(None if on_meta else device, memory_format=(
+            torch.channels_last if config.channels_last else torch.preserve_format))
         self.laid_out = False  # lay_out() ran: prepared, averaged and wrapped
         self.average: ModelEMA | None = None  # --model-ema's average of the weights (lay_out makes it)
         self._compile_checked = True
@@ -81,7 +79,7 @@ class Network:
             self.prepare_for_training(input_size)
             if self.config.model_ema:
                 self.average = ModelEMA(self.model, self.config.model_ema_decay, self.config.model_ema_steps)
-        self.wrap(self.average.module if self.average else None, input_size)
+        self.wrap(input_size)
 
     def prepare_for_training(self, input_size: int) -> None:
         """Finetune (FixRes): train only ``--finetune-scope`` at ``input_size``, the rest frozen, trainable
@@ -112,24 +110,26 @@ class Network:
         if below:
             self.warn(below)
 
-    def wrap(self, average: nn.Module | None = None, size: int | None = None) -> None:
+    def wrap(self, size: int | None = None) -> None:
         """Wrap for training by the strategy (DDP, sharded, split by tensors or cut into stages balanced at
-        ``size`` pixels), ``--activation-checkpointing`` per block; ``average``: the EMA's copy, wrapped alike;
-        ``--compile``: the forward compiled at its first call. Build the optimizer after: parameters change."""
-        cfg = self.config
-        self.laid_out = True
+        ``size`` pixels), ``--activation-checkpointing`` per block, :attr:`average`'s module alike (the one it
+        returns); ``--compile``: the forward compiled at its first call. Build the optimizer after wrapping."""
+        cfg, self.laid_out = self.config, True
         if cfg.activation_checkpointing and not cfg.eval_only:  # no backward: nothing to recompute
             blocks = sharding.checkpoint_activations(self.model)
             if blocks:
                 self.log(f"activation checkpointing: {blocks} blocks recompute their forward in the backward")
             else:
                 self.warn(f"--activation-checkpointing: no known blocks in {cfg.architecture}; nothing is recomputed")
-        self.model, self.wrapped = self.strategy.wrap(self.model, average, size or resolutions.build_size(cfg))
+        average = self.average.module if self.average is not None else None
+        self.model, self.wrapped, average = self.strategy.wrap(self.model, average, size or resolutions.build_size(cfg))
+        if self.average is not None:
+            self.average.module = average
         self.layout = self.strategy.laid_out(self.layout)  # a hybrid shard group: a node's ranks, as they met
         self.forward = torch.compile(self.wrapped, backend=cfg.compile) if cfg.compile else self.wrapped
         self._compile_checked = not cfg.compile
 
-    def evaluated(self, module: nn.Module, size: int) -> nn.Module:
+    def evaluated(self, module: torch.nn.Module, size: int) -> torch.nn.Module:
         """What evaluation runs at ``size`` pixels: ``module`` (:attr:`model` or its EMA) at that resolution
         (:func:`~fixres_dist.models.architectures.for_resolution`), or the strategy's own (a pipeline's)."""
         return self.strategy.evaluated(module, size, len(self.classes), architectures.for_resolution)

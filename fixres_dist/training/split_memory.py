@@ -9,7 +9,9 @@ balanced by forward FLOPs as a run balances it, or ``--pipeline-split``'s), then
 :func:`~fixres_dist.distributed.tensor_parallel.parallelize` on the mesh's ``tensor`` axis. Per rank:
 
 * parameters: the elements the rank holds (sharded: each tensor's first dimension over the shard
-  group, padded as FSDP2 pads it, plus the largest block gathered whole while it runs), float32;
+  group, padded as FSDP2 pads it, plus the largest block gathered whole while it runs), float32; with
+  ``--model-ema`` also the average's copy of them and of the rank's buffers (a pipeline rank averages its
+  stages' only);
 * gradients: those of the trainable ones; DDP's buckets (data-parallel ranks that neither shard nor
   split tensors, pipeline stages included) hold a second copy;
 * optimizer state: the state tensors ``--opt`` keeps per parameter (counted by stepping it once on a
@@ -53,7 +55,8 @@ class SplitStep:
     (``--pipeline-split``'s first piece of each stage, or None: balanced), ``opt``, ``momentum``, and
     ``foreach``: whether the optimizer steps all parameters at once (torch's choice on CUDA);
     ``low_res_stem``: ``--low-res-stem``; ``activation_checkpointing``: the blocks recompute their forward
-    in the backward (``--activation-checkpointing``, applied before the cut as a run does)."""
+    in the backward (``--activation-checkpointing``, applied before the cut as a run does); ``model_ema``:
+    ``--model-ema`` keeps a copy of what the rank holds."""
 
     layout: Layout
     architecture: str
@@ -69,6 +72,7 @@ class SplitStep:
     foreach: bool = False
     low_res_stem: bool = False
     activation_checkpointing: bool = False
+    model_ema: bool = False
 
     @property
     def micro(self) -> int:
@@ -197,7 +201,10 @@ def stage_parts(step: SplitStep, mesh, cut: list[int] | None, stage: int, states
     activations = (_activations(model, shapes[0], stage == 0, last) * kept
                    + (step.batch * 3 * step.size ** 2 + step.microbatches * received) * FLOAT_BYTES)
     buckets = found.data_parallel_enabled and not found.shard_enabled and not found.tensor_enabled
-    parts = {"parameters": elements * FLOAT_BYTES, "gradients": trained * FLOAT_BYTES * (2 if buckets else 1),
+    averaged = (sum(_local_elements(p, found.shard) for p in model.parameters()) * FLOAT_BYTES  # --model-ema's copy
+                + sum(b.numel() * b.element_size() for b in model.buffers())) if step.model_ema else 0
+    parts = {"parameters": elements * FLOAT_BYTES + averaged,
+             "gradients": trained * FLOAT_BYTES * (2 if buckets else 1),
              "optimizer": (trained * states + largest * STEP_TEMPORARIES) * FLOAT_BYTES,
              "activations": activations}
     return f"{where}{kept} micro-batch(es) of {step.micro} images in flight", parts

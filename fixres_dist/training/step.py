@@ -133,10 +133,12 @@ class TrainStep:
 
     def load_tensors(self, contents) -> None:
         """The optimizer's state and the EMA's weights of a one-file checkpoint's
-        :class:`~fixres_dist.training.checkpoint.Contents`, into a sharded or unsharded model's."""
-        self.network.strategy.load_optimizer_state_dict(self.network.model, self.optimizer, contents.optimizer)
+        :class:`~fixres_dist.training.checkpoint.Contents`, into a sharded, split or whole model's (the
+        strategy's: a pipeline rank keeps its stages' part of each)."""
+        strategy = self.network.strategy
+        strategy.load_optimizer_state_dict(self.network.model, self.optimizer, contents.optimizer)
         if self.ema is not None:
-            self.ema.load_weights(contents.model_ema)
+            strategy.load_state_dict(self.ema.module, contents.model_ema)
 
     def load(self, contents, ema_buffers: dict | None) -> None:
         """Continue the scaler and the EMA's update count and BatchNorm ``ema_buffers`` of a checkpoint's

@@ -160,7 +160,7 @@ class Trainer:
             if cfg.dist_bn == "reduce":
                 collectives.average_batchnorm_statistics(self.network.model, self.network.strategy.data_group)
             if self.step.ema is not None:
-                self.step.ema.average_statistics(self.network.model)
+                self.step.ema.average_statistics(self.network.model, self.network.strategy.data_group)
         elif isinstance(step, Evaluate):
             self.evaluator.evaluate(step.epoch, step.size, step.label, step.what,
                                     self.step.ema.module if step.ema else None)

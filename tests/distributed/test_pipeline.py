@@ -3,11 +3,13 @@ this process, then real gloo ranks: 2 stages x 2 data-parallel ranks (1F1B), 4 s
 interleaved 1F1B and a BatchNorm ResNet, each equal to the unsplit model's steps; a split run's
 sharded checkpoint read whole, and resumed on another split. Then the scripts' ``--pipeline-stages``: a
 job equal to DDP's, stopped and resumed unsplit (and back), a FixRes finetune of a ResNet in stages,
-and bad input."""
+``--model-ema`` in stages (its evaluations equal to DDP's, resumed from stages to DDP and back), and bad
+input."""
 from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,13 +17,16 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import shown_commands as shown
-from conftest import free_port, run_script
+from conftest import free_port, once_per_run, run_script
 from fixres_dist.config import PIPELINE_SCHEDULES
 from fixres_dist.distributed import checkpoint_shards, collectives
 from fixres_dist.distributed import pipeline as pp
+from fixres_dist.distributed.fake_group import fake_process_group
 from fixres_dist.entry.launch import start_method
 from fixres_dist.errors import FixresError
+from fixres_dist.models import batchnorm
 from fixres_dist.models.architectures import build_model
+from fixres_dist.models.ema import ModelEMA
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE
 from jobs_fixtures import assert_refused_before_start, job, run_shown_split_command
 from numeric import assert_near_reference, floating
@@ -330,6 +335,78 @@ def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, finetune_job, finetu
     assert_same_run(tmp_path / "f", finetune_job.folder, finetune_job_other.folder, ema=False)
 
 
+# ------------------------------------------------------------------ --model-ema in stages
+# The split jobs' options with a BatchNorm ResNet (the average's running statistics are averaged too), averaged
+# after every step with a decay that keeps it well apart from the weights; in stages, one micro-batch per step
+# (GPipe): BatchNorm then sees the images DDP's sees.
+EMA = ("--architecture", "resnet20", "--model-ema", "--model-ema-steps", 1, "--model-ema-decay", 0.5)
+IN_STAGES = ("--pipeline-stages", 2, "--pipeline-schedule", "gpipe", "--pipeline-microbatches", 1)
+
+
+@pytest.fixture(scope="session")
+def ema_jobs(tiny_data, tmp_path_factory) -> Path:
+    """:data:`EMA`'s job (2 epochs of 5 steps) under DDP on 2 ranks (``ddp``), again with the other memory
+    format (``ddp-other``: the same computation in another summation order, :func:`split_models.assert_same_run`)
+    and on 2 pipelines of 2 stages (``pp``); each job's stdout in ``<name>.out``."""
+    def make(folder: Path) -> Path:
+        for name, extra, world in (("ddp", (), 2), ("ddp-other", ("--channels-last",), 2), ("pp", IN_STAGES, 4)):
+            result = job(folder, tiny_data, name, *EMA, *extra, world=world)
+            assert result.returncode == 0, result.stderr[-3000:]
+            (folder / f"{name}.out").write_text(result.stdout)
+        return folder
+    return once_per_run(tmp_path_factory, "ema_jobs", make)
+
+
+@pytest.mark.numeric
+def test_a_pipeline_job_evaluates_its_ema_as_ddp(ema_jobs):
+    """``--model-ema`` on 2 pipelines of 2 stages: each rank averages its stages' parameters and BatchNorm
+    buffers after every step, evaluates the average through a pipeline of its own (the ``eval EMA`` lines:
+    top-1 equal, loss within rounding of DDP's), averages its statistics over the stage's data-parallel ranks
+    at each epoch's end, and the checkpoint gathers it whole under DDP's keys (weights within rounding, the
+    update count equal): the average is DDP's, as the model is."""
+    assert_same_run(ema_jobs / "pp", ema_jobs / "ddp", ema_jobs / "ddp-other")
+    out = (ema_jobs / "pp.out").read_text()
+    assert "this rank holds stage 0: stem .. layer2.0; 29,008 parameters on this rank; the EMA's average of them " \
+           "alike" in out, out[-2000:]
+    assert len(re.findall(r"eval EMA @32px: top-1 ", out)) == 2
+    ours, theirs = (full(ema_jobs / name / CHECKPOINT_FILE) for name in ("pp", "ddp"))
+    assert ours["model_ema_state"] == theirs["model_ema_state"] == {"updates": 10}
+
+
+@pytest.mark.numeric
+def test_a_pipeline_job_s_ema_resumes_under_ddp_and_back(ema_jobs, tiny_data, tmp_path):
+    """Stopped after step 3 in stages, resumed on 2 DDP ranks and stopped again after step 8 (in the second
+    epoch), then resumed in stages to its end: the average continues across both changes of layout (the
+    checkpoint's whole ``model_ema`` and update count, each rank's BatchNorm buffers averaged) and the job
+    ends as the uninterrupted DDP job, the EMA's evaluations and weights included (a restarted average
+    would copy the weights at its next update: its next evaluation is off by far more than rounding)."""
+    stopped = job(tmp_path, tiny_data, "s", *EMA, *IN_STAGES, world=4, fault="signal:rank=1:step=2")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    assert full(tmp_path / "s" / CHECKPOINT_FILE)["model_ema_state"] == {"updates": 3}
+    on_ddp = job(tmp_path, tiny_data, "s", *EMA, fault="signal:rank=0:step=7")
+    assert on_ddp.returncode == 3, on_ddp.stderr[-3000:]
+    assert "resuming a 4-rank checkpoint (2 pipeline stages) on 2 ranks" in on_ddp.stdout, on_ddp.stdout[-2000:]
+    back = job(tmp_path, tiny_data, "s", *EMA, *IN_STAGES, world=4)
+    assert back.returncode == 0, back.stderr[-3000:]
+    assert "resuming a 2-rank checkpoint on 4 ranks (2 pipeline stages)" in back.stdout, back.stdout[-2000:]
+    assert "resumed from" in back.stdout and "step 8" in back.stdout
+    assert_same_run(tmp_path / "s", ema_jobs / "ddp", ema_jobs / "ddp-other")
+
+
+def test_the_ema_copies_a_model_whose_batchnorm_is_synchronised_over_a_stage_s_ranks():
+    """A finetune in stages synchronises its trainable BatchNorm over the stage's data-parallel ranks (a process
+    group, which cannot be copied) before the EMA copies the model: the copy names the same group, and the
+    model keeps it (a fake process group of 4 ranks, this process rank 0)."""
+    with fake_process_group(4):
+        stage_ranks = torch.distributed.new_group([0, 2])
+        model = model_of("resnet20")
+        assert batchnorm.synchronise(model, ["layer3.2.bn2"], "cpu", stage_ranks) == ["layer3.2.bn2"]
+        average = ModelEMA(model, 0.5, 1).module
+        assert model.layer3[2].bn2.group is stage_ranks and average.layer3[2].bn2.group is stage_ranks
+        assert average.layer3[2].bn2 is not model.layer3[2].bn2
+        assert all(torch.equal(a, b) for a, b in zip(average.state_dict().values(), model.state_dict().values()))
+
+
 @pytest.mark.parametrize("args, message", [
     (("--num-tasks", 4, "--pipeline-stages", 3), "--pipeline-stages 3 must divide the number of ranks (4)"),
     (("--num-tasks", 2, "--pipeline-stages", 2, "--architecture", "mobilenet_v3_small"),
@@ -347,7 +424,6 @@ def test_fixres_finetune_of_a_resnet_in_stages(scratch_job, finetune_job, finetu
     (("--num-tasks", 2, "--pipeline-stages", 2, "--pipeline-split", "0,8"),
      "--pipeline-split 0,8: give the first piece of each of the 2 stages, increasing from 0, below 8"),
     (("--num-tasks", 2, "--pipeline-stages", 2, "--pipeline-split", "3"), "--pipeline-split 3: give the first piece"),
-    (("--num-tasks", 2, "--pipeline-stages", 2, "--model-ema"), "--pipeline-stages 2 does not go with --model-ema"),
     (("--num-tasks", 4, "--pipeline-stages", 2, "--tensor-parallel", 2),
      "--pipeline-stages 2 does not go with --tensor-parallel"),
     (("--num-tasks", 2, "--pipeline-stages", 2, "--grad-accum-steps", 2),

@@ -71,7 +71,7 @@ def test_one_process_with_a_sharding_asked_for_says_so_when_it_wraps():
                                      parameter_groups=lambda model: [], log=said.append, warn=said.append)
     assert not said
     model = torch.nn.Linear(2, 2)
-    assert chosen.wrap(model, None, 8) == (model, model)
+    assert chosen.wrap(model, None, 8) == (model, model, None)
     assert said == ["--sharding full on 1 rank: nothing to shard; the model trains whole"]
 
 

@@ -102,7 +102,7 @@ def run_sharded(folder) -> None:
     each shard rank's share, the weights gathered whole."""
     config = TrainerConfig(num_tasks=4, sharding="full", tensor_parallel=2, architecture=VIT)
     strategy = ShardedTensorSplit(config, layout.of(config), torch.device("cpu"), None, print, print)
-    model, forward = strategy.wrap(model_of(VIT), None, 32)
+    model, forward, _ = strategy.wrap(model_of(VIT), None, 32)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     index, losses = layout.of(config).data_rank(torch.distributed.get_rank()), []
     for step in range(STEPS):

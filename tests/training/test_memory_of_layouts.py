@@ -70,6 +70,25 @@ def _trained_sizes(step: split_memory.SplitStep, stage: int) -> list[int]:
         return [(p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters() if p.requires_grad]
 
 
+def test_the_ema_in_stages_adds_each_stage_s_copy_to_its_estimate():
+    """``--model-ema`` on 2 stages x 2 data: each stage's estimate holds the average's copy of the rank's
+    parameters and buffers (its stages' only, as the run cuts the copy) besides what it held; nothing else moves."""
+    import torch
+
+    config = rank_config(spec("stages", {"pipeline_stages": 2}), 0, 1, "/tmp")
+    steps = [memory_estimate.split_step(attrs.evolve(config, model_ema=ema), 10) for ema in (False, True)]
+    with fake_process_group(4):
+        plain, averaged = (memory_estimate.split_estimates(step, "") for step in steps)
+    for stage, (without, with_ema) in enumerate(zip(plain, averaged)):
+        with fake_process_group(4), torch.device("meta"):
+            mesh, cut = steps[0].layout.mesh("cpu"), split_memory.bounds(steps[0])
+            model = split_memory.rank_model(steps[0], mesh, cut, stage)[0]
+        copy = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        assert with_ema.parameters == without.parameters + copy and copy > 0, stage
+        assert [with_ema.gradients, with_ema.optimizer, with_ema.activations] == \
+            [without.gradients, without.optimizer, without.activations], stage
+
+
 def test_a_split_keeps_the_global_batch_and_lowers_the_most_loaded_rank():
     """The preflight's search may name a split: each keeps the global batch (--batch times the split), and
     the stages of a pipeline lower the most loaded rank's estimate of a model whose states dominate."""

@@ -157,7 +157,10 @@ def make_private_folder(folder: Path) -> None:
 
 
 def safe_load(path: str | Path, what: str):
-    """``torch.load(path, weights_only=True)`` with one-line FixresErrors; never runs code from the file."""
+    """``torch.load(path, weights_only=True)`` with one-line FixresErrors; never runs code from the file.
+    The file is memory-mapped (``mmap=True``: a tensor's bytes are read when first used, into pages the
+    processes of a node share and the kernel can drop), but for the legacy format (before torch 1.6),
+    which is read whole."""
     path = Path(path)
     if not path.exists():
         raise FixresError(f"{what} {path} does not exist")
@@ -168,7 +171,12 @@ def safe_load(path: str | Path, what: str):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:
+                if "mmap can only be used" not in str(exc):
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise FixresError(f"refused {what} {path}: it holds Python objects other than tensors and plain "
                           "data (not loaded; nothing in it was executed)") from None

@@ -175,8 +175,10 @@ def _pick(path: Path, payload, weight_key: str | None, placeholders: tuple[str, 
                       f"{listed}{foreign}; if one of them holds the weights, name it with --weight-key")
 
 
-def read_weight_file(path: str | Path, weight_key: str | None = None) -> WeightFile:
+def read_weight_file(path: str | Path, weight_key: str | None = None, check_values: bool = True) -> WeightFile:
     """The weights in the file at ``path`` (see the module docstring for the layouts accepted).
+    ``check_values``: look for NaN and infinite weights, which reads every tensor (False: a rank whose
+    values come from rank 0's, which checked them; its tensors stay memory-mapped, unread).
 
     Raises :class:`FixresError` if the file is missing, unreadable, truncated, holds code from a
     blocked module, has no entry that fits (the message lists its top-level keys), has no entry
@@ -192,7 +194,7 @@ def read_weight_file(path: str | Path, weight_key: str | None = None) -> WeightF
         raise FixresError(f"--weight-key model_ema: the average in {path} was never updated (the run trained fewer "
                           "than --model-ema-steps steps): it holds the weights training started from; use its "
                           "trained weights (leave --weight-key out)")
-    bad, total = non_finite_tensors(state)
+    bad, total = non_finite_tensors(state) if check_values else ([], 0)
     if bad:
         raise FixresError(f"weight file {path}{f' entry {key!r}' if key else ''}: {describe_non_finite(bad, total)}; "
                           "these weights diverged and cannot be used")

@@ -92,7 +92,8 @@ class JobInputs:
             profiling.check_window(config.profile, config.profile_after, left, done)
         if config.extract_features:
             extraction.check_destination(config.extract_features, config.overwrite)
-        found = weights.read_weight_file(config.weight_path, config.weight_key) if config.weight_path else None
+        found = weights.read_weight_file(config.weight_path, config.weight_key, check_values=config.global_rank == 0) \
+            if config.weight_path else None  # checked once, by rank 0: the same file on every rank
         if found is not None and config.eval_only:
             class_names.check_evaluable(found.classes, classes, found.path)
         return cls(root, index, classes, resume, found)

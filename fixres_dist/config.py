@@ -583,7 +583,9 @@ def _refuse_with_a_split(config: TrainerConfig, split: str, *more: tuple[str, bo
 # in the refusal's line: the nearest that runs (docs/sharding.md's table of compositions).
 NEAREST_COMPOSITION = {
     "--sharding": "--sharding {sharding} without --pipeline-stages (each rank holds a shard of every layer), or "
-                  "--pipeline-stages with its stages' data-parallel ranks as DDP replicas",
+                  "--pipeline-stages with its stages' data-parallel ranks as DDP replicas (why: FSDP2 gathers a "
+                  "stage over its data-parallel ranks at every micro-batch, and an uneven last batch gives those "
+                  "ranks different micro-batch counts, whose gathers would not pair up)",
     "--tensor-parallel": "--tensor-parallel N --sharding full without --pipeline-stages (2-D: tensor groups, "
                          "sharded over the data-parallel ranks)",
     "--model-ema": "--sharding full --model-ema (the average sharded as the model is), or --pipeline-stages N "

@@ -63,6 +63,13 @@ def test_a_refused_composition_names_the_nearest_that_works(refused, nearest):
     TrainerConfig(**SPLIT, **nearest)
 
 
+def test_stages_refuse_sharding_saying_why():
+    """docs/sharding.md's table: pipeline x FSDP is refused with its reason (an uneven last batch, different
+    micro-batch counts, gathers that would not pair up), not only with the nearest that works."""
+    with pytest.raises(FixresError, match=r"uneven last batch gives those ranks different micro-batch counts"):
+        TrainerConfig(**SPLIT, pipeline_stages=2, sharding="hybrid", shard_group_size=2)
+
+
 def test_pipeline_stages_take_the_ema_and_tensor_groups_do_not_yet():
     """docs/sharding.md's table: a pipeline's stages average their own part of the EMA (built); tensor groups
     refuse it, naming both compositions that run."""

@@ -99,3 +99,23 @@ def test_the_network_has_no_mode_branch_and_fits_its_bound():
 def test_the_step_takes_at_most_ten_parameters():
     assert len(inspect.signature(engine.train_step).parameters) <= STEP_MAX_PARAMETERS
     assert not hasattr(engine, "pipeline_train_step")  # one step for every strategy
+
+
+def test_a_sharded_rank_other_than_0_builds_no_whole_model(tmp_path):
+    """``--sharding full`` (and 2-D): every rank but 0 builds on the meta device (no bytes) and only checks
+    the weight file against it, reading none of its values; rank 0 builds whole. The shards then come from
+    rank 0's tensors (sharding.load_from_rank0), which tests/distributed/test_sharding.py's runs show equal
+    to DDP's. DDP builds whole everywhere (each rank's replica)."""
+    from fixres_dist.models import architectures, weights
+    from fixres_dist.training.network import Network
+
+    path = tmp_path / "w.pth"
+    torch.save(architectures.build_model("resnet20", 10).state_dict(), path)
+    classes = [f"class {i}" for i in range(10)]
+    for sharding, rank, on_meta in (("full", 0, False), ("full", 1, True), ("ddp", 1, False)):
+        config = TrainerConfig(mode="finetune", architecture="resnet20", num_tasks=2, global_rank=rank,
+                               sharding=sharding, weight_path=str(path))
+        found = weights.read_weight_file(path, check_values=rank == 0)
+        network = Network(config, classes, 32, found, torch.device("cpu"), print, print)
+        assert {p.is_meta for p in network.model.parameters()} == {on_meta}, (sharding, rank)
+        assert network.strategy.builds_from_rank0 == (sharding == "full")

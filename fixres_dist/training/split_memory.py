@@ -31,6 +31,8 @@ docs/sharding.md for the factor measured against real gloo ranks).
 """
 from __future__ import annotations
 
+import copy
+import functools
 import math
 
 import attrs
@@ -108,7 +110,23 @@ def _activations(stage_module: nn.Module, shape: tuple[int, ...], first: bool, l
     """Activation and temporary bytes that MemTracker sees at most in one forward and backward of
     ``stage_module`` on an input of ``shape`` (meta tensors: the images, or the previous stage's output).
     One untracked step first makes the gradients, so that the tracked step's peak is the activations'
-    (not the moment its gradients are made, late in the backward, when most activations are freed)."""
+    (not the moment its gradients are made, late in the backward, when most activations are freed).
+    Stages alike (the same modules, parameter shapes and trained parameters, on the same input: the
+    middle stages of a ViT cut evenly; a forward replaced, as activation checkpointing does, included) are
+    tracked once."""
+    alike = (tuple((type(m).__name__, "forward" in vars(m),
+                    tuple((tuple((p.to_local() if hasattr(p, "to_local") else p).shape), p.requires_grad)
+                          for p in m.parameters(recurse=False))) for m in stage_module.modules()),
+             tuple(shape), first, last)
+    if alike not in _ACTIVATIONS:
+        _ACTIVATIONS[alike] = _tracked_activations(stage_module, shape, first, last)
+    return _ACTIVATIONS[alike]
+
+
+_ACTIVATIONS: dict[tuple, int] = {}  # _activations' answers, by what makes two stages alike
+
+
+def _tracked_activations(stage_module: nn.Module, shape: tuple[int, ...], first: bool, last: bool) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     x = torch.zeros(shape, device="meta", requires_grad=not first)
@@ -128,9 +146,15 @@ def _activations(stage_module: nn.Module, shape: tuple[int, ...], first: bool, l
     return sum(size for kind, size in snapshot.items() if getattr(kind, "value", kind) in ("Activation", "Temp"))
 
 
+@functools.lru_cache(maxsize=1)
+def _built(architecture: str, classes: int, size: int, low_res_stem: bool, device: torch.device) -> nn.Module:
+    """The model as built on ``device`` (the meta device), once per layout's estimate: each stage copies it."""
+    return architectures.build_model(architecture, classes, image_size=size, low_res_stem=low_res_stem)
+
+
 def _whole(step: SplitStep) -> nn.Module:
-    model = architectures.build_model(step.architecture, step.classes, image_size=step.size,
-                                      low_res_stem=step.low_res_stem)
+    model = copy.deepcopy(_built(step.architecture, step.classes, step.size, step.low_res_stem,
+                                 torch.get_default_device()))
     if step.frozen is not None:
         from fixres_dist.fixres import finetuning
 

@@ -1,7 +1,8 @@
 """The code's shape, checked from its syntax trees (nothing is imported): short functions and
 classes, no import cycle among the package's modules, no import from a floor above (the order of
-docs/layout.md), and no private name of ours used outside the module that defines it; and the
-linter's rules (ruff). Each check fails with the whole list of offenders."""
+docs/layout.md), no private name of ours used outside the module that defines it, the layout's
+configuration fields read only by the config, the command line and the Layout; and the linter's
+rules (ruff). Each check fails with the whole list of offenders."""
 from __future__ import annotations
 
 import ast
@@ -341,3 +342,84 @@ def test_ruff_finds_nothing():
     found = subprocess.run([str(ruff), "check", "--output-format", "concise", str(ROOT)], capture_output=True,
                            text=True, timeout=120, cwd=ROOT)
     assert found.returncode == 0, found.stdout[-4000:] + found.stderr[-2000:]
+
+
+# The configuration's fields of the parallel layout: read only where they are defined, parsed from the
+# command line and made a Layout; everything else asks the Layout (fixres_dist.distributed.layout) for
+# its sizes (tensor, pipeline, shard, replicate, the *_enabled properties, describe()).
+LAYOUT_FIELDS = ("tensor_parallel", "pipeline_stages")
+LAYOUT_READERS = ("fixres_dist/config.py", "fixres_dist/entry/cli.py", "fixres_dist/distributed/layout.py")
+
+
+def layout_field_reads(module: ast.Module, importer: str, where: str) -> list[str]:
+    """``where:line what`` for every read of a layout field in ``module``: an attribute (``config.tensor_parallel``,
+    not the module ``fixres_dist.distributed.tensor_parallel``), and the field's name as a value (a key read:
+    ``fields["pipeline_stages"]``, ``.get("tensor_parallel")``, ``getattr(x, "tensor_parallel")``, ``in``; or a
+    name kept to read by later). Writing a configuration is not a read: keyword arguments
+    (``TrainerConfig(tensor_parallel=2)``, ``attrs.evolve(config, pipeline_stages=2)``), a dict display's keys,
+    a subscript assigned to; nor a docstring's or a comment's words."""
+    aliases = module_aliases(importer, module)
+    parents = {id(child): node for node in ast.walk(module) for child in ast.iter_child_nodes(node)}
+    augmented = {id(node.target) for node in ast.walk(module) if isinstance(node, ast.AugAssign)}
+    found = []
+    for node in ast.walk(module):
+        if isinstance(node, ast.Attribute) and node.attr in LAYOUT_FIELDS:
+            if not isinstance(node.ctx, ast.Load) and id(node) not in augmented:
+                continue  # assigned to
+            base = dotted(node.value)
+            if base is not None and base.split(".")[0] in aliases:
+                target = ".".join([aliases[base.split(".")[0]], *base.split(".")[1:]])
+                if f"{target}.{node.attr}" in modules():
+                    continue  # the module tensor_parallel, not the field
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Constant) and node.value in LAYOUT_FIELDS:
+            parent = parents.get(id(node))
+            if isinstance(parent, ast.Dict) and any(key is node for key in parent.keys):
+                continue  # {"tensor_parallel": 2}: fields written
+            if (isinstance(parent, ast.Subscript) and parent.slice is node and not isinstance(parent.ctx, ast.Load)
+                    and id(parent) not in augmented):
+                continue  # fields["tensor_parallel"] = 2
+            read = parent if isinstance(parent, (ast.Subscript, ast.Call, ast.Compare, ast.Tuple)) else node
+            found.append((node.lineno, ast.unparse(read)))
+    return [f"{where}:{line} {what}" for line, what in sorted(found)]
+
+
+def test_only_the_config_the_command_line_and_the_layout_read_the_layout_fields():
+    """``tensor_parallel`` and ``pipeline_stages`` are read in :data:`LAYOUT_READERS` only: everything else
+    asks ``layout.of(config)`` (a :class:`~fixres_dist.distributed.layout.Layout`) for the sizes."""
+    offenders = []
+    for path in package_files():
+        if relative(path) not in LAYOUT_READERS:
+            offenders += layout_field_reads(tree(path), module_name(path), relative(path))
+    fail_with(offenders, f"{' and '.join(LAYOUT_FIELDS)} read outside {', '.join(LAYOUT_READERS)}: ask the Layout")
+
+
+def test_the_layout_field_check_sees_reads_not_writes_nor_the_module():
+    source = '''"""A docstring naming config.tensor_parallel and fields["pipeline_stages"]."""
+import fixres_dist.distributed.tensor_parallel
+from fixres_dist import distributed
+from fixres_dist.distributed import tensor_parallel
+from ..distributed import tensor_parallel as tp
+tensor_parallel.parallelize(model, mesh)  # config.pipeline_stages, in a comment
+fixres_dist.distributed.tensor_parallel.splittable(model, 2)
+distributed.tensor_parallel.splittable(model, 2)
+config = TrainerConfig(tensor_parallel=2, pipeline_stages=1)
+config = attrs.evolve(config, pipeline_stages=2)
+fields = {"tensor_parallel": 2, "pipeline_stages": 1}
+fields["pipeline_stages"] = 4
+config.tensor_parallel
+args.pipeline_stages > 1
+fields["tensor_parallel"]
+saved.get("pipeline_stages", 1)
+getattr(config, "tensor_parallel")
+"pipeline_stages" in fields
+for flag, field in (("--tensor-parallel", "tensor_parallel"),):
+    pass
+fields["tensor_parallel"] += 1
+'''
+    found = layout_field_reads(ast.parse(source), "fixres_dist.training.example", "example.py")
+    assert found == ["example.py:13 config.tensor_parallel", "example.py:14 args.pipeline_stages",
+                     "example.py:15 fields['tensor_parallel']", "example.py:16 saved.get('pipeline_stages', 1)",
+                     "example.py:17 getattr(config, 'tensor_parallel')", "example.py:18 'pipeline_stages' in fields",
+                     "example.py:19 ('--tensor-parallel', 'tensor_parallel')",
+                     "example.py:21 fields['tensor_parallel']"]

@@ -82,26 +82,31 @@ def _ranks(text: str) -> int:
     return value
 
 
-def _fields(args: argparse.Namespace) -> dict:
-    """The configuration fields of ``args``: a training run's, as the scripts would make it."""
+def _fields(args: argparse.Namespace, for_now: bool = False) -> dict:
+    """The configuration fields of ``args``: a training run's, as the scripts would make it (``args.tensor``
+    and ``args.pipeline``: ``--tensor-parallel`` and ``--pipeline-stages``); with ``for_now``, without what a
+    run refuses only for now: a split model sharded (then replicated; tensor groups sharded in full run),
+    pipeline x tensor (then the pipeline alone)."""
+    sharding, group, tensor = args.sharding, args.shard_group_size, args.tensor
+    if for_now and (tensor > 1 or args.pipeline > 1):
+        sharding, group, tensor = "ddp", None, 1 if args.pipeline > 1 else tensor
     return {"num_tasks": args.num_tasks, "architecture": args.architecture, "input_size": args.input_size,
-            "test_size": args.input_size, "batch": args.batch, "opt": args.opt, "sharding": args.sharding,
-            "shard_group_size": args.shard_group_size, "tensor_parallel": args.tensor_parallel,
-            "pipeline_stages": args.pipeline_stages, "pipeline_microbatches": args.pipeline_microbatches,
-            "pipeline_schedule": args.pipeline_schedule}
+            "test_size": args.input_size, "batch": args.batch, "opt": args.opt, "sharding": sharding,
+            "shard_group_size": group, "tensor_parallel": tensor, "pipeline_stages": args.pipeline,
+            "pipeline_microbatches": args.pipeline_microbatches, "pipeline_schedule": args.pipeline_schedule}
 
 
-def _for_now(fields: dict) -> dict:
-    """``fields`` without what a run refuses only for now: a split model sharded (then replicated; tensor
-    groups sharded in full run), pipeline x tensor (then the pipeline alone)."""
-    split = fields["tensor_parallel"] > 1 or fields["pipeline_stages"] > 1
-    fields = {**fields, **({"sharding": "ddp", "shard_group_size": None} if split else {})}
-    return {**fields, **({"tensor_parallel": 1} if fields["pipeline_stages"] > 1 else {})}
+def asked(args: argparse.Namespace) -> Layout:
+    """The layout the command line asks for (as :func:`fixres_dist.distributed.layout.of` makes a run's, a
+    hybrid shard group given), also where ``--sized-ahead`` configures the run without part of it. Raises
+    :meth:`Layout.of_world`'s one line where its sizes do not divide ``--num-tasks``."""
+    return Layout.of_world(args.num_tasks, sharding=args.sharding if args.num_tasks > 1 else "ddp",
+                           shard_group=args.shard_group_size, tensor=args.tensor, pipeline=args.pipeline)
 
 
 def config_of(args: argparse.Namespace) -> tuple[TrainerConfig, str | None]:
     """The run's configuration of ``args``, checked by its validators, and None; with ``--sized-ahead``,
-    for a layout the run refuses only for now, the configuration without that (:func:`_for_now`) and the
+    for a layout the run refuses only for now, the configuration without that (:func:`_fields`) and the
     run's refusal. Raises :class:`FixresError` (one line) for what the run refuses, and for a hybrid shard
     without ``--shard-group-size`` (a run's default is a node's ranks: a dry run has no nodes)."""
     if args.sharding == "hybrid" and args.num_tasks > 1:
@@ -117,7 +122,7 @@ def config_of(args: argparse.Namespace) -> tuple[TrainerConfig, str | None]:
         if not args.sized_ahead:
             raise FixresError(refused) from None
     try:
-        return TrainerConfig(**_for_now(_fields(args))), refused
+        return TrainerConfig(**_fields(args, for_now=True)), refused
     except FixresError as exc:
         raise FixresError(f"the run refuses this layout: {exc}") from None
 
@@ -128,9 +133,7 @@ def dry_run(args: argparse.Namespace) -> DryRun:
     process group may exist in this process), estimate each stage's peak per rank. Raises
     :class:`FixresError` (one line) for a layout, model or batch that cannot run."""
     config, refused = config_of(args)  # before importing torch: a refusal in a fraction of a second
-    found = Layout.of_world(args.num_tasks, sharding=args.sharding if args.num_tasks > 1 else "ddp",
-                            shard_group=args.shard_group_size, tensor=args.tensor_parallel,
-                            pipeline=args.pipeline_stages)
+    found = asked(args)
     from fixres_dist.distributed.fake_group import fake_process_group
     from fixres_dist.training import inputs, memory_estimate
 
@@ -160,8 +163,11 @@ def parser() -> argparse.ArgumentParser:
     p = arguments.OneLineParser(prog="python -m fixres_dist.training.dry_run", description=DESCRIPTION,
                     formatter_class=arguments.Formatter)
     p.add_argument("--num-tasks", type=_ranks, required=True, help=f"ranks in the job (at most {MAX_RANKS:,})")
-    p.add_argument("--tensor-parallel", type=whole, default=1, help="ranks per tensor group (default 1)")
-    p.add_argument("--pipeline-stages", type=whole, default=1, help="pipeline stages (default 1)")
+    # Parsed as the Layout's sizes (args.tensor, args.pipeline), shown as the scripts' flags
+    p.add_argument("--tensor-parallel", dest="tensor", metavar="TENSOR_PARALLEL", type=whole, default=1,
+                   help="ranks per tensor group (default 1)")
+    p.add_argument("--pipeline-stages", dest="pipeline", metavar="PIPELINE_STAGES", type=whole, default=1,
+                   help="pipeline stages (default 1)")
     p.add_argument("--sharding", choices=SHARDINGS, default="ddp", help="how data-parallel ranks hold the model")
     p.add_argument("--shard-group-size", type=whole, default=None,
                    help="--sharding hybrid's shard group (ranks; required with it)")

@@ -106,12 +106,15 @@ def split_alternatives(config: TrainerConfig) -> list[tuple[str, dict]]:
     if layout.of(config).split:
         return []
     found = []
-    for kind, field in (("--tensor-parallel", "tensor_parallel"), ("--pipeline-stages", "pipeline_stages")):
+    for axis in ("tensor", "pipeline"):
         for ranks in SPLITS:
             if ranks <= config.num_tasks and config.num_tasks % ranks == 0:
-                found.append((f"{kind} {ranks} --batch {config.batch * ranks}",
-                              {field: ranks, "batch": config.batch * ranks, "sharding": "ddp",
-                               "shard_group_size": None}))
+                split = layout.Layout.of_world(config.num_tasks, **{axis: ranks})
+                flag, fields = ((f"--tensor-parallel {split.tensor}", {"tensor_parallel": split.tensor})
+                                if split.tensor_enabled else
+                                (f"--pipeline-stages {split.pipeline}", {"pipeline_stages": split.pipeline}))
+                found.append((f"{flag} --batch {config.batch * ranks}",
+                              {**fields, "batch": config.batch * ranks, "sharding": "ddp", "shard_group_size": None}))
     return found
 
 

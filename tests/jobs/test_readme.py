@@ -47,8 +47,11 @@ def test_every_command_shown_is_run_by_a_test():
             covered.update(shown.block(start))
         else:
             covered.add(shown.command(start))
-    for command, runner in RUN_BY_CI.items():
-        assert command in runner.read_text(), f"{runner} does not run {command!r}"
+    for command, runner in RUN_BY_CI.items():  # each part, in order (.ci/run awaits its SLURM between them)
+        lines = [line.strip() for line in runner.read_text().splitlines() if not line.lstrip().startswith("#")]
+        at = [next((i for i, line in enumerate(lines) if line.startswith(part)), None)
+              for part in command.split(" && ")]
+        assert None not in at and at == sorted(at), f"{runner} does not run {command!r}, its parts in order"
         covered.add(command)
     shown_all = [c for b in shown.all_blocks() for c in b]
     missing = [c for c in shown_all if c not in covered and not any(c.startswith(s) for s in NOT_RUN_HERE)]

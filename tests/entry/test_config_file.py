@@ -4,9 +4,12 @@ refused in one line before anything starts. All in this process but the last tes
 docs/recipes.md's example: a job from a YAML file, then one from its config.json."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+from pathlib import Path
 
+import attrs
 import pytest
 
 import shown_commands as shown
@@ -44,7 +47,7 @@ def test_yaml_keys_as_fields_or_flags_and_values_as_config_json_writes_them(tmp_
                     "learning_rate: 1e-3\n"  # text to YAML 1.1 (no dot), a number to the flag
                     "mean: 0.5\nstd: [0.25, 0.25, 0.25]\nprogress: false\nmodel-ema: true\nauto_augment: null\n"
                     "compile: true\nstall_timeout: off\n")
-    got = fields("scratch", path)
+    got = attrs.asdict(TrainerConfig(**fields("scratch", path)))
     assert {k: got[k] for k in ("architecture", "input_size", "batch", "test_sizes", "learning_rate", "mean", "std",
                                 "progress", "model_ema", "auto_augment", "compile", "stall_timeout")} == {
         "architecture": "resnet20", "input_size": 24, "batch": 16, "test_sizes": (24, 28, 32), "learning_rate": 1e-3,
@@ -144,9 +147,21 @@ def bad(text: str):
 
 
 def unreadable(folder) -> str:
+    """A file whose reading is refused (its mode 000 would not stop root: the refusal is made here)."""
     written("run.yaml", "epochs: 1\n")(folder)
     (folder / "run.yaml").chmod(0)
     return "run.yaml"
+
+
+def refusing_to_read(monkeypatch, name: str) -> None:
+    """Reading a file called ``name`` fails as a file of mode 000 does for a user other than root."""
+    read = Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if self.name == name:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return read(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", read_text)
 
 
 # name -> (script, how the file is made in a folder (returns its name), the message after "--config <file>: ").
@@ -191,8 +206,8 @@ BAD_FILES = {
 @pytest.mark.parametrize("case", list(BAD_FILES))
 def test_a_bad_file_is_one_line_and_nothing_is_written(case, tmp_path, capsys, monkeypatch):
     script, make, message = BAD_FILES[case]
-    if case == "unreadable" and os.geteuid() == 0:
-        pytest.skip("root reads a file of mode 000")
+    if case == "unreadable":
+        refusing_to_read(monkeypatch, "run.yaml")
     monkeypatch.chdir(tmp_path)
     name = make(tmp_path)
     status, err = run_main(capsys, script, "--config", name, "--shared-folder-path", tmp_path / "shared")

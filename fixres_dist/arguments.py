@@ -41,19 +41,23 @@ def training_size(text: str) -> int:
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse with usage errors in one line, ``<prog>: error: <message>`` (exit status 2), instead of
-    the whole usage message before it (:meth:`hint` may add to the message). ``check(namespace)``, if
-    set, runs after parsing: flags given together that do not go together (raises FixresError) are usage
-    errors too."""
+    the whole usage message before it (:meth:`hint` may add to the message). ``complete(namespace)``, if
+    set, runs after parsing and fills in the namespace's options not given from what the command line
+    points to (a ``--config`` file); then ``check(namespace)``, if set: flags given together that do not go
+    together. Either raising FixresError is a usage error too."""
 
     check = None
+    complete = None
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, rest = super().parse_known_args(args, namespace)
-        if self.check is not None:
-            try:
+        try:
+            if self.complete is not None:
+                self.complete(parsed)
+            if self.check is not None:
                 self.check(parsed)
-            except FixresError as exc:
-                self.error(str(exc))
+        except FixresError as exc:
+            self.error(str(exc))
         return parsed, rest
 
     def hint(self, message: str) -> str:

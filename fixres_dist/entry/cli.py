@@ -36,6 +36,7 @@ from fixres_dist.config import (
     WORLD_CHANGES,
     TrainerConfig,
 )
+from fixres_dist.entry import config_file
 from fixres_dist.errors import FixresError
 from fixres_dist.training import recipes
 
@@ -190,7 +191,11 @@ class _Parser(OneLineParser):
 
 class _OtherScript(argparse.Action):
     """A flag of the other script (``const``: its name) given to this one: a usage error naming the script
-    it belongs to."""
+    it belongs to (:attr:`belongs_to`, which a ``--config`` file's key of it is refused with too)."""
+
+    @property
+    def belongs_to(self) -> str:
+        return self.const
 
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(f"{option_string} only applies to {self.const}")
@@ -538,6 +543,13 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     p = _Parser(allow_abbrev=False, description=f"fixres_dist: {what} with DistributedDataParallel.",
                 formatter_class=_Formatter)
     p.check = functools.partial(_training_fields, mode=mode)
+    p.complete = functools.partial(_with_config_file, parser=p, mode=mode)
+    p.add_argument("--config", dest="config_file", metavar="FILE",
+                   help="read the settings from FILE, YAML (.yaml, .yml) or JSON (.json): a mapping of options, "
+                        "named as fields (input_size) or flags (input-size, --input-size), to values as config.json "
+                        "holds them (lists for list options, true or false for switches), e.g. a run's config.json; "
+                        "the flags given here override it; the placement flags (--num-tasks, --global-rank, "
+                        "--local-rank, --job-id, --dist-url) are never read from it (docs/recipes.md)")
     _add_placement(p, mode)
     training = p.add_argument_group("finetuning" if finetune else "training")
     _add_data_and_model(training, mode)
@@ -548,6 +560,42 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     _add_sharding(p, mode)
     _add_checkpoints(p, mode)
     return p
+
+
+def _with_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser, mode: str) -> None:
+    """``--config FILE``'s settings (:func:`fixres_dist.entry.config_file.read_settings`) under the flags
+    given: each option the command line left out takes the file's value, as if given (it overrides a
+    recipe's), and ``args.config_note`` holds the log's line. Raises FixresError for a bad file."""
+    if args.config_file is None:
+        return
+    settings = config_file.read_settings(args.config_file, parser, mode, RANK_FLAGS)
+    values = _file_values(settings.values, args, mode)
+    taken = {name: value for name, value in values.items() if getattr(args, name) is None
+             and not (name == "ra_reps" and args.ra_sampler is False)}  # --no-ra-sampler: no copies, whatever the file
+    for name, value in taken.items():
+        setattr(args, name, value)
+    overridden = [f"--{name.replace('_', '-')}" for name in values if name not in taken]
+    setattr(args, config_file.NOTE, settings.note(overridden))
+
+
+def _file_values(values: dict, args: argparse.Namespace, mode: str) -> dict:
+    """The file's values that set something: those equal to the option's value without them (the mode's
+    default, or the recipe's) are left out, as a run's config.json lists every field and its defaults
+    would count as given (``--lr-step-size`` with cosine); the device's and those that follow it are kept.
+    config.json's ``ra_reps`` K is ``--ra-sampler --ra-reps K`` (``--no-ra-sampler`` for 1)."""
+    values = dict(values)
+    if "ra_reps" in values and "ra_sampler" not in values:
+        values["ra_sampler"] = values["ra_reps"] > 1
+    recipe = args.recipe or values.get("recipe")
+    base = {**defaults(mode), **(recipes.recipe_fields(recipe, mode) if recipe else {})}
+    if args.eval_only or values.get("eval_only"):  # an evaluation keeps no average (_training_fields)
+        base["model_ema"] = defaults(mode)["model_ema"]
+    reps = 1 if values.get("ra_sampler") is False else values.get("ra_reps")
+    if reps == base["ra_reps"]:
+        values.pop("ra_sampler", None)
+        values.pop("ra_reps", None)
+    return {name: value for name, value in values.items() if name in ("device", *DEVICE_DEFAULTS) or name not in base
+            or (None if name == "auto_augment" and value == NO_POLICY else value) != base[name]}
 
 
 def config_fields(args: argparse.Namespace, mode: str) -> dict:
@@ -569,7 +617,7 @@ def config_fields(args: argparse.Namespace, mode: str) -> dict:
 def _training_fields(args: argparse.Namespace, mode: str) -> dict:
     """The mode's defaults, then ``--recipe``'s fields, then the flags given (no rank fields, no
     device-dependent ones). Raises FixresError for flags given that the rest would silently ignore."""
-    given = {k: v for k, v in vars(args).items() if v is not None and k not in RANK_FLAGS}
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in (*RANK_FLAGS, config_file.NOTE)}
     fields = {"mode": mode, **MODE_DEFAULTS[mode]}
     if given.get("recipe"):
         fields.update(recipes.recipe_fields(given["recipe"], mode))

@@ -36,6 +36,7 @@ from fixres_dist.distributed.preemption import (
     stop_signals,
 )
 from fixres_dist.distributed.watchdog import REPORTS_S, STALL_EXIT_STATUS
+from fixres_dist.entry import config_file
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.errors import FixresError, first_line, say, user_message
 from fixres_dist.training import world_change
@@ -66,16 +67,18 @@ def rank_name(config: TrainerConfig) -> str:
 
 
 def run_rank(config: TrainerConfig, inputs: JobInputs | None = None, locked: bool = False, announce: bool = False,
-             index_note: str | None = None) -> RunResult:
+             index_note: str | None = None, config_note: str | None = None) -> RunResult:
     """Run one rank; on failure print one stderr line and exit 1 (3 or 130 after a stop checkpoint).
 
     ``inputs``: what :func:`~fixres_dist.training.inputs.preflight` returned in this process;
-    ``locked``, ``announce``, ``index_note`` (the launcher's line about the file index): see
+    ``locked``, ``announce``, ``index_note`` (the launcher's line about the file index), ``config_note``
+    (its line about its ``--config`` file, :mod:`fixres_dist.entry.config_file`): see
     :class:`~fixres_dist.training.trainer.Trainer`.
     """
     prefix = f"fixres_dist: {rank_name(config)}:"
     try:
-        return Trainer(config, inputs, locked=locked, announce=announce, index_note=index_note)()
+        return Trainer(config, inputs, locked=locked, announce=announce, index_note=index_note,
+                       config_note=config_note)()
     except Preempted as exc:
         say(f"{prefix} {exc}")
         raise SystemExit(exit_status(exc.signal)) from None
@@ -150,11 +153,12 @@ class LauncherContext:
 
 
 def _spawned_rank(index: int, config: TrainerConfig, lock: PassedFd, index_note: str | None,
-                  launcher: LauncherContext) -> None:
+                  config_note: str | None, launcher: LauncherContext) -> None:
     launcher.adopt()
     stop_with_launcher()
     os.environ[rendezvous.ONE_HOST] = "1"  # rank 0's store listens on loopback only
-    run_rank(attrs.evolve(config, global_rank=index, local_rank=index), locked=True, index_note=index_note)
+    run_rank(attrs.evolve(config, global_rank=index, local_rank=index), locked=True, index_note=index_note,
+             config_note=config_note)
 
 
 # What the forkserver imports once, before it forks each rank (instead of every rank importing it).
@@ -172,9 +176,9 @@ def start_method() -> str:
     return "forkserver"
 
 
-def spawn(config: TrainerConfig, index_note: str | None = None) -> None:
+def spawn(config: TrainerConfig, index_note: str | None = None, config_note: str | None = None) -> None:
     """Hold the job lock, start ``config.num_tasks`` local ranks and wait (``index_note``: what
-    :func:`preflight` returned, for rank 0's log).
+    :func:`preflight` returned, ``config_note``: the ``--config`` file's line, for rank 0's log).
 
     SIGTERM, SIGINT and the preemption signal received by this parent are forwarded to the ranks
     (again every second until they exit, should one arrive before a rank listens). The forkserver
@@ -206,7 +210,7 @@ def spawn(config: TrainerConfig, index_note: str | None = None) -> None:
 
     previous = {s: signal.signal(s, forward) for s in signals}
     try:
-        context = mp.start_processes(_spawned_rank, args=(config, PassedFd(lock.fd), index_note,
+        context = mp.start_processes(_spawned_rank, args=(config, PassedFd(lock.fd), index_note, config_note,
                                            LauncherContext.of_this_process()),
                                      nprocs=config.num_tasks,
                                      join=False, start_method=method)
@@ -293,11 +297,12 @@ def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
             os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
         say(f"fixres_dist: rank {rank}: {exc}")
         raise SystemExit(1) from None
+    note = getattr(args, config_file.NOTE, None)  # the --config file's line, for rank 0's log
     if source == "spawn":
         try:
-            spawn(config, inputs.index.describe())
+            spawn(config, inputs.index.describe(), note)
         except FixresError as exc:  # the job folder is in use
             say(f"fixres_dist: rank 0: {exc}")
             raise SystemExit(1) from None
     else:
-        run_rank(config, inputs, announce=source in ("flags", "slurm"))
+        run_rank(config, inputs, announce=source in ("flags", "slurm"), config_note=note)

@@ -42,7 +42,6 @@ from fixres_dist.training.evaluator import Evaluator
 from fixres_dist.training.faults import FaultInjector
 from fixres_dist.training.inputs import JobInputs
 from fixres_dist.training.network import Network
-from fixres_dist.training.plan import Action, EndEpoch, Evaluate, TrainEpoch
 from fixres_dist.training.state import TrainState
 from fixres_dist.training.step import TrainStep
 from fixres_dist.training.stopping import StopController
@@ -73,13 +72,14 @@ class Trainer:
     may call :meth:`build`, then :meth:`train_step` / :meth:`train_epoch` / :meth:`fit`, then :meth:`close`.
 
     ``inputs``: what :func:`fixres_dist.training.inputs.preflight` returned in this process (else the rank reads
-    them after meeting its peers). ``locked``, ``announce``: see :class:`RankSession`. ``index_note``: the
-    launcher's line about the file index, logged instead of rank 0's. ``log``: where rank 0's messages go.
+    them after meeting its peers). ``locked``, ``announce``: see :class:`RankSession`. ``log``: where rank 0's
+    lines go. ``index_note``, ``config_note``: the launcher's lines on the file index (rank 0's unlogged), on --config.
     """
 
     def __init__(self, config: TrainerConfig, inputs: JobInputs | None = None, *, locked: bool = False,
-                 announce: bool = False, index_note: str | None = None, log: Callable[[str], None] | None = None):
-        self.config, self.inputs, self.index_note = config, inputs, index_note
+                 announce: bool = False, index_note: str | None = None, config_note: str | None = None,
+                 log: Callable[[str], None] | None = None):
+        self.config, self.inputs, self.index_note, self.config_note = config, inputs, index_note, config_note
         self.run_log = RunLog(config, log)
         self.session = RankSession(config, self.run_log.log, locked=locked, announce=announce)
         self.faults = FaultInjector(config.global_rank, self.session.stops.preempt)
@@ -109,7 +109,7 @@ class Trainer:
         """Everything before the first training step (see the module's story). ``train_loader``:
         train from this loader instead of the data folder's (:class:`~fixres_dist.data.job_data.JobData`)."""
         cfg, log = self.config, self.run_log.log
-        self.session.open(recipes.describe(cfg) if cfg.recipe else None)  # the recipe after the job's line
+        self.session.open("\n".join(filter(None, (self.config_note, cfg.recipe and recipes.describe(cfg)))) or None)
         inputs = self.inputs or JobInputs.read(cfg)
         self.config = cfg = world_change.continued(cfg, inputs.resume.contents if inputs.resume else None,
                                                    self.run_log.warn)  # a global batch kept from another world size
@@ -141,7 +141,7 @@ class Trainer:
         if self.protocol.trains:
             for step in self.plan:  # a finetune's evaluations before training, up to training's start
                 self._run(step)
-                if step == Action("start training"):
+                if step == plan.Action("start training"):
                     break
 
     def fit(self) -> RunResult:
@@ -155,16 +155,16 @@ class Trainer:
     def _run(self, step: plan.Step) -> None:
         """One step of the plan (its actions: :data:`fixres_dist.training.plan.ACTIONS`)."""
         cfg, state = self.config, self.state
-        if isinstance(step, TrainEpoch):
+        if isinstance(step, plan.TrainEpoch):
             self.train_epoch()
             if cfg.dist_bn == "reduce":
                 collectives.average_batchnorm_statistics(self.network.model, self.network.strategy.data_group)
             if self.step.ema is not None:
                 self.step.ema.average_statistics(self.network.model, self.network.strategy.data_group)
-        elif isinstance(step, Evaluate):
+        elif isinstance(step, plan.Evaluate):
             self.evaluator.evaluate(step.epoch, step.size, step.label, step.what,
                                     self.step.ema.module if step.ema else None)
-        elif isinstance(step, EndEpoch):
+        elif isinstance(step, plan.EndEpoch):
             state.epoch, state.images_in_epoch = state.epoch + 1, 0
             self.checkpointer.save(state)
             self.stops.stop_if_asked()

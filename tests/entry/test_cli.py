@@ -76,6 +76,7 @@ def test_help_answers_without_torch_or_numpy(mode, how):
     ("scratch", ["--last-norm", "bn1"], "--last-norm only applies to main_finetune.py"),
     ("finetune", ["--epochs", "0"], "argument --epochs: must be a positive whole number, got 0"),
     ("scratch", ["--batch", "1e3"], "argument --batch: '1e3' is not a whole number"),
+    ("finetune", ["--config", "nowhere.yaml"], "--config nowhere.yaml: no such file"),
 ])
 def test_usage_errors_answer_in_one_line_without_torch(mode, argv, message, how):
     status, heavy, out, err = probe(starts(mode)[how], [f"main_{mode}.py", *argv])

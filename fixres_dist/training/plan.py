@@ -87,6 +87,11 @@ class Plan:
         """Replan: ``steps`` instead of those left."""
         self._steps = deque(steps)
 
+    def epochs_at_end(self, now: int) -> int:
+        """The epochs trained when the plan is done: the last one still to end (``--epochs``, or fewer once
+        early stopping ended training), else ``now`` (the epochs trained so far)."""
+        return max((step.epoch + 1 for step in self._steps if isinstance(step, EndEpoch)), default=now)
+
     def evaluations(self) -> list[int]:
         """The test resolutions (pixels) of the evaluations still to start, in order."""
         return [step.size for step in self._steps if isinstance(step, Evaluate)]
@@ -229,8 +234,8 @@ class Remaining:
     def postfix(self, bar: progress.Bar, evaluating: int | None = None) -> str:
         """``bar``: the training epoch's, or the bar of the evaluation at ``evaluating`` pixels."""
         cfg, state = self.config, self.state
-        train_left = 0 if cfg.eval_only else max(0, (cfg.epochs - state.epoch) * self.images_per_epoch
-                                                 - state.images_in_epoch)
+        train_left = 0 if cfg.eval_only else max(0, (self.plan.epochs_at_end(state.epoch) - state.epoch)
+                                                 * self.images_per_epoch - state.images_in_epoch)
         evaluations = [(self.val_images, size) for size in self.plan.evaluations()]
         if evaluating is not None:
             evaluations.append((bar.total - bar.done, evaluating))

@@ -5,6 +5,7 @@ This module imports nothing heavy (no torch, torchvision or numpy): the command 
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -60,6 +61,10 @@ SHARDINGS = ("ddp", "full", "hybrid")
 WORLD_CHANGES = ("keep-global-batch", "keep-rank-batch")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # fixres_dist.distributed.pipeline.SCHEDULES
 AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet")  # torchvision v2 policies (data.train_transform)
+# --best-metric (fixres_dist.training.best_checkpoint): a field of each epoch's evaluation at the test resolution
+# and which way is better (top-1/top-5 in percent, loss in nats); ema_<field>: of the --model-ema average's.
+METRIC_GOALS = {"top1": "higher", "top5": "higher", "loss": "lower"}
+BEST_METRICS = (*METRIC_GOALS, *(f"ema_{name}" for name in METRIC_GOALS))
 # Bounds that catch typos before they reach torch as overflows or degenerate draws: weight decay above
 # 1 shrinks weights faster than any recipe (torchvision's 1e-4 to AdamW's 0.05); MixUp/CutMix alphas
 # outside [1e-3, 1e3] are Beta draws of exactly 0 or 1/2 in float32 (the recipes use 0.1 to 1);
@@ -260,6 +265,23 @@ def _at_least_one(instance, attribute, value):
         raise FixresError(f"--{attribute.name.replace('_', '-')} must be a whole number >= 1, got {value!r}")
 
 
+def _nearest_metric(name: str) -> str:
+    """The --best-metric meant by another spelling (``acc1``, ``val_loss``, ``top-5``, ``ema_acc``), else the
+    closest name."""
+    words = name.lower()
+    base = "loss" if "loss" in words else "top5" if "5" in words else "top1" if "acc" in words or "1" in words \
+        else None
+    if base is None:
+        return difflib.get_close_matches(name, BEST_METRICS, n=1, cutoff=0.0)[0]
+    return f"ema_{base}" if "ema" in words else base
+
+
+def _best_metric(instance, attribute, value):
+    if value is not None and value not in BEST_METRICS:
+        raise FixresError(f"--best-metric {value!r} is not one of {', '.join(BEST_METRICS)}; the nearest: "
+                          f"{_nearest_metric(str(value))}")
+
+
 def _seed(instance, attribute, value):
     if not 0 <= value < 2 ** 63:
         raise FixresError(f"--seed must be in [0, 2**63), got {value}")
@@ -397,6 +419,12 @@ class TrainerConfig:
     keep_checkpoints: int = attrs.field(default=2, validator=_positive, metadata=RESUMABLE)
     resume: str | None = attrs.field(default=None, converter=resolved_path, metadata=RESUMABLE)
     preempt_signal: str = attrs.field(default="SIGUSR2", validator=_signal_name, metadata=RESUMABLE)
+    # The best checkpoint by a metric of each epoch's evaluation (None: none kept), and early stopping after
+    # that many evaluations without an improvement by more than the min delta (fixres_dist.training.best_checkpoint).
+    best_metric: str | None = attrs.field(default=None, validator=_best_metric, metadata=ADDED_LATER)
+    early_stopping_patience: int | None = attrs.field(default=None, validator=attrs.validators.optional(_at_least_one),
+                                                      metadata=ADDED_LATER)
+    early_stopping_min_delta: float = attrs.field(default=0.0, validator=_non_negative, metadata=ADDED_LATER)
     skip_bad_images: bool = attrs.field(default=False, metadata=RESUMABLE)
     # The stall watchdog (fixres_dist.distributed.watchdog): seconds without progress before a rank is stalled;
     # None: derived from the steps seen, 0: off.
@@ -655,6 +683,7 @@ def _check_options(config: "TrainerConfig") -> None:
         raise FixresError("--profile records training steps, and --eval-only trains none")
     if config.mode == "finetune" and not config.eval_only:
         _check_finetune_regularisation(config=config)
+    _check_best(config)
     _check_sharding(config)
     _check_tensor_parallel(config)
     _check_pipeline(config)
@@ -667,6 +696,33 @@ def _check_options(config: "TrainerConfig") -> None:
                               "swept test resolution)")
         if not config.test_sizes:
             raise FixresError("--input-size auto needs --test-sizes, the resolutions to choose from")
+
+
+def _check_best(config: TrainerConfig) -> None:
+    """``--best-metric`` and early stopping: what they watch and whether they can act (FixresError, one line).
+    Every epoch evaluates, so a training run always has the evaluations they watch."""
+    metric, patience = config.best_metric, config.early_stopping_patience
+    if config.eval_only and (metric or patience):
+        flag = "--best-metric" if metric else "--early-stopping-patience"
+        raise FixresError(f"{flag} watches the evaluations of training's epochs, and --eval-only trains none")
+    if metric and metric.startswith("ema_") and not config.model_ema:
+        raise FixresError(f"--best-metric {metric} watches the --model-ema average's evaluation: add --model-ema, or "
+                          f"watch the model's own with --best-metric {metric.removeprefix('ema_')}")
+    if config.early_stopping_min_delta and patience is None:
+        raise FixresError("--early-stopping-min-delta applies to early stopping: add --early-stopping-patience N")
+    if patience is None:
+        return
+    if metric is None:
+        raise FixresError(f"--early-stopping-patience needs --best-metric (one of {', '.join(BEST_METRICS)}): the "
+                          "metric whose improvement it waits for")
+    if config.mode == "finetune":
+        raise FixresError("--early-stopping-patience does not apply to main_finetune.py: a FixRes finetune runs its "
+                          "few epochs at the test resolution (--best-metric still keeps its best epoch as best.pth)")
+    if patience > config.epochs - 2:
+        fix = f"a patience of at most {config.epochs - 2}" if config.epochs > 2 else "at least 3 --epochs"
+        raise FixresError(f"--early-stopping-patience {patience} can never end this {config.epochs}-epoch run early: "
+                          f"the first epoch's evaluation sets the best, so the earliest stop follows epoch "
+                          f"{patience + 1}, and a stop after the last epoch stops nothing; give {fix}")
 
 
 def _check_pipeline(config: TrainerConfig) -> None:

@@ -21,6 +21,7 @@ from fixres_dist.arguments import positive_int as _positive_int
 from fixres_dist.arguments import training_size as _training_size
 from fixres_dist.config import (
     AUTO_AUGMENT_POLICIES,
+    BEST_METRICS,
     CIFAR_RESNETS,
     CROP_RATIO,
     DEFAULT_INTERPOLATION,
@@ -67,6 +68,8 @@ COMPILE_BACKEND = "inductor"  # what --compile alone uses
 FINETUNE_ONLY_FLAGS = ("--finetune-scope", "--last-norm", "--finetune-augmentation")
 # main_scratch.py's only: the finetune's preprocessing is --finetune-augmentation's.
 SCRATCH_ONLY_FLAGS = ("--auto-augment", "--random-erase")
+# main_scratch.py's only too: a FixRes finetune runs its few epochs (config.py refuses them for a finetune).
+EARLY_STOPPING_FLAGS = ("--early-stopping-patience", "--early-stopping-min-delta")
 
 
 def defaults(mode: str) -> dict:
@@ -491,12 +494,13 @@ def _add_sharding(p: argparse.ArgumentParser, mode: str) -> None:
 
 
 def _add_checkpoints(p: argparse.ArgumentParser, mode: str) -> None:
-    """Checkpoints, resuming and preemption."""
+    """Checkpoints, the best one and early stopping, resuming and preemption."""
     default = _default_help(mode)
     c = p.add_argument_group("checkpoints and preemption")
     c.add_argument("--ckpt-every", type=int, help="also checkpoint every N optimizer steps (default: epoch ends only)")
     c.add_argument("--keep-checkpoints", type=int,
                    help=f"numbered checkpoints to keep ({default('keep_checkpoints')})")
+    _add_best(c, mode)
     c.add_argument("--resume", help="checkpoint a new job starts from; once the job folder has its own "
                    "checkpoint.pth, that one is used (default: the job folder's checkpoint.pth, if any)")
     c.add_argument("--preempt-signal", help="signal that means 'checkpoint and stop' besides SIGTERM "
@@ -515,6 +519,24 @@ def _add_checkpoints(p: argparse.ArgumentParser, mode: str) -> None:
     c.add_argument("--min-world-size", type=int, metavar="N",
                    help="the fewest ranks the job trains on: on fewer it stops before training with exit status 3, "
                         "keeping its checkpoint (default: any)")
+
+
+def _add_best(c, mode: str) -> None:
+    """``--best-metric`` and, in main_scratch.py, early stopping (docs/checkpoints.md, "The best checkpoint")."""
+    c.add_argument("--best-metric", metavar="{" + ",".join(BEST_METRICS) + "}",
+                   help="keep the checkpoint of the epoch whose evaluation at the test resolution is best by this "
+                        "metric as best.pth, beside the last --keep-checkpoints (top1, top5: higher is better; loss: "
+                        "lower; ema_*: of the --model-ema average's evaluation) (default: none)")
+    if mode == "finetune":
+        _other_scripts_flags(c, EARLY_STOPPING_FLAGS, "main_scratch.py (a FixRes finetune runs its few epochs; "
+                                                      "--best-metric keeps its best)")
+        return
+    c.add_argument("--early-stopping-patience", type=int, metavar="N",
+                   help="end training normally after N evaluations in a row without an improvement of --best-metric "
+                        "(default: off)")
+    c.add_argument("--early-stopping-min-delta", type=float, metavar="DELTA",
+                   help="an improvement that resets the patience beats the best by more than DELTA (percentage "
+                        "points for top1/top5, nats for loss) (default 0: any)")
 
 
 def _stall_timeout(text: str) -> float | None:

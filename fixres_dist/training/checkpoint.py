@@ -1,7 +1,9 @@
 """Checkpoint files: complete, written atomically, the last K kept, read without executing code.
 
-Layout in the job folder: ``checkpoint-<global step>.pth`` files (the last ``keep`` of them) and
-``checkpoint.pth``, a hard link to the newest. Every file is written by
+Layout in the job folder: ``checkpoint-<global step>.pth`` files (the last ``keep`` of them),
+``checkpoint.pth``, a hard link to the newest, and with ``--best-metric`` ``best.pth``, a hard link to the
+best epoch's (:mod:`~fixres_dist.training.best_checkpoint`), which the rotation never deletes (nor, sharded,
+its shards folder). Every file is written by
 :func:`fixres_dist.io.write_private` (temporary name, fsync, rename, folder fsync), so a reader sees
 a complete old or new checkpoint, never a partial one, whatever kills the writer (full disk,
 SIGKILL, lost node).
@@ -18,8 +20,10 @@ data's class names in label order, the class of each row of the classifier:
 :mod:`fixres_dist.models.class_names`); with ``--model-ema`` also
 ``model_ema`` (the moving average's state_dict, rank 0's BatchNorm statistics;
 ``--weight-key model_ema`` loads it) and ``model_ema_state`` (its update count,
-:mod:`fixres_dist.models.ema`). The learning-rate schedule and the samplers need no state of their
-own: both are functions of (seed, epoch, image in the epoch).
+:mod:`fixres_dist.models.ema`); with ``--best-metric`` also ``best`` (the best evaluation so far and the
+early-stopping count: :meth:`~fixres_dist.training.best_checkpoint.BestCheckpoint.state_dict`). The
+learning-rate schedule and the samplers need no state of their own: both are functions of (seed, epoch,
+image in the epoch).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from fixres_dist.finite import NonFiniteWeights, describe_non_finite, non_finite
 from fixres_dist.io import fsync_folder, safe_load, write_private
 
 CHECKPOINT_FILE = "checkpoint.pth"
+BEST_FILE = "best.pth"  # --best-metric: the best epoch's checkpoint (training.best_checkpoint)
 FORMAT_VERSION = 1
 
 
@@ -53,12 +58,30 @@ def _replace_with_link(source: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
+def numbered(folder: Path, global_step: int) -> Path:
+    """The checkpoint file of optimizer step ``global_step`` in ``folder``."""
+    return folder / f"checkpoint-{global_step:08d}.pth"
+
+
+def keep_best(folder: Path, best_step: int | None) -> None:
+    """Point ``best.pth`` in ``folder`` at the checkpoint of step ``best_step`` (a hard link, or an owner-only
+    copy), unless it already is that file: after that checkpoint was written, or to mend a link that a kill
+    between the two renames left behind. Nothing when ``best_step`` is None or its file is gone. Raises
+    OSError."""
+    source, target = numbered(folder, best_step) if best_step is not None else None, folder / BEST_FILE
+    if source is None or not source.exists() or (target.exists() and os.path.samefile(source, target)):
+        return
+    _replace_with_link(source, target)
+
+
 def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int = 2,
-                    fault_hook=None, protect: str | Path | None = None) -> Path:
+                    fault_hook=None, protect: str | Path | None = None, best_step: int | None = None) -> Path:
     """Write ``state`` as ``checkpoint-<global_step>.pth``, point ``checkpoint.pth`` at it, keep ``keep``.
 
     Only this job's numbered checkpoints in ``folder`` are deleted to keep ``keep``, never the file
-    ``protect`` (the one ``--resume`` named, which this job did not write).
+    ``protect`` (the one ``--resume`` named, which this job did not write). ``best_step``: the step of the
+    best checkpoint (``--best-metric``), which ``best.pth`` then links (:func:`keep_best`) and whose shards
+    folder, for a sharded checkpoint, is kept.
     ``fault_hook(global_step, file)`` is called mid-write (tests). Raises :class:`FixresError` when
     the write fails (full or read-only disk), and :class:`~fixres_dist.finite.NonFiniteWeights`
     before writing anything when ``state["model"]`` or ``state["optimizer"]`` holds NaN or infinity
@@ -70,7 +93,7 @@ def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int
         detail = describe_non_finite(bad, total)
         raise NonFiniteWeights(f"checkpoint of step {global_step} not written: {detail} (training diverged); "
                                "the previous checkpoint is kept", detail)
-    path = folder / f"checkpoint-{global_step:08d}.pth"
+    path = numbered(folder, global_step)
 
     def write(f) -> None:
         if fault_hook is not None:
@@ -80,6 +103,7 @@ def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int
     try:
         write_private(path, write)
         _replace_with_link(path, folder / CHECKPOINT_FILE)
+        keep_best(folder, best_step)
         fsync_folder(folder)
     except OSError as exc:
         raise FixresError(f"cannot write checkpoint in {folder}: {exc.strerror or exc}; "
@@ -88,8 +112,9 @@ def save_checkpoint(folder: str | Path, state: dict, global_step: int, keep: int
     for old in sorted(folder.glob("checkpoint-[0-9]*.pth"))[:-keep]:
         if old.resolve() != protected:
             old.unlink(missing_ok=True)
-    checkpoint_shards.remove_unused(folder, {p.stem + checkpoint_shards.SUFFIX
-                                             for p in folder.glob("checkpoint-[0-9]*.pth")})
+    best = {checkpoint_shards.folder_name(best_step)} if best_step is not None else set()
+    checkpoint_shards.remove_unused(folder, best | {p.stem + checkpoint_shards.SUFFIX
+                                                    for p in folder.glob("checkpoint-[0-9]*.pth")})
     return path
 
 
@@ -141,6 +166,7 @@ class Contents:
     shards: str | None = None  # a sharded checkpoint's folder of model, optimizer and EMA (checkpoint_shards)
     shard_digests: dict | None = None  # its files' SHA-256 by name
     layout: dict | None = None  # the ranks' parallel layout (Layout.to_dict; older checkpoints: from their config)
+    best: dict | None = None  # --best-metric's state (BestCheckpoint.state_dict; None: no metric watched)
 
     def as_dict(self) -> dict:
         """The dict that :func:`save_checkpoint` writes (without the EMA entries when there is no EMA)."""
@@ -153,7 +179,7 @@ class Contents:
 
 
 # left out when None
-OPTIONAL_ENTRIES = ("model_ema", "model_ema_state", "shards", "shard_digests", "classes", "data", "layout")
+OPTIONAL_ENTRIES = ("model_ema", "model_ema_state", "shards", "shard_digests", "classes", "data", "layout", "best")
 REQUIRED_KEYS = tuple(f.name for f in attrs.fields(Contents) if f.default is attrs.NOTHING)
 
 

@@ -5,7 +5,9 @@ the optimizer step's state (:class:`~fixres_dist.training.step.TrainStep`), the 
 (:class:`~fixres_dist.training.state.TrainState`), the history (:class:`~fixres_dist.reporting.run_log.RunLog`)
 and, per rank, its RNG states, BatchNorm buffers and host; resuming it is bit-identical on the same world
 size, and on another one keeps the global batch or re-derives the learning rate
-(:mod:`~fixres_dist.training.world_change`) and averages the buffers.
+(:mod:`~fixres_dist.training.world_change`) and averages the buffers. With ``--best-metric`` each
+checkpoint holds the :class:`~fixres_dist.training.best_checkpoint.BestCheckpoint`'s state, and the best
+epoch's checkpoint is kept as ``best.pth``.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from fixres_dist.distributed import checkpoint_shards, collectives, pipeline, sh
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.reporting.run_log import RunLog
 from fixres_dist.training import checkpoint, world_change
+from fixres_dist.training.best_checkpoint import BestCheckpoint
 from fixres_dist.training.faults import FaultInjector
 from fixres_dist.training.network import Network
 from fixres_dist.training.state import TrainState
@@ -30,7 +33,8 @@ class Checkpointer:
     """The checkpoints of ``network``'s job (``images_per_epoch``: training images per epoch, for the
     schedule's progress and the TensorBoard position; ``data``: the data's identity, recorded).
     ``last_step``: the global step of the last checkpoint written or resumed (None: none yet);
-    ``unsaved``: trained since it."""
+    ``unsaved``: trained since it; ``best``: the best checkpoint and early stopping (``--best-metric``),
+    whose state every checkpoint holds."""
 
     def __init__(self, config: TrainerConfig, run_log: RunLog, faults: FaultInjector, network: Network,
                  images_per_epoch: int, control_group=None, data: dict | None = None):
@@ -41,6 +45,7 @@ class Checkpointer:
         self.last_step: int | None = None
         self.unsaved = False
         self.loss: dict | None = None  # where the run before stopped when it lost ranks (world_change.note_loss)
+        self.best = BestCheckpoint(config, run_log)
 
     def train_with(self, step: TrainStep) -> None:
         """Training starts: checkpoints hold ``step``'s optimizer, schedule, scaler and EMA too."""
@@ -82,11 +87,11 @@ class Checkpointer:
                 images_in_epoch=state.images_in_epoch, global_step=state.global_step, ranks=ranks,
                 epoch_seconds=state.meter.seconds() if partial else 0.0, config=cfg.to_dict(),
                 metrics=self.run_log.history, lineage=network.lineage_at(state.input_size).record(),
-                classes=network.classes, data=self.data, layout=network.layout.to_dict(),
+                classes=network.classes, data=self.data, layout=network.layout.to_dict(), best=self.best.state_dict(),
                 tensorboard_at=self.run_log.checkpointed(state.images_seen(images_per_epoch)))
             try:
                 checkpoint.save_checkpoint(cfg.job_folder, contents.as_dict(), state.global_step, cfg.keep_checkpoints,
-                                           self.faults.checkpoint_write, protect=cfg.resume)
+                                           self.faults.checkpoint_write, protect=cfg.resume, best_step=self.best.step)
             except finite.NonFiniteWeights as exc:  # the update after a finite loss diverged
                 error, weights = str(exc), exc.detail
             except FixresError as exc:
@@ -137,11 +142,16 @@ class Checkpointer:
             network.strategy.load_state_dict(network.model, {**contents.model, **buffers})
             step.load_tensors(contents)
         step.load(contents, checkpoint.rank_buffers(contents.ranks, rank, "ema_buffers") if step.ema else None)
-        if not same_world and state.epoch < cfg.epochs:
+        self.best.load_state_dict(contents.best)
+        if cfg.global_rank == 0:  # mends best.pth if a kill came between writing its checkpoint and linking it
+            checkpoint.keep_best(cfg.job_folder, self.best.step)
+        ended = self.best.stopped_at is not None and state.epoch >= self.best.stopped_at  # early stopping's end
+        if not same_world and state.epoch < cfg.epochs and not ended:
             self._world_changed(contents, state, train_images)
-        if state.epoch >= cfg.epochs:
-            self.run_log.log(f"{resume.path}: this job already completed its {cfg.epochs} epochs; nothing to do "
-                             "(use another --job-id for a new run)")
+        if state.epoch >= cfg.epochs or ended:
+            done = f"stopped early after epoch {state.epoch}" if ended else f"completed its {cfg.epochs} epochs"
+            self.run_log.log(f"{resume.path}: this job already {done}; nothing to do (use another --job-id for a new "
+                             "run)")
         else:
             self.run_log.log(f"resumed from {resume.path}: epoch {state.epoch + 1}, image {state.images_in_epoch} of "
                              f"the epoch, step {state.global_step}")

@@ -2,7 +2,8 @@
 
 A protocol (:class:`FromScratch`, :class:`FixResFinetune`, :class:`EvaluateOnly`) turns the
 configuration and where the run is into the steps still to run: epochs (train, evaluate at the
-test resolution, its EMA's too, end the epoch with a checkpoint), the evaluations before a FixRes
+test resolution, its EMA's too, end the epoch with a checkpoint; up to ``--epochs``, or the epoch after which
+early stopping ended training: :mod:`~fixres_dist.training.best_checkpoint`), the evaluations before a FixRes
 finetune (FixRes, Touvron et al. 2019, section 5: top-1 at the train and test resolutions before
 finetuning) and the choice of ``--input-size auto``, the final sweep, the reports and features.
 The Trainer takes the steps from :class:`Plan` one by one, and the progress display reads the
@@ -18,6 +19,7 @@ from fixres_dist.config import TrainerConfig
 from fixres_dist.fixres import sweep
 from fixres_dist.reporting import progress, reports
 from fixres_dist.reporting.run_log import RunLog
+from fixres_dist.training import best_checkpoint
 from fixres_dist.training.state import TrainState
 
 
@@ -85,6 +87,11 @@ class Plan:
         """Replan: ``steps`` instead of those left."""
         self._steps = deque(steps)
 
+    def epochs_at_end(self, now: int) -> int:
+        """The epochs trained when the plan is done: the last one still to end (``--epochs``, or fewer once
+        early stopping ended training), else ``now`` (the epochs trained so far)."""
+        return max((step.epoch + 1 for step in self._steps if isinstance(step, EndEpoch)), default=now)
+
     def evaluations(self) -> list[int]:
         """The test resolutions (pixels) of the evaluations still to start, in order."""
         return [step.size for step in self._steps if isinstance(step, Evaluate)]
@@ -111,16 +118,24 @@ class FromScratch:
         """The steps of the job from ``state``; ``train_size``: the resolution (pixels) the weights were
         trained at, if known; ``resumed``: the run continues a checkpoint."""
         return [*self.before_training(state, train_size, resumed), Action("start training"),
-                *self.epochs(state, run_log), Action("final result"), *self.after_training(state), *self.reports()]
+                *self.from_training(state, run_log)]
+
+    def from_training(self, state: TrainState, run_log: RunLog) -> list[Step]:
+        """The steps once training started: the epochs left (up to ``--epochs``, or where early stopping ended
+        training), the final result, what follows the last epoch and the reports."""
+        end = best_checkpoint.epochs_to_train(self.config, run_log.history)
+        return [*self.epochs(state, run_log, end), Action("final result"), *self.after_training(state, end),
+                *self.reports()]
 
     def before_training(self, state: TrainState, train_size: int | None, resumed: bool) -> list[Step]:
         return []
 
-    def epochs(self, state: TrainState, run_log: RunLog) -> list[Step]:
-        """The epochs left, each trained unless its ``train`` event is recorded (a stop came during its
-        evaluation) and evaluated unless recorded."""
+    def epochs(self, state: TrainState, run_log: RunLog, end: int) -> list[Step]:
+        """The epochs left of ``end`` in all (``--epochs``, or fewer once early stopping ended training), each
+        trained unless its ``train`` event is recorded (a stop came during its evaluation) and evaluated unless
+        recorded."""
         cfg, size, steps = self.config, state.eval_size(self.config), []
-        for epoch in range(state.epoch, cfg.epochs):
+        for epoch in range(state.epoch, end):
             what = f"epoch {epoch + 1}/{cfg.epochs}"
             if not run_log.events("train", epoch=epoch + 1):
                 steps.append(TrainEpoch(epoch))
@@ -131,8 +146,9 @@ class FromScratch:
             steps.append(EndEpoch(epoch))
         return steps
 
-    def after_training(self, state: TrainState) -> list[Step]:
-        return sweep_steps(self.config.test_sizes or (), self.config.epochs, "trained")
+    def after_training(self, state: TrainState, end: int) -> list[Step]:
+        """What follows the last epoch, ``end`` epochs trained."""
+        return sweep_steps(self.config.test_sizes or (), end, "trained")
 
     def reports(self) -> list[Step]:
         cfg = self.config
@@ -163,8 +179,8 @@ class FixResFinetune(FromScratch):
             steps.append(Action("choose input size"))
         return steps
 
-    def after_training(self, state: TrainState) -> list[Step]:
-        return [*(sweep_steps(self.sweep_sizes(state.input_size), self.config.epochs, "after")
+    def after_training(self, state: TrainState, end: int) -> list[Step]:
+        return [*(sweep_steps(self.sweep_sizes(state.input_size), end, "after")
                   if self.config.test_sizes else []), Action("finetune table")]
 
     def act(self, name: str, state: TrainState, run_log: RunLog, network) -> None:
@@ -218,8 +234,8 @@ class Remaining:
     def postfix(self, bar: progress.Bar, evaluating: int | None = None) -> str:
         """``bar``: the training epoch's, or the bar of the evaluation at ``evaluating`` pixels."""
         cfg, state = self.config, self.state
-        train_left = 0 if cfg.eval_only else max(0, (cfg.epochs - state.epoch) * self.images_per_epoch
-                                                 - state.images_in_epoch)
+        train_left = 0 if cfg.eval_only else max(0, (self.plan.epochs_at_end(state.epoch) - state.epoch)
+                                                 * self.images_per_epoch - state.images_in_epoch)
         evaluations = [(self.val_images, size) for size in self.plan.evaluations()]
         if evaluating is not None:
             evaluations.append((bar.total - bar.done, evaluating))

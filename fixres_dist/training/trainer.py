@@ -2,18 +2,16 @@
 
 ``Trainer(config)()`` runs the job in this process and returns a :class:`RunResult`:
 
-* :meth:`Trainer.build`: open the rank's session (:class:`~fixres_dist.distributed.session.RankSession`:
-  the job lock, meeting the other ranks); read the inputs (:class:`~fixres_dist.training.inputs.JobInputs`:
-  data, the checkpoint to continue, weights) and what a world change keeps (:mod:`.world_change`);
-  start the run's log; build the network (sharded at once with ``--sharding full/hybrid``); plan the
-  job (:mod:`fixres_dist.training.plan`) and run it up to training (a FixRes finetune first measures
-  top-1 and may pick the test resolution); then wrap, build the optimizer step and restore the checkpoint.
-* :meth:`Trainer.fit`: run the rest of the plan: epochs (train, average BatchNorm statistics over
-  ranks, evaluate exactly, checkpoint), the final sweep, the reports and the features.
+* :meth:`Trainer.build`: open the rank's session (:class:`~fixres_dist.distributed.session.RankSession`: the job
+  lock, meeting the other ranks); read the inputs (:class:`~fixres_dist.training.inputs.JobInputs`: data, the
+  checkpoint to continue, weights) and what a world change keeps (:mod:`.world_change`); start the run's log; build
+  the network (sharded at once with ``--sharding full/hybrid``); plan the job (:mod:`.plan`) and run it up to
+  training (a FixRes finetune first measures top-1, may pick the test resolution); wrap, build the step, restore.
+* :meth:`Trainer.fit`: run the rest of the plan: epochs (train, average BatchNorm statistics over ranks, evaluate
+  exactly, checkpoint; early stopping may end them sooner), the final sweep, the reports and the features.
 
-Its parts own their state: the step (:mod:`~fixres_dist.training.step`, with its times), the checkpoints
-(:mod:`~fixres_dist.training.checkpointer`), the stops (:mod:`~fixres_dist.training.stopping`: a stop signal
-on any rank stops all after the same step, with one checkpoint), the evaluations and the record.
+Its parts own their state: the step (:mod:`.step`), the checkpoints (:mod:`.checkpointer`; the best one and early
+stopping: :mod:`.best_checkpoint`), the stops on a signal or a diverged loss (:mod:`.stopping`), the evaluations.
 """
 from __future__ import annotations
 
@@ -162,8 +160,10 @@ class Trainer:
             if self.step.ema is not None:
                 self.step.ema.average_statistics(self.network.model, self.network.strategy.data_group)
         elif isinstance(step, plan.Evaluate):
-            self.evaluator.evaluate(step.epoch, step.size, step.label, step.what,
-                                    self.step.ema.module if step.ema else None)
+            result = self.evaluator.evaluate(step.epoch, step.size, step.label, step.what,
+                                             self.step.ema.module if step.ema else None)
+            if self.checkpointer.best.evaluated(step, result, state.global_step):  # early stopping: no more epochs
+                self.plan.replace(self.protocol.from_training(state, self.run_log))
         elif isinstance(step, plan.EndEpoch):
             state.epoch, state.images_in_epoch = state.epoch + 1, 0
             self.checkpointer.save(state)

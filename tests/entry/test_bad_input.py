@@ -110,6 +110,10 @@ CASES = {
                               "entry 'model': 1 of 102 tensors hold NaN or infinity (e.g. layer4.1.bn2.weight)"),
     "size the model cannot run at": (["--architecture", "alexnet", "--input-size", "32"],
                                      "the smallest size it runs at is 63 px"),
+    "unknown best metric": (["--best-metric", "top-1"], "is not one of top1, top5, loss, ema_top1, ema_top5, "
+                                                         "ema_loss; the nearest: top1"),
+    "early stopping a one-epoch run": (["--best-metric", "loss", "--early-stopping-patience", "1"],
+                                       "--early-stopping-patience 1 can never end this 1-epoch run early"),
 }
 
 

@@ -16,6 +16,7 @@ from conftest import ROOT, clean_env, start_script
 from fixres_dist.config import CIFAR_RESNETS, LITE_MODELS, TIMM_PREFIX, TrainerConfig
 from fixres_dist.entry.cli import (
     DEVICE_DEFAULTS,
+    EARLY_STOPPING_FLAGS,
     FINETUNE_ONLY_FLAGS,
     RANK_FLAGS,
     SCRATCH_ONLY_FLAGS,
@@ -160,7 +161,7 @@ def visible_flags(mode: str) -> set[str]:
 def test_each_script_lists_only_its_own_flags(monkeypatch):
     monkeypatch.setenv("COLUMNS", "10000")
     assert visible_flags("finetune") - visible_flags("scratch") == set(FINETUNE_ONLY_FLAGS)
-    assert visible_flags("scratch") - visible_flags("finetune") == set(SCRATCH_ONLY_FLAGS)
+    assert visible_flags("scratch") - visible_flags("finetune") == {*SCRATCH_ONLY_FLAGS, *EARLY_STOPPING_FLAGS}
     scratch = build_parser("scratch").format_help()
     assert "finetune" not in scratch.lower() and "'auto'" not in scratch, scratch
     finetune = build_parser("finetune").format_help()
@@ -168,7 +169,7 @@ def test_each_script_lists_only_its_own_flags(monkeypatch):
 
 
 @pytest.mark.parametrize("mode, flag", [("scratch", flag) for flag in FINETUNE_ONLY_FLAGS] +
-                         [("finetune", flag) for flag in SCRATCH_ONLY_FLAGS])
+                         [("finetune", flag) for flag in (*SCRATCH_ONLY_FLAGS, *EARLY_STOPPING_FLAGS)])
 def test_the_other_scripts_flags_are_usage_errors(mode, flag, capsys):
     other = "main_finetune.py" if mode == "scratch" else "main_scratch.py"
     for argv in ([flag], [flag, "x"]):

@@ -57,6 +57,7 @@ from fixres_dist.io import write_private
 PROBE_SECONDS = 3.0
 HEARTBEAT_S = 1.0  # a rank adds to its heartbeat counter this often (seconds)
 STALL_KEY = "fixres/stall"  # set when a rank found the job stalled; its reports under STALL_KEY/<rank>
+STORE_HOST = "which hosts the rendezvous store"  # how a loss of rank 0 seen only as its store's silence is named
 STORE_ANSWER_S = 3.0  # after a failed collective, a store that does not answer this fast is lost
 POLL_S = 0.2  # a rank waiting to connect to a store checks for stop signals this often (seconds)
 CONNECT_GRACE_S = 30.0  # a store client's own connect timeout exceeds the rank's deadline by this (seconds)
@@ -84,6 +85,14 @@ class LostPeers(PeersUnreachable):
     def __init__(self, lost: str):
         super().__init__(f"lost {lost}; stopping", f"losing {lost}", resumable=FAILED not in lost)
         self.lost = lost
+
+    @property
+    def only_the_store(self) -> bool:
+        """Whether all this rank could tell is that the rendezvous store (rank 0) stopped answering: what a
+        survivor also sees when rank 0 was stopped after another loss (torchrun's agent stops its workers
+        once one fails), so another survivor's diagnosis naming the ranks whose heartbeats stopped is
+        better evidence of the same failure."""
+        return STORE_HOST in self.lost
 
 
 class NetworkInterrupted(PeersUnreachable):
@@ -378,7 +387,7 @@ def meet_hosts(store: dist.Store, rank: int, world_size: int, timeout: float) ->
     except (RuntimeError, dist.DistError):
         missing = _within(STORE_ANSWER_S, lambda: [k.rsplit("/", 1)[1] for k in keys if not store.check([k])])
         if missing is None:  # the store itself is gone: rank 0 died or its host is unreachable
-            raise LostPeers("rank 0, which hosts the rendezvous store (it died, or its host is unreachable)") from None
+            raise LostPeers(f"rank 0, {STORE_HOST} (it died, or its host is unreachable)") from None
         raise FixresError(f"rank(s) {', '.join(missing)} met the store but did not say where they run "
                           f"within {timeout:g} s") from None
     hosts = {}
@@ -539,7 +548,7 @@ class Rendezvous:
         store, reports = self._watch_store(), {self.rank: mine}
         before = _within(STORE_ANSWER_S, lambda: self._beats(store)) if store is not None else None
         if before is None:
-            return reports, {0: self._silent(0) + ", which hosts the rendezvous store"} if self.rank else {}
+            return reports, {0: self._silent(0) + ", " + STORE_HOST} if self.rank else {}
         _within(STORE_ANSWER_S, lambda: store.set(f"{STALL_KEY}/{self.rank}", json.dumps(mine)))
         deadline = time.monotonic() + wait
         while len(reports) < self.world_size and time.monotonic() < deadline:
@@ -599,7 +608,7 @@ class Rendezvous:
                 silent = [rank for rank, count in after.items() if count == before[rank]]
                 return f"{_ranks_on(silent, self.hosts, me)} (no heartbeat for {wait:g} s: killed, or the " \
                        "host is cut off)" if silent else ""
-        return (f"rank 0 on {self.hosts[0].name}, which hosts the rendezvous store (it died, or the "
+        return (f"rank 0 on {self.hosts[0].name}, {STORE_HOST} (it died, or the "
                 f"network to {self.hosts[0].name} is down)")
 
     def _announced_loss(self, store: dist.Store, me: str) -> str:

@@ -43,7 +43,7 @@ from fixres_dist.config import TrainerConfig, steps_of
 from fixres_dist.distributed import layout
 from fixres_dist.distributed.layout import Layout
 from fixres_dist.distributed.preemption import Preempted
-from fixres_dist.distributed.rendezvous import LostPeers
+from fixres_dist.distributed.rendezvous import STORE_HOST, LostPeers
 from fixres_dist.errors import FixresError, plural
 
 LOSS_FILE = "lost.json"  # in the job folder: where the survivors of a lost peer stopped (note_loss)
@@ -109,14 +109,23 @@ def continued(config: TrainerConfig, contents, warn: Callable[[str], None]) -> T
     return attrs.evolve(config, global_batch=wanted, global_batch_ranks=saved.global_batch_ranks)
 
 
-def note_loss(config: TrainerConfig, epoch: int, images_in_epoch: int, global_step: int, lost: str) -> None:
+def note_loss(config: TrainerConfig, epoch: int, images_in_epoch: int, global_step: int, lost: str,
+              only_the_store: bool = False) -> None:
     """A surviving rank of a lost peer: where training had reached (``epoch`` 0-based, images into it,
     optimizer steps done) and what was lost, for the run that continues (:func:`read_loss`). Best effort:
-    every survivor writes the same, atomically; a failure to write loses only the figure."""
-    record = {"time": time.time(), "epoch": epoch, "images_in_epoch": images_in_epoch, "step": global_step,
+    every survivor writes, atomically; a failure to write loses only the figure. ``only_the_store``: all
+    this rank saw is rank 0's store going silent (:attr:`LostPeers.only_the_store`); it does not replace
+    another survivor's record of the same failure (the same step and world, within ``--dist-timeout``),
+    which names the ranks whose heartbeats stopped: rank 0 may only have been stopped after that loss."""
+    now = time.time()
+    record = {"time": now, "epoch": epoch, "images_in_epoch": images_in_epoch, "step": global_step,
               "ranks": config.num_tasks, "lost": lost, "host": socket.gethostname()}
     earlier = _valid(config.job_folder / LOSS_FILE)
     if earlier is not None and earlier["step"] > global_step:  # a run that failed before it resumed: keep the loss
+        return
+    if only_the_store and earlier is not None and STORE_HOST not in earlier["lost"] and \
+            (earlier["step"], earlier.get("ranks")) == (global_step, config.num_tasks) and \
+            now - earlier["time"] <= config.dist_timeout:
         return
     try:
         io.write_private(config.job_folder / LOSS_FILE, json.dumps(record))
@@ -212,4 +221,4 @@ def after_failure(config: TrainerConfig, state, failure: Exception) -> None:
     (:class:`~fixres_dist.distributed.rendezvous.LostPeers`), :func:`note_loss` where its ``state``
     (:class:`~fixres_dist.training.state.TrainState`) had reached."""
     if isinstance(failure, LostPeers):
-        note_loss(config, state.epoch, state.images_in_epoch, state.global_step, str(failure))
+        note_loss(config, state.epoch, state.images_in_epoch, state.global_step, str(failure), failure.only_the_store)

@@ -28,7 +28,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -40,6 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fixres_dist.bench import local_ranks  # noqa: E402
 from fixres_dist.config import TrainerConfig  # noqa: E402
 from fixres_dist.distributed import blocks, sharding  # noqa: E402
 from fixres_dist.models import architectures, weights  # noqa: E402
@@ -93,12 +93,6 @@ def _rank(rank: int, ranks: int, port: int, way: str, architecture: str, path: s
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--architecture", default="timm/vit_large_patch16_224")
@@ -111,7 +105,8 @@ def main() -> None:
         torch.save(model.state_dict(), path)
         del model
         for way in ("whole", "fixres_dist"):
-            mp.spawn(_rank, (args.ranks, _free_port(), way, args.architecture, str(path), folder), nprocs=args.ranks)
+            port = local_ranks.free_port()
+            mp.spawn(_rank, (args.ranks, port, way, args.architecture, str(path), folder), nprocs=args.ranks)
         rows = {(way, rank): json.loads(Path(folder, f"{way}-{rank}.json").read_text())
                 for way in ("whole", "fixres_dist") for rank in range(args.ranks)}
     print(f"{args.architecture}: {model_bytes / GIB:.2f} GiB of fp32 parameters and buffers; --sharding full on "

@@ -50,6 +50,7 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import sys
 
 import torch
 import torchvision
@@ -154,11 +155,22 @@ def _replace_stem(model: nn.Module) -> nn.Module:
 
 
 def import_optional(module: str, architecture: str):
-    """Import an optional package, or raise a one-line FixresError naming the pip extra."""
+    """Import an optional package, or raise a one-line FixresError naming the pip extra.
+
+    timm is imported without the ``wandb`` it imports when installed (``timm.utils.summary``, for its
+    own training script's logging, which this package never calls): importing wandb costs each rank
+    about 0.5 s, and it makes two temporary folders (``*wandb-media``, ``*wandb-artifacts``) that a
+    process ended by a signal leaves behind. A process that imported wandb before keeps it."""
     if importlib.util.find_spec(module) is None:
         package, extra = OPTIONAL_PACKAGES[module]
         raise FixresError(f"--architecture {architecture} needs the package {package}: pip install -e .[{extra}]")
-    return importlib.import_module(module)
+    if module != "timm" or "timm" in sys.modules or "wandb" in sys.modules:
+        return importlib.import_module(module)
+    sys.modules["wandb"] = None  # `import wandb` raises ImportError, which timm expects when it is not installed
+    try:
+        return importlib.import_module(module)
+    finally:
+        del sys.modules["wandb"]
 
 
 def available_architectures() -> list[str]:
@@ -190,7 +202,7 @@ def check_architecture(name: str, low_res_stem: bool = False) -> None:
     if name not in known:
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see torchvision.models.list_models()"
-        if importlib.util.find_spec("timm") is not None and importlib.import_module("timm").is_model(name):
+        if importlib.util.find_spec("timm") is not None and import_optional("timm", name).is_model(name):
             hint = f"; timm has it: --architecture {TIMM_PREFIX}{name}"
         raise FixresError(f"unknown --architecture {name!r}{hint}")
     if name in LITE_MODELS:

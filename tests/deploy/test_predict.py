@@ -16,6 +16,7 @@ import torch
 import torchvision
 from safetensors.torch import load_file
 
+import shown_commands as shown
 from conftest import read_only_folder
 from fixres_dist.data import images, packing, pipeline
 from fixres_dist.deploy import predict
@@ -56,12 +57,17 @@ def rows(path: Path) -> list[dict]:
 @pytest.mark.numeric
 def test_the_file_is_the_same_on_1_2_and_3_ranks_with_a_bad_image_skipped(exported_by_hand, flat_images, tmp_path,
                                                                            capsys):
-    flags = ("--batch", 4, "--on-bad-image", "skip", "--topk", 3)
+    shown_argv = shown.argv(shown.command("python -m fixres_dist.deploy.predict MODEL DATA"),  # on 3 ranks
+                            MODEL=exported_by_hand, DATA=flat_images, **{"predictions.csv": tmp_path / "three.csv"})
+    rest = shown_argv[5:]  # the flags but --out and --num-tasks
+    flags = [a for i, a in enumerate(rest) if "--out" not in rest[max(i - 1, 0):i + 1]
+             and "--num-tasks" not in rest[max(i - 1, 0):i + 1]]
     summary = f"30 images, 1 skipped: first: {flat_images / 'bad.png'}"
     assert run(exported_by_hand, flat_images, tmp_path / "one.csv", *flags) == 0  # this process, world size 1
     assert capsys.readouterr().out.strip() == f"{tmp_path / 'one.csv'}: {summary}"
-    for name, world in (("two.csv", 2), ("three.csv", 3)):  # ranks spawned, forked from the session's forkserver
-        assert run(exported_by_hand, flat_images, tmp_path / name, *flags, "--num-tasks", world) == 0
+    # ranks spawned, forked from the session's forkserver
+    assert run(exported_by_hand, flat_images, tmp_path / "two.csv", *flags, "--num-tasks", 2) == 0
+    assert predict.main(shown_argv[3:]) == 0
     one = (tmp_path / "one.csv").read_bytes()
     assert one == (tmp_path / "two.csv").read_bytes() == (tmp_path / "three.csv").read_bytes()
     assert len(rows(tmp_path / "one.csv")) == 30

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow.parquet
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torchvision
 from safetensors.torch import load_file
 
@@ -54,6 +55,11 @@ def rows(path: Path) -> list[dict]:
     return [{k: np.float32(v) if k.startswith("probability") else str(v) for k, v in row.items()} for row in found]
 
 
+def rank_by_flags(index: int, argv: list[str]) -> None:
+    """One rank placed by ``--global-rank``: it meets the others at the file beside ``--out``."""
+    raise SystemExit(predict.main([*argv, "--global-rank", str(index)]))
+
+
 @pytest.mark.numeric
 def test_the_file_is_the_same_on_1_2_and_3_ranks_with_a_bad_image_skipped(exported_by_hand, flat_images, tmp_path,
                                                                            capsys):
@@ -65,9 +71,9 @@ def test_the_file_is_the_same_on_1_2_and_3_ranks_with_a_bad_image_skipped(export
     summary = f"30 images, 1 skipped: first: {flat_images / 'bad.png'}"
     assert run(exported_by_hand, flat_images, tmp_path / "one.csv", *flags) == 0  # this process, world size 1
     assert capsys.readouterr().out.strip() == f"{tmp_path / 'one.csv'}: {summary}"
-    # ranks spawned, forked from the session's forkserver
-    assert run(exported_by_hand, flat_images, tmp_path / "two.csv", *flags, "--num-tasks", 2) == 0
-    assert predict.main(shown_argv[3:]) == 0
+    two = [str(exported_by_hand), str(flat_images), "--out", str(tmp_path / "two.csv"), *flags, "--num-tasks", "2"]
+    mp.start_processes(rank_by_flags, args=(two,), nprocs=2, start_method="forkserver")  # 2 ranks started apart
+    assert predict.main(shown_argv[3:]) == 0  # 3 ranks it spawns, forked from the session's forkserver
     one = (tmp_path / "one.csv").read_bytes()
     assert one == (tmp_path / "two.csv").read_bytes() == (tmp_path / "three.csv").read_bytes()
     assert len(rows(tmp_path / "one.csv")) == 30

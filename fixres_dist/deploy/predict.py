@@ -22,9 +22,11 @@ spawns N local ranks.
 """
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import attrs
@@ -43,7 +45,8 @@ from fixres_dist.io import write_private
 
 DEFAULT_TOPK = 5
 DEFAULT_BATCH = 32
-DIST_TIMEOUT_S = 300.0
+DIST_TIMEOUT_S = 300.0  # seconds the ranks wait for each other
+GRACE_S = 10.0  # seconds the other ranks have to end after one failed, before they are killed
 
 
 @attrs.frozen
@@ -201,18 +204,29 @@ def _spawned(index: int, request: Request, world: int) -> None:
 
 
 def spawn(request: Request, world: int) -> int:
-    """Start ``world`` local ranks (forked from a forkserver that imported this module once) and wait;
-    returns 0, or 1 when a rank failed (the others are then ended)."""
+    """Start ``world`` local ranks (forked from a forkserver that imported this module once) and wait for
+    them all; returns 0, or 1 when a rank failed. A rank that failed alone (a crash: the others wait for it
+    in a collective) has the others ended :data:`GRACE_S` seconds later."""
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if method == "forkserver":
         mp.set_forkserver_preload([__name__])
-    context = mp.start_processes(_spawned, args=(request, world), nprocs=world, join=False, start_method=method)
+    processes = mp.start_processes(_spawned, args=(request, world), nprocs=world, join=False,
+                                   start_method=method).processes
+    deadline = None
     try:
-        while not context.join():
-            pass
-    except (mp.ProcessRaisedException, mp.ProcessExitedException):
-        return 1
-    return 0
+        while any(p.exitcode is None for p in processes):
+            multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=1.0)
+            if deadline is None and any(p.exitcode not in (None, 0) for p in processes):
+                deadline = time.monotonic() + GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                for p in processes:
+                    p.kill()
+    finally:  # also on Ctrl-C: no rank outlives this call
+        for p in processes:
+            if p.exitcode is None:
+                p.terminate()
+                p.join()
+    return 0 if all(p.exitcode == 0 for p in processes) else 1
 
 
 def parser() -> OneLineParser:

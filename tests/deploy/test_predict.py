@@ -74,6 +74,8 @@ def test_the_file_is_the_same_on_1_2_and_3_ranks_with_a_bad_image_skipped(export
     two = [str(exported_by_hand), str(flat_images), "--out", str(tmp_path / "two.csv"), *flags, "--num-tasks", "2"]
     mp.start_processes(rank_by_flags, args=(two,), nprocs=2, start_method="forkserver")  # 2 ranks started apart
     assert predict.main(shown_argv[3:]) == 0  # 3 ranks it spawns, forked from the session's forkserver
+    failing = [a for a in flags if a not in ("--on-bad-image", "skip")]  # the bad image stops all 3 ranks: no file
+    assert run(exported_by_hand, flat_images, tmp_path / "failed.csv", *failing, "--num-tasks", 3) == 1
     one = (tmp_path / "one.csv").read_bytes()
     assert one == (tmp_path / "two.csv").read_bytes() == (tmp_path / "three.csv").read_bytes()
     assert len(rows(tmp_path / "one.csv")) == 30

@@ -191,9 +191,12 @@ def run_rank(request: Request, rank: int, world: int, dist_url: str | None = Non
         outcome = collectives.broadcast_object(outcome)
     finally:
         collectives.destroy_process_group()
-    if rank == 0:
-        print(outcome[1], flush=True) if outcome[0] == "done" else say(f"fixres_dist: {outcome[1]}")
-    return 0 if outcome[0] == "done" else 1
+    done, line = outcome
+    if rank == 0 and done == "done":
+        print(line, flush=True)
+    elif rank == 0:
+        say(f"fixres_dist: {line}")
+    return 0 if done == "done" else 1
 
 
 def _spawned(index: int, request: Request, world: int) -> None:

@@ -84,15 +84,17 @@ class ExportedModel:
         return pipeline.test_transform(self.input_size, self.crop_ratio, self.interpolation)
 
     def build(self) -> nn.Module:
-        """The network in eval mode on the CPU with these weights (``load_state_dict(strict=True)``):
-        float32 normalised (B, 3, H, W) in, (B, num_classes) logits out. Raises :class:`FixresError` for
-        weights that do not fit the architecture."""
+        """The network in eval mode on the CPU with these weights (``load_state_dict(strict=True)``), for
+        :attr:`input_size` as evaluation runs it (a torchvision ViT built for another size gets its position
+        embedding interpolated: :func:`fixres_dist.models.architectures.for_resolution`): float32
+        normalised (B, 3, H, W) in, (B, num_classes) logits out. Raises :class:`FixresError` for weights that
+        do not fit the architecture."""
         model = architectures.build_model(**self.build_args)
         try:
             model.load_state_dict(self.state_dict, strict=True)
         except RuntimeError as exc:
             raise FixresError(f"{self.origin}: the weights do not fit {self.architecture}: {first_line(exc)}") from None
-        return model.eval()
+        return architectures.for_resolution(model, self.input_size).eval()
 
     def metadata(self) -> dict:
         """``model.json``'s content (without ``files`` when none are recorded)."""

@@ -35,7 +35,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
-from fixres_dist.arguments import Formatter, OneLineParser, positive_int
+from fixres_dist.arguments import Formatter, OneLineParser, non_negative_int, positive_int
 from fixres_dist.data import pipeline
 from fixres_dist.data.samplers import SampleKey
 from fixres_dist.deploy import exported, prediction_data, prediction_files
@@ -247,7 +247,8 @@ def parser() -> OneLineParser:
                    help=f"classes per image, most probable first (default {DEFAULT_TOPK})")
     p.add_argument("--batch", type=positive_int, default=DEFAULT_BATCH,
                    help=f"images per batch; the batches are the same on any number of ranks (default {DEFAULT_BATCH})")
-    p.add_argument("--workers", type=int, default=0, help="data loader worker processes per rank (default 0)")
+    p.add_argument("--workers", type=non_negative_int, default=0,
+                   help="data loader worker processes per rank (default 0)")
     p.add_argument("--on-bad-image", choices=("error", "skip"), default="error",
                    help="an image that cannot be read: stop, naming it (default), or skip it and count it")
     p.add_argument("--split", choices=("train", "val"), default="val",

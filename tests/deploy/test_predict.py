@@ -174,7 +174,8 @@ def test_bad_input_is_refused_in_one_line_leaving_nothing(exported_by_hand, flat
         assert not out.exists() and not list(tmp_path.glob(".*predict*"))
     assert (tmp_path / "exists.csv").read_text() == "kept\n"
     for flags, message in ((("--topk", 0), "argument --topk: must be a positive whole number, got 0"),
-                           (("--format", "xml"), "argument --format: invalid choice: 'xml'")):
+                           (("--format", "xml"), "argument --format: invalid choice: 'xml'"),
+                           (("--workers", -1), "argument --workers: must be 0 or more, got -1")):
         with pytest.raises(SystemExit) as exit_info:
             run(exported_by_hand, flat_images, out, *flags)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

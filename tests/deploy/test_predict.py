@@ -173,6 +173,8 @@ def test_bad_input_is_refused_in_one_line_leaving_nothing(exported_by_hand, flat
         assert re.search(message, err), (message, err)
         assert not out.exists() and not list(tmp_path.glob(".*predict*"))
     assert (tmp_path / "exists.csv").read_text() == "kept\n"
+    assert run(exported_by_hand, flat_images, tmp_path / "exists.csv", "--on-bad-image", "skip", "--overwrite") == 0
+    assert len(rows(tmp_path / "exists.csv")) == 30
     for flags, message in ((("--topk", 0), "argument --topk: must be a positive whole number, got 0"),
                            (("--format", "xml"), "argument --format: invalid choice: 'xml'"),
                            (("--workers", -1), "argument --workers: must be 0 or more, got -1")):

@@ -239,15 +239,16 @@ def parser() -> OneLineParser:
     p.add_argument("model", metavar="MODEL", help="an export folder (fixres_dist.deploy.export) or a checkpoint")
     p.add_argument("data", metavar="DATA", help="a folder of images (at any depth), packed shards or a Hugging "
                    "Face dataset (saved or parquet)")
-    p.add_argument("--out", required=True, type=Path, help="the predictions file (must not exist, unless --overwrite)")
+    p.add_argument("--out", required=True, metavar="FILE", type=Path,
+                   help="the predictions file (must not exist, unless --overwrite)")
     p.add_argument("--format", choices=sorted(set(prediction_files.FORMATS.values())),
                    help="csv, jsonl or parquet (default: from --out's suffix)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--topk", type=positive_int, default=DEFAULT_TOPK,
+    p.add_argument("--topk", metavar="K", type=positive_int, default=DEFAULT_TOPK,
                    help=f"classes per image, most probable first (default {DEFAULT_TOPK})")
-    p.add_argument("--batch", type=positive_int, default=DEFAULT_BATCH,
+    p.add_argument("--batch", metavar="N", type=positive_int, default=DEFAULT_BATCH,
                    help=f"images per batch; the batches are the same on any number of ranks (default {DEFAULT_BATCH})")
-    p.add_argument("--workers", type=non_negative_int, default=0,
+    p.add_argument("--workers", metavar="N", type=non_negative_int, default=0,
                    help="data loader worker processes per rank (default 0)")
     p.add_argument("--on-bad-image", choices=("error", "skip"), default="error",
                    help="an image that cannot be read: stop, naming it (default), or skip it and count it")
@@ -255,9 +256,10 @@ def parser() -> OneLineParser:
                    help="the split of packed shards or a Hugging Face dataset (default val)")
     p.add_argument("--weight-key", choices=exported.ENTRIES, default="model",
                    help="a checkpoint's weights: the trained ones or their moving average (default model)")
-    p.add_argument("--num-tasks", type=positive_int, help="ranks in all; alone: spawn that many local ranks")
-    p.add_argument("--global-rank", type=int, help="this process's rank (with --num-tasks)")
-    p.add_argument("--local-rank", type=int, help="this process's rank on its node")
+    p.add_argument("--num-tasks", metavar="N", type=positive_int,
+                   help="ranks in all; alone: spawn that many local ranks")
+    p.add_argument("--global-rank", metavar="R", type=int, help="this process's rank (with --num-tasks)")
+    p.add_argument("--local-rank", metavar="L", type=int, help="this process's rank on its node")
     p.add_argument("--job-id", help="names the work folder beside --out (default: SLURM's job id, or none)")
     p.add_argument("--dist-url", help="where the ranks meet (default: a file beside --out; torchrun: env://)")
     return p

@@ -25,6 +25,8 @@ setup(
         "tensorboard": ["tensorboard"],
         # Hugging Face datasets as --data-path (fixres_dist.data.hf_datasets)
         "hf": ["datasets"],
+        # export folders' weights and parquet predictions (fixres_dist.deploy)
+        "deploy": ["safetensors", "pyarrow"],
     },
     entry_points={"console_scripts": [
         "fixres-scratch=fixres_dist.entry.scripts:main_scratch",

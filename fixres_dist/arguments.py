@@ -10,20 +10,27 @@ import textwrap
 from fixres_dist.errors import FixresError
 
 
-def whole(text: str, unit: str = "") -> int:
-    """A positive whole number (of ``unit``, for the message); ArgumentTypeError otherwise."""
+def whole(text: str, unit: str = "", least: int = 1) -> int:
+    """A whole number of at least ``least`` (1: a positive one; of ``unit``, for the message);
+    ArgumentTypeError otherwise."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number{unit}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive whole number{unit}, got {text}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number{unit}, got {text}" if least == 1
+                                         else f"must be {least} or more, got {text}")
     return value
 
 
 def positive_int(text: str) -> int:
     """A count: a positive whole number."""
     return whole(text)
+
+
+def non_negative_int(text: str) -> int:
+    """A count that may be zero (worker processes)."""
+    return whole(text, least=0)
 
 
 def pixels(text: str) -> int:

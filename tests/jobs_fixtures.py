@@ -100,3 +100,31 @@ def run_shown_split_command(command: str, job_id: str, folder) -> str:
     assert result.returncode == 0, result.stderr[-3000:]
     assert events(folder / job_id, "eval")[-1]["images"] == 1000
     return result.stdout
+
+
+@pytest.fixture(scope="session")
+def exported_by_hand(finetune_job, tmp_path_factory) -> Path:
+    """:func:`finetune_job`'s checkpoint as an export folder written here by hand, exactly per the export
+    folder's specification (``model.safetensors`` and ``model.json``; docs/models.md), without the
+    exporter: what the readers of export folders are tested on. Read it; copy it to change it."""
+    import hashlib
+    import json
+
+    from safetensors.torch import save_file
+
+    from fixres_dist.training.export import checkpoint_weights
+
+    out = tmp_path_factory.mktemp("exported") / "resnet18-48"
+    out.mkdir()
+    weights, state = checkpoint_weights(finetune_job.folder / "checkpoint.pth")
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(out / "model.safetensors"))
+    classes = list(state["classes"])
+    meta = {"format": "fixres_dist.export", "version": 1, "architecture": "resnet18", "num_classes": len(classes),
+            "build": {"name": "resnet18", "num_classes": len(classes), "image_size": 48, "low_res_stem": False},
+            "class_names": classes, "input_size": 48, "resize_size": 55, "crop_ratio": 0.875,
+            "interpolation": "bilinear", "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
+            "lineage": {"train_size": 32, "finetuned_at": 48}, "weights": "model",
+            "source": {"checkpoint": str(finetune_job.folder / "checkpoint.pth"), "job_id": "f", "epoch": 1},
+            "files": {"model.safetensors": hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()}}
+    (out / "model.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    return out

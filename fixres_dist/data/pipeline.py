@@ -177,6 +177,15 @@ def _image_files(folder: str, hidden: list[str], ancestors: Ancestors, visit: Vi
     return [path for _, paths in sorted(found) for path in paths]
 
 
+def image_files(folder: str | Path) -> tuple[list[str], list[str]]:
+    """Every image file under ``folder``, at any depth, walked as :func:`scan_split` walks a class folder
+    (links followed, hidden entries skipped and not walked into); returns ``(image paths, hidden paths)``.
+    Raises as :func:`scan_split`."""
+    hidden: list[str] = []
+    found = _image_files(str(folder), hidden, {})
+    return found, hidden
+
+
 def scan_split(split: str | Path, visit: Visit | None = None) -> SplitScan:
     """The classes and image files of ``split``, walked as torchvision's ImageFolder walks them
     (symbolic links followed, extensions ``IMG_EXTENSIONS`` in any case, the same order), except
@@ -416,6 +425,8 @@ class SeededDataset(Dataset):
     formats as 8-bit RGB PIL images; otherwise the dataset's own items (PIL images).
     """
 
+    skip_flag = "--skip-bad-images"  # what the bad image's message says skips it
+
     def __init__(self, base: datasets.ImageFolder, transform: v2.Transform, seed: int, skip_bad_images: bool = False):
         self.base, self.transform, self.seed, self.skip_bad_images = base, transform, seed, skip_bad_images
         # Decode files here only where that changes nothing but the speed: our PIL loader, no
@@ -450,18 +461,19 @@ class SeededDataset(Dataset):
         except (OSError, ValueError, SyntaxError) as exc:  # PIL's UnidentifiedImageError is an OSError
             if self.skip_bad_images:
                 return None
-            raise FixresError(bad_image_message(self.item_name(key.index), exc)) from None
+            raise FixresError(bad_image_message(self.item_name(key.index), exc, self.skip_flag)) from None
         with seeded_cpu_generator([self.seed, key.epoch, key.index] + ([key.copy] if key.copy else [])):
             return self.transform(image), label
 
 
-def bad_image_message(path: str, exc: Exception) -> str:
-    """The one line that names the bad image ``path`` and says what ``exc``, raised reading it, means."""
+def bad_image_message(path: str, exc: Exception, skip_flag: str = "--skip-bad-images") -> str:
+    """The one line that names the bad image ``path`` and says what ``exc``, raised reading it, means
+    (``skip_flag``: the flag that skips such images instead)."""
     if isinstance(exc, images.ImageTooLargeError):
         problem, fix = f"image {path} is too large: {exc}", "downscale"
     else:
         problem, fix = f"unreadable image {path} ({type(exc).__name__}: {first_line(exc)})", "fix"
-    return f"{problem}; {fix} or remove it, or pass --skip-bad-images"
+    return f"{problem}; {fix} or remove it, or pass {skip_flag}"
 
 
 def collate_readable(samples: list) -> tuple[torch.Tensor, torch.Tensor, int]:

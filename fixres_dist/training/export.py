@@ -23,6 +23,19 @@ from fixres_dist.training import checkpoint
 ENTRIES = ("model", "model_ema")
 
 
+def checkpoint_weights(source: str | Path, key: str = "model") -> tuple[dict, dict]:
+    """``source``'s ``key`` weights (``model`` or ``model_ema``) as one state_dict (name -> CPU tensor:
+    parameters and buffers, BatchNorm statistics averaged over the ranks), and the checkpoint's whole
+    state (sharded entries filled in). Raises :class:`FixresError` for an unreadable, incomplete or
+    foreign checkpoint, or one without ``key``."""
+    state = checkpoint_shards.with_full_tensors(Path(source), checkpoint.load_checkpoint(source))
+    if state.get(key) is None:
+        raise FixresError(f"{source} has no {key} weights (a run without --model-ema keeps none)" if key == "model_ema"
+                          else f"{source} has no {key} entry")
+    buffers = "ema_buffers" if key == "model_ema" else "buffers"
+    return {**state[key], **checkpoint.rank_buffers(state["ranks"], None, buffers)}, state
+
+
 def export(source: str | Path, out: str | Path, key: str = "model") -> tuple[int, int | None]:
     """Write ``source``'s ``key`` weights (``model``, or ``model_ema``: the weights' moving average) to
     ``out``; returns the number of tensors and the resolution (pixels) they were trained at, the size
@@ -32,12 +45,7 @@ def export(source: str | Path, out: str | Path, key: str = "model") -> tuple[int
     out = Path(out)
     if out.exists():
         raise FixresError(f"{out} exists; export writes a new file (remove it or give another path)")
-    state = checkpoint_shards.with_full_tensors(Path(source), checkpoint.load_checkpoint(source))
-    if state.get(key) is None:
-        raise FixresError(f"{source} has no {key} weights (a run without --model-ema keeps none)" if key == "model_ema"
-                          else f"{source} has no {key} entry")
-    buffers = "ema_buffers" if key == "model_ema" else "buffers"
-    weights = {**state[key], **checkpoint.rank_buffers(state["ranks"], None, buffers)}
+    weights, state = checkpoint_weights(source, key)
     try:
         write_private(out, lambda f: torch.save(weights, f))
     except OSError as exc:

@@ -10,6 +10,7 @@ import torch
 
 import shown_commands as shown
 from conftest import make_subset, run_main, run_script
+from fixres_dist.deploy import exported
 from fixres_dist.distributed.blocks import blocks
 from fixres_dist.distributed.sharding import checkpoint_activations
 from fixres_dist.models.architectures import build_model
@@ -244,6 +245,19 @@ def test_the_sharded_commands_shown(tmp_path, capsys):
     assert export.main(export_weights[3:]) == 0
     model = build_model("timm/test_vit", 10, image_size=32)
     model.load_state_dict(torch.load(tmp_path / "vit-sharded.pth", weights_only=True))
+
+
+def test_a_sharded_checkpoint_is_a_model_to_predict_with(vit_jobs):
+    """fixres_dist.deploy.exported reads a sharded checkpoint (here, where a sharded job's is at hand): the
+    network built from it holds the checkpoint's full tensors, its EMA's too, at the resolution it trained at."""
+    source = vit_jobs / "full" / CHECKPOINT_FILE
+    saved = full(source)
+    for key in ("model", "model_ema"):
+        model = exported.from_checkpoint(source, key)
+        assert (model.architecture, model.input_size, model.weights, len(model.class_names)) == \
+            ("timm/test_vit", 32, key, 10)
+        state = model.build().state_dict()
+        assert state.keys() == saved[key].keys() and all(torch.equal(state[k], saved[key][k]) for k in state)
 
 
 def test_export_writes_the_weights_alone_and_never_overwrites(vit_jobs, tmp_path, capsys):

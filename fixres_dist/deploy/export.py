@@ -36,7 +36,6 @@ checkpoint, ``OUT`` existing or its folder unwritable) is one :class:`~fixres_di
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -51,7 +50,7 @@ from typing import Callable
 import attrs
 import torch
 
-from fixres_dist import io
+from fixres_dist import arguments, io
 from fixres_dist.data import pipeline
 from fixres_dist.distributed import checkpoint_shards
 from fixres_dist.errors import FixresError, FixresWarning, first_line
@@ -106,8 +105,8 @@ def _weights_run_config(config: dict, warn: Callable[[str], None]) -> dict | Non
     except FixresError as exc:
         open_fields = [f for f in PREPROCESSING_FIELDS if config.get(f) is None]
         if open_fields:
-            warn(f"the run's --weight-path {source} cannot be read ({first_line(exc)}): its "
-                 f"{', '.join(open_fields)} taken as the architecture's, which its run may have overridden")
+            warn(f"{', '.join(open_fields)}: the architecture's, as the run's --weight-path {source}, whose "
+                 f"overrides it would have inherited, cannot be read ({first_line(exc)})")
         return None
     return saved.get("config") if isinstance(saved, dict) and isinstance(saved.get("config"), dict) else None
 
@@ -279,7 +278,7 @@ def export_folder(checkpoint_path: str | Path, out: str | Path, weight_key: str 
 
 def main(argv: list[str] | None = None) -> int:
     """The command; returns its exit status (1 after one ``fixres_dist: ...`` line on stderr)."""
-    parser = argparse.ArgumentParser(prog="python -m fixres_dist.deploy.export",
+    parser = arguments.OneLineParser(prog="python -m fixres_dist.deploy.export", formatter_class=arguments.Formatter,
                                      description="write a checkpoint's network as an export folder: safetensors "
                                                  "weights, model.json (test resolution, preprocessing, class names, "
                                                  "lineage), ONNX and a torch.export program (docs/models.md)")

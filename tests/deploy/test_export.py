@@ -203,3 +203,36 @@ def test_a_sharded_checkpoints_average_loads_into_timm(vit_jobs, tmp_path, capsy
     err = capsys.readouterr().err
     assert "is missing the shard __1_0.distcp" in err and len(err.splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cut", "my-job-export"]
+
+
+def test_split_checkpoints_hold_the_whole_network(split_jobs):
+    """Tensor-parallel and pipeline runs write the whole model's tensors (gathered): each checkpoint loads
+    strictly into the network its model.json would describe, the same description as the job's under DDP."""
+    def described(job: str) -> tuple[dict, list[str]]:
+        exportable = export.read_exportable(split_jobs / job / CHECKPOINT_FILE)  # a strict load_state_dict
+        return ({k: v for k, v in exportable.description.items() if k != "source"},
+                list(exportable.model.state_dict()))
+    ddp = described("ddp")
+    assert ddp[0]["build"] == {"name": "timm/test_vit", "num_classes": 10, "image_size": 32, "low_res_stem": False}
+    assert described("tp") == ddp and described("pp") == ddp
+
+
+def test_the_preprocessing_a_finetune_inherited(finetune_job, tmp_path):
+    """A finetune without its own ``--mean``/``--std``/``--crop-ratio``/``--interpolation`` used those of the run
+    its ``--weight-path`` checkpoint came from (:func:`fixres_dist.models.preprocessing.resolve`), and so does its
+    export; where that checkpoint is gone, the architecture's, with one warning naming it."""
+    state = dict(full(finetune_job.folder / CHECKPOINT_FILE))
+    weights_run = {**state["config"], "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25], "crop_ratio": 0.9,
+                   "interpolation": "bicubic"}
+    torch.save({"format_version": 1, "config": weights_run}, tmp_path / "weights.pth")
+    for name, source in (("inherits.pth", tmp_path / "weights.pth"), ("orphan.pth", tmp_path / "gone.pth")):
+        torch.save({**state, "config": {**state["config"], "weight_path": str(source)}}, tmp_path / name)
+    warned = []
+    inherited = export.read_exportable(tmp_path / "inherits.pth", warn=warned.append).description
+    assert [inherited[k] for k in ("mean", "std", "crop_ratio", "interpolation", "resize_size")] == [
+        [0.5] * 3, [0.25] * 3, 0.9, "bicubic", 53] and not warned
+    orphan = export.read_exportable(tmp_path / "orphan.pth", warn=warned.append).description
+    assert (orphan["mean"], orphan["crop_ratio"]) == ([0.485, 0.456, 0.406], 0.875)
+    assert warned == [f"mean, std, crop_ratio, interpolation: the architecture's, as the run's --weight-path "
+                      f"{tmp_path / 'gone.pth'}, whose overrides it would have inherited, cannot be read (weight file "
+                      f"{tmp_path / 'gone.pth'} does not exist)"]

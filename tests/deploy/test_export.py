@@ -21,8 +21,10 @@ from safetensors.torch import load_file
 
 import shown_commands as shown
 from conftest import read_only_folder, tmpfs
+from fixres_dist.config import TrainerConfig
 from fixres_dist.data import pipeline
 from fixres_dist.deploy import export
+from fixres_dist.entry import launch
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, rank_buffers
 from numeric import assert_near_reference
 from split_models import full
@@ -77,6 +79,16 @@ def test_the_export_of_a_run_says_what_its_checkpoint_says(exported, finetune_jo
     expected = {**state["model"], **rank_buffers(state["ranks"], None)}
     assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
     assert {t.dtype for t in weights.values()} == {torch.float32, torch.int64}  # num_batches_tracked
+
+
+def test_a_rerun_keeps_the_export_it_finds(finetune_job, capsys):
+    """``--export`` at a rerun of the finished job (the same configuration, so the same last checkpoint) keeps the
+    folder, untouched, in one line."""
+    folder = finetune_job.folder / export.RUN_FOLDER
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    launch.export_run(TrainerConfig(shared_folder_path=str(finetune_job.folder.parent), job_id="f", export=True))
+    assert capsys.readouterr().out == f"--export: {folder} kept (an earlier run of this job wrote it)\n"
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
 
 
 @needs_photos

@@ -25,8 +25,9 @@ setup(
         "tensorboard": ["tensorboard"],
         # Hugging Face datasets as --data-path (fixres_dist.data.hf_datasets)
         "hf": ["datasets"],
-        # export folders' weights and parquet predictions (fixres_dist.deploy)
-        "deploy": ["safetensors", "pyarrow"],
+        # the export folder and predictions (fixres_dist.deploy): safetensors weights, ONNX (the dynamo exporter
+        # needs onnxscript) checked with onnxruntime, parquet predictions
+        "deploy": ["safetensors", "onnx", "onnxscript", "onnxruntime", "pyarrow"],
     },
     entry_points={"console_scripts": [
         "fixres-scratch=fixres_dist.entry.scripts:main_scratch",

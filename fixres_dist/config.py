@@ -374,6 +374,9 @@ class TrainerConfig:
     # The --config file (YAML or JSON) the settings were read from, under the flags given (entry/config_file.py).
     config_file: str | None = attrs.field(default=None, converter=resolved_path, metadata=RESUMABLE)
     tensorboard: bool = attrs.field(default=False, metadata=RESUMABLE)
+    # After the run ends successfully, the export folder of its last checkpoint in <job folder>/export/
+    # (fixres_dist.deploy.export, written by the launcher, not the ranks).
+    export: bool = attrs.field(default=False, metadata=RESUMABLE)
     dist_bn: str = attrs.field(default="reduce", validator=_one_of("reduce", "broadcast"))
     workers: int = attrs.field(default=2, validator=_non_negative, metadata=RESUMABLE)
     seed: int = attrs.field(default=0, validator=_seed)

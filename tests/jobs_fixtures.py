@@ -41,9 +41,10 @@ def finetune_of(scratch_job, few_data, shared: Path, *extra) -> FinishedJob:
 def finetune_job(scratch_job, few_data, tmp_path_factory) -> FinishedJob:
     """A finished 2-rank FixRes finetune (job id ``f``) of :func:`conftest.scratch_job`'s checkpoint
     (resnet18 trained at 32 px) at 48 px on :func:`few_data`: 1 epoch, loader workers, the default
-    scope (head+last-norm), no sweep. Read it; copy it to change it."""
+    scope (head+last-norm), no sweep, ``--export`` (its export folder in ``export/``). Read it; copy it to
+    change it."""
     return once_per_run(tmp_path_factory, "finetune_job",
-                        lambda shared: finetune_of(scratch_job, few_data, shared))
+                        lambda shared: finetune_of(scratch_job, few_data, shared, "--export"))
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +103,33 @@ def run_shown_split_command(command: str, job_id: str, folder) -> str:
     return result.stdout
 
 
+# The sharding tests' ViT (timm's 6-block test model, 0.3 M parameters): no BatchNorm, so the gradient of a
+# global batch is the same however the ranks split it, and runs on other world sizes compare too.
+VIT = ["--architecture", "timm/test_vit", "--input-size", "32", "--batch", "8", "--epochs", "1",
+       "--warmup-epochs", "0", "--workers", "0", "--no-progress", "--model-ema", "--model-ema-steps", "1",
+       "--model-ema-decay", "0.5"]
+
+
+def vit_run(folder, data, name, *extra, world=2, fault=None):
+    """main_scratch.py with :data:`VIT` (then ``extra``) as job ``name`` on ``world`` ranks, ``fault``: FIXRES_FAULT."""
+    return run_script("scratch", "--num-tasks", world, "--job-id", name, "--shared-folder-path", folder,
+                      "--data-path", data, *VIT, *extra, env={"FIXRES_FAULT": fault} if fault else None)
+
+
+@pytest.fixture(scope="session")
+def vit_jobs(tiny_data, tmp_path_factory) -> Path:
+    """The same 2-rank ViT job (:data:`VIT`, with its EMA) under DDP (job ``ddp``), again with the other memory
+    format (``ddp-other``: the same computation in another summation order, :func:`split_models.assert_same_run`)
+    and fully sharded (``full``: a ``--sharding full`` checkpoint, its ``.pth`` and shards folder)."""
+    def make(folder: Path) -> Path:
+        for name, sharding, extra in (("ddp", "ddp", ()), ("ddp-other", "ddp", ("--channels-last",)),
+                                      ("full", "full", ())):
+            result = vit_run(folder, tiny_data, name, "--sharding", sharding, *extra)
+            assert result.returncode == 0, result.stderr[-3000:]
+        return folder
+    return once_per_run(tmp_path_factory, "vit_jobs", make)
+
+
 @pytest.fixture(scope="session")
 def exported_by_hand(finetune_job, tmp_path_factory) -> Path:
     """:func:`finetune_job`'s checkpoint as an export folder written here by hand, exactly per the export
@@ -112,13 +140,14 @@ def exported_by_hand(finetune_job, tmp_path_factory) -> Path:
 
     from safetensors.torch import save_file
 
-    from fixres_dist.training.export import checkpoint_weights
+    from fixres_dist.deploy.export import read_exportable
 
     out = tmp_path_factory.mktemp("exported") / "resnet18-48"
     out.mkdir()
-    weights, state = checkpoint_weights(finetune_job.folder / "checkpoint.pth")
-    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(out / "model.safetensors"))
-    classes = list(state["classes"])
+    found = read_exportable(finetune_job.folder / "checkpoint.pth")  # the weights as a checkpoint holds them
+    save_file({name: tensor.contiguous() for name, tensor in found.model.state_dict().items()},
+              str(out / "model.safetensors"))
+    classes = list(found.description["class_names"])
     meta = {"format": "fixres_dist.export", "version": 1, "architecture": "resnet18", "num_classes": len(classes),
             "build": {"name": "resnet18", "num_classes": len(classes), "image_size": 48, "low_res_stem": False},
             "class_names": classes, "input_size": 48, "resize_size": 55, "crop_ratio": 0.875,

@@ -275,11 +275,17 @@ def _interpolation(name: str) -> v2.InterpolationMode:
     return INTERPOLATIONS[name]
 
 
-def _resize_for_crop(size: int, crop_ratio: float, interpolation: str) -> v2.Resize:
-    """Resize of the shorter side to ``round(size / crop_ratio)``, antialiased."""
+def resize_size(size: int, crop_ratio: float) -> int:
+    """The shorter side (pixels) the test transform resizes to before its centre crop of ``size``
+    pixels: ``round(size / crop_ratio)``. Raises :class:`FixresError` for a ratio outside (0, 1]."""
     if not 0 < crop_ratio <= 1:
         raise FixresError(f"crop ratio must be in (0, 1], got {crop_ratio!r}")
-    return v2.Resize(round(size / crop_ratio), interpolation=_interpolation(interpolation), antialias=True)
+    return round(size / crop_ratio)
+
+
+def _resize_for_crop(size: int, crop_ratio: float, interpolation: str) -> v2.Resize:
+    """Resize of the shorter side to :func:`resize_size`, antialiased."""
+    return v2.Resize(resize_size(size, crop_ratio), interpolation=_interpolation(interpolation), antialias=True)
 
 
 # --auto-augment's names (fixres_dist.config.AUTO_AUGMENT_POLICIES) -> torchvision v2 policies, made

@@ -29,18 +29,14 @@ from pathlib import Path
 import attrs
 from torch import nn
 
-from fixres_dist.config import TrainerConfig
 from fixres_dist.data import pipeline
 from fixres_dist.data.shards import sha256
+from fixres_dist.deploy import export
+from fixres_dist.deploy.export import DESCRIPTION_FILE as METADATA_FILE
+from fixres_dist.deploy.export import FORMAT, VERSION, WEIGHTS_FILE
 from fixres_dist.errors import FixresError, first_line
-from fixres_dist.models import architectures, preprocessing, weights
-from fixres_dist.models.lineage import Lineage
-from fixres_dist.training.export import ENTRIES, checkpoint_weights
+from fixres_dist.models import architectures
 
-FORMAT = "fixres_dist.export"
-VERSION = 1
-WEIGHTS_FILE = "model.safetensors"
-METADATA_FILE = "model.json"
 # model.json's entries and their JSON types (bool is refused where int is wanted: see _check_types)
 FIELDS = {"format": str, "version": int, "architecture": str, "num_classes": int, "build": dict,
           "class_names": list, "input_size": int, "resize_size": int, "crop_ratio": (int, float),
@@ -179,34 +175,12 @@ def read_export(folder: str | Path) -> ExportedModel:
 
 def from_checkpoint(path: str | Path, key: str = "model") -> ExportedModel:
     """A checkpoint of this project (one file or sharded) as an :class:`ExportedModel`: its ``key`` weights
-    (``model``, or ``model_ema``), what :func:`read_export` gives of an export of it (``files`` empty).
-    Raises :class:`FixresError` for a file that is not such a checkpoint, one without ``key``, or one that
-    records no class names (written before they were recorded)."""
-    if key not in ENTRIES:
-        raise FixresError(f"weights {key!r}: use one of {', '.join(ENTRIES)}")
-    state_dict, state = checkpoint_weights(path, key)
-    if not state.get("classes"):
-        raise FixresError(f"checkpoint {path} records no class names (written by an older fixres_dist); "
-                          "finetune or evaluate it again to record them")
-    config = TrainerConfig.from_dict(state["config"])
-    trained = state.get("input_size") or config.first_input_size
-    found = None
-    if config.weight_path and Path(config.weight_path).is_file():  # what its run resolved the preprocessing from
-        try:
-            found = weights.read_weight_file(config.weight_path, config.weight_key)
-        except FixresError:  # replaced or damaged since: the architecture's preprocessing
-            found = None
-    prep = preprocessing.resolve(config, found.config if found else None)
-    size = config.test_size or trained
-    entries = {"architecture": config.architecture, "num_classes": len(state["classes"]),
-               "build": {"name": config.architecture, "num_classes": len(state["classes"]), "image_size": trained,
-                         "low_res_stem": config.low_res_stem},
-               "class_names": list(state["classes"]), "input_size": size, "resize_size": round(size / prep.crop_ratio),
-               "crop_ratio": prep.crop_ratio, "interpolation": prep.interpolation,
-               "mean": list(prep.mean), "std": list(prep.std),
-               "lineage": Lineage.from_record(state.get("lineage") or {}).record(), "weights": key,
-               "source": {"checkpoint": str(path), "job_id": config.job_id, "epoch": state["epoch"]}, "files": {}}
-    return _model(entries, {k: v.detach().cpu() for k, v in state_dict.items()}, str(path))
+    (``model``, or ``model_ema``), what an export of it holds (``files`` empty), read as the exporter reads
+    it (:func:`fixres_dist.deploy.export.read_exportable`). Raises :class:`FixresError` for a file that is
+    not such a checkpoint, one without ``key``, or one that records no class names (written before they
+    were recorded)."""
+    found = export.read_exportable(path, key)
+    return _model({**found.description, "files": {}}, found.model.state_dict(), str(path))
 
 
 def open_model(path: str | Path, key: str = "model") -> ExportedModel:

@@ -166,10 +166,11 @@ OTHER_NAMES = {"--lr": "--learning-rate (per 256 images)", "--batch-size": "--ba
                "--bias-weight-decay": "--norm-weight-decay (norms and every bias)",
                "--lr-warmup-method": "--warmup-epochs (always linear from 0)",
                "--lr-warmup-decay": "--warmup-epochs (always linear from 0)", "--data_path": "--data-path"}
-# Options that only shape training: given explicitly with --eval-only, they are refused (docs/recipes.md).
+# Options that only shape training, or (--export) use what it writes: given explicitly with --eval-only, they are
+# refused (docs/recipes.md).
 TRAINING_ONLY = ("opt", "lr_scheduler", "lr_step_size", "lr_gamma", "clip_grad_norm", "grad_accum_steps", "mixup_alpha",
                  "cutmix_alpha", "auto_augment", "random_erase", "ra_reps", "model_ema_decay", "model_ema_steps",
-                 "label_smoothing")
+                 "label_smoothing", "export")
 NO_POLICY = "none"  # --auto-augment none: no policy (overrides a recipe's)
 # timm's (and DeiT's) --opt names: ours for them (timm's sgd and nesterov are Nesterov momentum).
 TIMM_OPTIMIZERS = {"momentum": "sgd", "nesterov": "sgd-nesterov",
@@ -360,6 +361,10 @@ def _add_evaluation(p: argparse.ArgumentParser, mode: str) -> None:
     f.add_argument("--extract-split", choices=["val", "train"], help=f"split to extract ({default('extract_split')})")
     f.add_argument("--overwrite", action="store_true", default=None,
                    help="let --extract-features replace results already in DIR")
+    f.add_argument("--export", action="store_true", default=None,
+                   help="after the run ends successfully, write the export folder of its last checkpoint into "
+                        "<job folder>/export/: safetensors weights, model.json (test resolution, preprocessing, class "
+                        "names), ONNX and a torch.export program (docs/models.md, \"Exporting a model\")")
 
 
 def _add_recipe_options(p: argparse.ArgumentParser, mode: str) -> None:

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from fixres_dist import io, startup
 from fixres_dist.config import TrainerConfig
+from fixres_dist.deploy import export
 from fixres_dist.distributed import collectives, joblock, layout, placement, rendezvous
 from fixres_dist.distributed.preemption import (
     INTERRUPTED_EXIT_STATUS,
@@ -40,6 +41,7 @@ from fixres_dist.entry import config_file
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.errors import FixresError, first_line, say, user_message
 from fixres_dist.training import world_change
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE
 from fixres_dist.training.inputs import JobInputs, preflight
 from fixres_dist.training.trainer import RunResult, Trainer
 
@@ -306,3 +308,23 @@ def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
             raise SystemExit(1) from None
     else:
         run_rank(config, inputs, announce=source in ("flags", "slurm"), config_note=note)
+    if config.export and config.global_rank == 0:  # the run ended well (else SystemExit): rank 0 or the launcher
+        export_run(config)
+
+
+def export_run(config: TrainerConfig) -> None:
+    """``--export``, after the run ended successfully: the export folder of the job's last checkpoint in
+    ``<job folder>/export/`` (:func:`fixres_dist.deploy.export.export_folder`), one line on stdout; kept as it is
+    when an earlier run of the job wrote it (the same configuration, so the same last checkpoint). A failure is
+    one line and exit status 1; the job's checkpoints are untouched."""
+    out = config.job_folder / export.RUN_FOLDER
+    if out.exists():
+        print(f"--export: {out} kept (an earlier run of this job wrote it)", flush=True)
+        return
+    try:
+        export.export_folder(config.job_folder / CHECKPOINT_FILE, out,
+                             warn=lambda line: say(f"fixres_dist: rank 0: warning: --export: {line}"))
+    except FixresError as exc:
+        say(f"fixres_dist: rank 0: --export: {exc}")
+        raise SystemExit(1) from None
+    print(f"--export: {export.describe(out)}", flush=True)

@@ -7,41 +7,19 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import shown_commands as shown
 from conftest import make_subset, run_main, run_script
-from fixres_dist.deploy import exported
+from fixres_dist.deploy import export, exported
 from fixres_dist.distributed.blocks import blocks
 from fixres_dist.distributed.sharding import checkpoint_activations
 from fixres_dist.models.architectures import build_model
-from fixres_dist.training import export
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE, load_checkpoint
+from jobs_fixtures import VIT
+from jobs_fixtures import vit_run as run
 from numeric import assert_near_reference, assert_settled_ranking, evaluation
 from split_models import assert_same_run, events, full
-
-# A LayerNorm ViT (timm's 6-block test model, 0.3 M parameters): no BatchNorm, so the gradient of a
-# global batch is the same however the ranks split it, and runs on other world sizes compare too.
-VIT = ["--architecture", "timm/test_vit", "--input-size", "32", "--batch", "8", "--epochs", "1",
-       "--warmup-epochs", "0", "--workers", "0", "--no-progress", "--model-ema", "--model-ema-steps", "1",
-       "--model-ema-decay", "0.5"]
-
-
-def run(folder, data, job, *extra, world=2, fault=None):
-    result = run_script("scratch", "--num-tasks", world, "--job-id", job, "--shared-folder-path", folder,
-                        "--data-path", data, *VIT, *extra, env={"FIXRES_FAULT": fault} if fault else None)
-    return result
-
-
-@pytest.fixture(scope="module")
-def vit_jobs(tiny_data, tmp_path_factory):
-    """The same 2-rank ViT job (:data:`VIT`) under DDP (job ``ddp``), again with the other memory format
-    (``ddp-other``: the same computation in another summation order, :func:`split_models.assert_same_run`)
-    and fully sharded (``full``)."""
-    folder = tmp_path_factory.mktemp("vit")
-    for job, sharding, extra in (("ddp", "ddp", ()), ("ddp-other", "ddp", ("--channels-last",)), ("full", "full", ())):
-        result = run(folder, tiny_data, job, "--sharding", sharding, *extra)
-        assert result.returncode == 0, result.stderr[-3000:]
-    return folder
 
 
 @pytest.mark.numeric
@@ -234,7 +212,7 @@ def test_bad_sharding_options_are_one_line_errors(flags, message, tmp_path, caps
 @pytest.mark.slow
 def test_the_sharded_commands_shown(tmp_path, capsys):
     """docs/sharding.md's commands: train on the embedded data (4,000 training images: about a
-    minute), then export the weights."""
+    minute), then export it (docs/models.md, "Exporting a model")."""
     train, export_weights = (shown.argv(c, **{"/tmp/runs": tmp_path})
                              for c in shown.block("python main_scratch.py --num-tasks 2 --sharding full"))
     result = run_script("scratch", *train[2:])
@@ -243,8 +221,9 @@ def test_the_sharded_commands_shown(tmp_path, capsys):
         in result.stdout
     assert events(tmp_path / "vit-sharded", "eval")[-1]["images"] == 1000
     assert export.main(export_weights[3:]) == 0
-    model = build_model("timm/test_vit", 10, image_size=32)
-    model.load_state_dict(torch.load(tmp_path / "vit-sharded.pth", weights_only=True))
+    build = json.loads((tmp_path / "vit-sharded-export" / export.DESCRIPTION_FILE).read_text())["build"]
+    assert build == {"name": "timm/test_vit", "num_classes": 10, "image_size": 32, "low_res_stem": False}
+    build_model(**build).load_state_dict(load_file(tmp_path / "vit-sharded-export" / export.WEIGHTS_FILE))
 
 
 def test_a_sharded_checkpoint_is_a_model_to_predict_with(vit_jobs):
@@ -258,31 +237,3 @@ def test_a_sharded_checkpoint_is_a_model_to_predict_with(vit_jobs):
             ("timm/test_vit", 32, key, 10)
         state = model.build().state_dict()
         assert state.keys() == saved[key].keys() and all(torch.equal(state[k], saved[key][k]) for k in state)
-
-
-def test_export_writes_the_weights_alone_and_never_overwrites(vit_jobs, tmp_path, capsys):
-    """A sharded run's checkpoint exported: a plain state_dict that a fresh model loads strictly, equal
-    to the checkpoint's; the EMA's too; an existing file is kept, a truncated checkpoint refused."""
-    source = vit_jobs / "full" / CHECKPOINT_FILE
-    saved = full(source)
-    for key in ("model", "model_ema"):
-        assert export.main([str(source), str(tmp_path / f"{key}.pth"), "--weight-key", key]) == 0
-        weights = torch.load(tmp_path / f"{key}.pth", weights_only=True)
-        build_model("timm/test_vit", 10, image_size=32).load_state_dict(weights)
-        assert all(torch.equal(weights[k], saved[key][k]) for k in saved[key])
-    before = (tmp_path / "model.pth").read_bytes()
-    assert export.main([str(source), str(tmp_path / "model.pth")]) == 1
-    assert (tmp_path / "model.pth").read_bytes() == before
-    (tmp_path / "cut.pth").write_bytes(source.read_bytes()[:1000])
-    assert export.main([str(tmp_path / "cut.pth"), str(tmp_path / "x.pth")]) == 1
-    assert export.main([str(source), str(tmp_path / "no" / "such" / "x.pth")]) == 1
-    shutil.copytree(vit_jobs / "full", tmp_path / "damaged")
-    shard = tmp_path / "damaged" / saved["shards"] / "__1_0.distcp"
-    shard.write_bytes(bytes(4096) + shard.read_bytes()[4096:])  # same length, its first bytes zeroed (weights)
-    assert export.main([str(tmp_path / "damaged" / CHECKPOINT_FILE), str(tmp_path / "x.pth")]) == 1
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 4, err  # one line each
-    assert "model.pth exists; export writes a new file" in err[0] and "not a complete PyTorch file" in err[1]
-    assert "cannot write" in err[2] and "No such file or directory" in err[2]
-    assert "__1_0.distcp changed since it was written (its SHA-256 differs" in err[3]
-    assert not (tmp_path / "x.pth").exists()

@@ -213,6 +213,7 @@ def test_ra_sampler_sets_the_repeats():
     (["--eval-only", "--weight-path", "w.pth", "--model-ema"], "give --eval-only --weight-key model_ema"),
     (["--eval-only", "--weight-path", "w.pth", "--mixup-alpha", "0.2"], "--mixup-alpha does not apply to --eval-only"),
     (["--eval-only", "--weight-path", "w.pth", "--ra-sampler"], "--ra-sampler does not apply to --eval-only"),
+    (["--eval-only", "--weight-path", "w.pth", "--export"], "--export does not apply to --eval-only"),
     (["--lr-scheduler", "exponential", "--lr-step-size", "7"], "--lr-step-size only applies to --lr-scheduler step"),
     (["--opt", "sgd_nesterov", "--momentum", "0"], "--opt sgd-nesterov needs a --momentum above 0"),
     (["--weight-decay", "1e308"], "--weight-decay must be at most 1"),

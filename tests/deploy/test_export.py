@@ -1,0 +1,250 @@
+"""The export folder (``python -m fixres_dist.deploy.export``) of a finished FixRes finetune and of a sharded
+checkpoint: its JSON as the checkpoint says, its ONNX (the real onnxruntime), ``torch.export`` program and
+safetensors weights (torchvision's and timm's own models, loaded without this package's code) giving the
+checkpoint's logits on 20 real photographs at the test resolution, and its bad input."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import pytest
+import timm
+import torch
+import torchvision
+from PIL import Image
+from safetensors.torch import load_file
+
+import shown_commands as shown
+from conftest import read_only_folder, tmpfs
+from fixres_dist.config import TrainerConfig
+from fixres_dist.data import pipeline
+from fixres_dist.deploy import export
+from fixres_dist.entry import launch
+from fixres_dist.training.checkpoint import CHECKPOINT_FILE, rank_buffers
+from numeric import assert_near_reference
+from split_models import full
+
+_FOOLBOX = importlib.util.find_spec("foolbox")  # installed --no-deps: only its data folder is used
+FOOLBOX_DATA = Path(_FOOLBOX.origin).parent / "data" if _FOOLBOX else Path("/nonexistent")
+PHOTOS = sorted(FOOLBOX_DATA.glob("imagenet_*.jpg"))  # 20 real ImageNet photographs of various sizes
+needs_photos = pytest.mark.skipif(len(PHOTOS) != 20, reason="foolbox's 20 ImageNet photos absent "
+                                                            "(pip install --no-deps foolbox==3.3.4)")
+
+
+@pytest.fixture(scope="module")
+def exported(finetune_job):
+    """The export folder of :func:`jobs_fixtures.finetune_job` (resnet18 trained at 32 px, FixRes-finetuned at
+    48 px on 2 ranks), which its ``--export`` wrote after the ranks ended."""
+    return finetune_job.folder / export.RUN_FOLDER
+
+
+def photos(described: dict) -> torch.Tensor:
+    """foolbox's 20 ImageNet photos (various sizes) through the test transform model.json describes, built
+    from the project's own functions: (20, 3, input_size, input_size) float32, normalised."""
+    transform = pipeline.test_transform(described["input_size"], described["crop_ratio"], described["interpolation"])
+    assert transform.transforms[0].size == [described["resize_size"]]  # the shorter side, as model.json says
+    images = torch.stack([transform(Image.open(p).convert("RGB")) for p in PHOTOS])
+    return pipeline.normalize(images, (described["mean"], described["std"]))
+
+
+def test_the_export_of_a_run_says_what_its_checkpoint_says(exported, finetune_job):
+    """``--export``: the folder written once the finetune's 2 ranks ended, named on stdout; its JSON says what
+    the checkpoint says (sizes, preprocessing, class names, lineage, source) and the SHA-256 of each file; its
+    weights are the checkpoint's, BatchNorm statistics averaged over the ranks."""
+    out = exported
+    assert f"--export: {out}: resnet18 at 48 px, 10 classes, model weights of " in finetune_job.stdout
+    assert finetune_job.stdout.rstrip().endswith("(model.safetensors, model.onnx, model.pt2, model.json)")
+    assert sorted(os.listdir(out)) == ["model.json", "model.onnx", "model.pt2", "model.safetensors"]
+    assert not [p.name for p in out.parent.iterdir() if export.PARTIAL in p.name]  # no partial folder left
+    described = json.loads((out / export.DESCRIPTION_FILE).read_text(encoding="utf-8"))
+    state = full(finetune_job.folder / CHECKPOINT_FILE)
+    assert {k: v for k, v in described.items() if k not in ("files", "source")} == {
+        "format": "fixres_dist.export", "version": 1, "architecture": "resnet18", "num_classes": 10,
+        "build": {"name": "resnet18", "num_classes": 10, "image_size": 48, "low_res_stem": False},
+        "class_names": state["classes"], "input_size": 48, "resize_size": 55, "crop_ratio": 0.875,
+        "interpolation": "bilinear", "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
+        "lineage": {"train_size": 32, "finetuned_at": 48}, "weights": "model"}
+    assert described["source"] == {"checkpoint": str((finetune_job.folder / CHECKPOINT_FILE).resolve()),
+                                   "job_id": "f", "epoch": state["epoch"]}
+    assert described["files"] == {name: export.sha256(out / name) for name in ("model.safetensors", "model.onnx",
+                                                                                "model.pt2")}
+    assert len(set(described["files"].values())) == 3
+    # the weights: the checkpoint's, BatchNorm statistics averaged over its 2 ranks, every key of the model
+    weights = load_file(out / export.WEIGHTS_FILE)
+    expected = {**state["model"], **rank_buffers(state["ranks"], None)}
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+    assert {t.dtype for t in weights.values()} == {torch.float32, torch.int64}  # num_batches_tracked
+
+
+def test_a_rerun_keeps_the_export_it_finds(finetune_job, capsys):
+    """``--export`` at a rerun of the finished job (the same configuration, so the same last checkpoint) keeps the
+    folder, untouched, in one line."""
+    folder = finetune_job.folder / export.RUN_FOLDER
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    launch.export_run(TrainerConfig(shared_folder_path=str(finetune_job.folder.parent), job_id="f", export=True))
+    assert capsys.readouterr().out == f"--export: {folder} kept (an earlier run of this job wrote it)\n"
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+
+
+@needs_photos
+@pytest.mark.numeric
+def test_onnx_and_torch_export_give_the_checkpoints_logits_on_real_photos(exported):
+    """torchvision's own resnet18 (strict load of the safetensors, no fixres_dist code) is the float32
+    baseline, the same in float64 the reference; onnxruntime's logits (a batch of 20, then of 7 and 13: the
+    batch axis is dynamic) and the ``torch.export`` program's (20, then 1) are within 10 x the baseline's
+    rounding of the reference (:func:`numeric.assert_near_reference`)."""
+    out = exported
+    described = json.loads((out / export.DESCRIPTION_FILE).read_text())
+    images = photos(described)
+    model = torchvision.models.get_model("resnet18", num_classes=len(described["class_names"]))
+    model.load_state_dict(load_file(out / export.WEIGHTS_FILE))  # strict
+    with torch.no_grad():
+        baseline = model.eval()(images)
+        reference = model.double()(images.double())
+    session = onnxruntime.InferenceSession(out / export.ONNX_FILE, providers=["CPUExecutionProvider"])
+    (given,), (produced,) = session.get_inputs(), session.get_outputs()
+    assert (given.name, given.shape, given.type) == ("images", ["batch", 3, 48, 48], "tensor(float)")
+    assert (produced.name, produced.shape) == ("logits", ["batch", 10])
+    whole = session.run(None, {"images": images.numpy()})[0]
+    parts = np.concatenate([session.run(None, {"images": images[i:j].numpy()})[0] for i, j in ((0, 7), (7, 20))])
+    program = torch.export.load(out / export.PROGRAM_FILE).module()
+    with torch.no_grad():
+        exported_whole, exported_one = program(images), program(images[:1])
+    assert exported_one.shape == (1, 10)
+    candidates = {"onnxruntime, batch 20": whole, "onnxruntime, batches 7 and 13": parts,
+                  "torch.export, batch 20": exported_whole}
+    for what, logits in candidates.items():
+        assert_near_reference({"logits": torch.as_tensor(logits)}, {"logits": baseline}, {"logits": reference}, what)
+    assert_near_reference({"logits": exported_one}, {"logits": baseline[:1]}, {"logits": reference[:1]},
+                          "torch.export, batch 1")
+    assert (baseline - reference).abs().max() > 0  # float32 rounds: the tolerance is measured, not zero
+
+
+@pytest.fixture()
+def no_room(tmp_path, exported):
+    """A folder on a disk with room for the export's safetensors and torch.export files but not its ONNX file."""
+    out = exported
+    sizes = {name: (out / name).stat().st_size for name in os.listdir(out)}
+    room = sizes["model.safetensors"] + sizes["model.pt2"] + sizes["model.onnx"] // 2
+    folder = tmp_path / "small"
+    folder.mkdir()
+    yield from tmpfs(folder, f"size={room}", "a small disk that fills up")
+
+
+def test_bad_input_is_one_line_and_writes_nothing(exported, finetune_job, tmp_path, capsys, no_room):
+    """Each refused in one line, exit status 1, nothing left behind: not a checkpoint (a plain state_dict, a
+    safetensors file, an ONNX file), no model_ema in a run without --model-ema, an OUT that exists (kept as it was), a
+    missing folder, and a disk that fills up in the middle of the ONNX file."""
+    out = exported
+    source = finetune_job.folder / CHECKPOINT_FILE
+    torch.save(load_file(out / export.WEIGHTS_FILE), tmp_path / "state_dict.pth")
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    other = "is not a fixres_dist checkpoint: another format"
+    cases = [([tmp_path / "state_dict.pth", tmp_path / "a"], "not a fixres_dist checkpoint (no integer format_"),
+             ([out / export.WEIGHTS_FILE, tmp_path / "b"], f"model.safetensors {other}"),
+             ([out / export.ONNX_FILE, tmp_path / "b"], f"model.onnx {other}"),
+             ([source, tmp_path / "c", "--weight-key", "model_ema"], "has no model_ema weights (a run without"),
+             ([source, out], "export exists; export writes a new folder"),
+             ([source, tmp_path / "no" / "d"], "its folder"),
+             ([source, no_room / "e"], "e: No space left on device; nothing written")]
+    capsys.readouterr()
+    for argv, message in cases:
+        assert export.main([str(a) for a in argv]) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("fixres_dist: ") and message in err and len(err.splitlines()) == 1, (argv, err)
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small", "state_dict.pth"]
+    assert list(no_room.iterdir()) == []  # the partial folder removed: its safetensors and program written
+
+
+@pytest.fixture()
+def read_only(tmp_path):
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    yield from read_only_folder(folder)
+
+
+def test_an_unwritable_folder_is_one_line(finetune_job, read_only, capsys):
+    assert export.main([str(finetune_job.folder / CHECKPOINT_FILE), str(read_only / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "out" in err and len(err.splitlines()) == 1, err
+    assert not any(read_only.iterdir())
+
+
+@pytest.mark.numeric
+def test_a_sharded_checkpoints_average_loads_into_timm(vit_jobs, tmp_path, capsys):
+    """docs/models.md's command on a ``--sharding full`` checkpoint's EMA (its tensors in the shards folder): the
+    weights load strictly into ``timm.create_model`` at the build size, whose logits the ``torch.export`` program
+    and onnxruntime give within rounding, and the JSON names the average; a copy with a shard missing is refused
+    in one line, nothing written."""
+    source = vit_jobs / "full" / CHECKPOINT_FILE
+    saved = full(source)
+    argv = shown.argv(shown.command("python -m fixres_dist.deploy.export /tmp/runs/my-job"),
+                      **{"/tmp/runs/my-job": source.parent, "/tmp/runs": tmp_path})
+    assert export.main(argv[3:]) == 0
+    out = tmp_path / "my-job-export"
+    assert capsys.readouterr().out == f"{out}: timm/test_vit at 32 px, 10 classes, model_ema weights of {source} " \
+                                      "(model.safetensors, model.onnx, model.pt2, model.json)\n"
+    described = json.loads((out / export.DESCRIPTION_FILE).read_text())
+    assert (described["weights"], described["build"], described["input_size"], described["lineage"]) == (
+        "model_ema", {"name": "timm/test_vit", "num_classes": 10, "image_size": 32, "low_res_stem": False}, 32,
+        {"train_size": 32, "finetuned_at": None})
+    assert (described["mean"], described["crop_ratio"], described["resize_size"]) == ([0.5] * 3, 0.95, 34)  # timm's
+    weights = load_file(out / export.WEIGHTS_FILE)
+    assert all(torch.equal(weights[k], saved["model_ema"][k]) for k in saved["model_ema"])
+    model = timm.create_model("test_vit", num_classes=10, img_size=described["build"]["image_size"])
+    model.load_state_dict(weights)  # strict
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    program = torch.export.load(out / export.PROGRAM_FILE).module()
+    session = onnxruntime.InferenceSession(out / export.ONNX_FILE, providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        baseline, reference = model.eval()(images), model.double()(images.double())
+        ours = {"torch.export": program(images),
+                "onnxruntime": torch.as_tensor(session.run(None, {"images": images.numpy()})[0])}
+    for what, logits in ours.items():
+        assert_near_reference({"logits": logits}, {"logits": baseline}, {"logits": reference}, f"test_vit, {what}")
+    shutil.copytree(vit_jobs / "full", tmp_path / "cut")
+    (tmp_path / "cut" / saved["shards"] / "__1_0.distcp").unlink()
+    capsys.readouterr()
+    assert export.main([str(tmp_path / "cut" / CHECKPOINT_FILE), str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert "is missing the shard __1_0.distcp" in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut", "my-job-export"]
+
+
+def test_split_checkpoints_hold_the_whole_network(split_jobs):
+    """Tensor-parallel and pipeline runs write the whole model's tensors (gathered): each checkpoint loads
+    strictly into the network its model.json would describe, the same description as the job's under DDP."""
+    def described(job: str) -> tuple[dict, list[str]]:
+        exportable = export.read_exportable(split_jobs / job / CHECKPOINT_FILE)  # a strict load_state_dict
+        return ({k: v for k, v in exportable.description.items() if k != "source"},
+                list(exportable.model.state_dict()))
+    ddp = described("ddp")
+    assert ddp[0]["build"] == {"name": "timm/test_vit", "num_classes": 10, "image_size": 32, "low_res_stem": False}
+    assert described("tp") == ddp and described("pp") == ddp
+
+
+def test_the_preprocessing_a_finetune_inherited(finetune_job, tmp_path):
+    """A finetune without its own ``--mean``/``--std``/``--crop-ratio``/``--interpolation`` used those of the run
+    its ``--weight-path`` checkpoint came from (:func:`fixres_dist.models.preprocessing.resolve`), and so does its
+    export; where that checkpoint is gone, the architecture's, with one warning naming it."""
+    state = dict(full(finetune_job.folder / CHECKPOINT_FILE))
+    weights_run = {**state["config"], "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25], "crop_ratio": 0.9,
+                   "interpolation": "bicubic"}
+    torch.save({"format_version": 1, "config": weights_run}, tmp_path / "weights.pth")
+    for name, source in (("inherits.pth", tmp_path / "weights.pth"), ("orphan.pth", tmp_path / "gone.pth")):
+        torch.save({**state, "config": {**state["config"], "weight_path": str(source)}}, tmp_path / name)
+    warned = []
+    inherited = export.read_exportable(tmp_path / "inherits.pth", warn=warned.append).description
+    assert [inherited[k] for k in ("mean", "std", "crop_ratio", "interpolation", "resize_size")] == [
+        [0.5] * 3, [0.25] * 3, 0.9, "bicubic", 53] and not warned
+    orphan = export.read_exportable(tmp_path / "orphan.pth", warn=warned.append).description
+    assert (orphan["mean"], orphan["crop_ratio"]) == ([0.485, 0.456, 0.406], 0.875)
+    assert warned == [f"mean, std, crop_ratio, interpolation: the architecture's, as the run's --weight-path "
+                      f"{tmp_path / 'gone.pth'}, whose overrides it would have inherited, cannot be read (weight file "
+                      f"{tmp_path / 'gone.pth'} does not exist)"]

@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 from fixres_dist.arguments import Formatter, OneLineParser, non_negative_int, positive_int
 from fixres_dist.data import pipeline
 from fixres_dist.data.samplers import SampleKey
-from fixres_dist.deploy import exported, prediction_data, prediction_files
+from fixres_dist.deploy import export, exported, prediction_data, prediction_files
 from fixres_dist.distributed import collectives, placement, rendezvous
 from fixres_dist.errors import FixresError, say, user_message
 from fixres_dist.io import write_private
@@ -254,7 +254,7 @@ def parser() -> OneLineParser:
                    help="an image that cannot be read: stop, naming it (default), or skip it and count it")
     p.add_argument("--split", choices=("train", "val"), default="val",
                    help="the split of packed shards or a Hugging Face dataset (default val)")
-    p.add_argument("--weight-key", choices=exported.ENTRIES, default="model",
+    p.add_argument("--weight-key", choices=export.ENTRIES, default="model",
                    help="a checkpoint's weights: the trained ones or their moving average (default model)")
     p.add_argument("--num-tasks", metavar="N", type=positive_int,
                    help="ranks in all; alone: spawn that many local ranks")

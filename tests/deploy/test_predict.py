@@ -163,7 +163,7 @@ def test_bad_input_is_refused_in_one_line_leaving_nothing(exported_by_hand, flat
         ((exported_by_hand, flat_images, tmp_path / "exists.csv"), r"exists; pass --overwrite to replace it"),
         ((exported_by_hand, flat_images, out, "--topk", 11), r"--topk 11 is more than the model's 10 classes$"),
         ((exported_by_hand, flat_images, tmp_path / "p.txt"), r"cannot tell the format of .*p\.txt from its suffix"),
-        ((tmp_path / "notes.txt", flat_images, out), r"refused checkpoint .*notes\.txt: it holds Python objects"),
+        ((tmp_path / "notes.txt", flat_images, out), r"notes\.txt is not a fixres_dist checkpoint: another format"),
         ((tmp_path, flat_images, out), r"is not an export folder: it has no model\.json$"),
     ]
     for args, message in cases:

@@ -39,6 +39,7 @@ from fixres_dist.distributed.watchdog import REPORTS_S, STALL_EXIT_STATUS
 from fixres_dist.entry import config_file
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.errors import FixresError, first_line, say, user_message
+from fixres_dist.reporting import trackers
 from fixres_dist.training import world_change
 from fixres_dist.training.inputs import JobInputs, preflight
 from fixres_dist.training.trainer import RunResult, Trainer
@@ -306,3 +307,4 @@ def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
             raise SystemExit(1) from None
     else:
         run_rank(config, inputs, announce=source in ("flags", "slurm"), config_note=note)
+    trackers.log_final_artifacts(config, config.job_folder)

@@ -25,6 +25,9 @@ setup(
         "tensorboard": ["tensorboard"],
         # Hugging Face datasets as --data-path (fixres_dist.data.hf_datasets)
         "hf": ["datasets"],
+        # --tracker mlflow / wandb (fixres_dist.reporting.trackers): MLflow's client without its server, and
+        # SQLAlchemy and Alembic for its default SQLite store (MLflow 3 keeps its file store behind a switch)
+        "trackers": ["mlflow-skinny>=3", "sqlalchemy", "alembic", "wandb"],
     },
     entry_points={"console_scripts": [
         "fixres-scratch=fixres_dist.entry.scripts:main_scratch",

@@ -159,7 +159,7 @@ def test_a_run_stopped_and_resumed_is_one_tracker_run_with_each_step_once(tracke
     assert "artifact" in kinds and last.name.split("-")[3] == saved["wandb"]
 
 
-def test_a_broken_tracker_is_one_warning_and_a_missing_package_a_refusal(tracked, monkeypatch):
+def test_a_broken_tracker_is_one_warning_and_a_missing_package_a_refusal(tracked, monkeypatch, capsys):
     config, history, per_epoch = tracked
     (config.job_folder / "not-a-folder").write_text("")
     broken = attrs.evolve(config, mlflow_tracking_uri="nosuchscheme://tracker",
@@ -170,6 +170,13 @@ def test_a_broken_tracker_is_one_warning_and_a_missing_package_a_refusal(tracked
     assert run.open == {} and run.checkpointed() == {"mlflow": "kept"}  # a resumed run id is kept while off
     assert len(warned) == 2 and all("\n" not in w and "training goes on" in w for w in warned)
     assert warned[0].startswith("MLflow tracking could not start") and warned[1].startswith("W&B tracking could")
+    torch.save({"trackers": {"mlflow": "kept"}}, config.job_folder / trackers.CHECKPOINT_FILE)
+    (config.job_folder / "export").mkdir()
+    capsys.readouterr()
+    trackers.log_final_artifacts(attrs.evolve(broken, trackers=("mlflow",), wandb_dir=None), config.job_folder)
+    err = capsys.readouterr().err
+    assert err.startswith("fixres_dist: warning: MLflow tracking could not log the artifacts") and \
+        err.count("\n") == 1, err
 
     # a store that goes away mid-run: one warning, then that tracker is off and the other goes on
     works = attrs.evolve(config, trackers=("mlflow",), wandb_dir=None)

@@ -82,9 +82,12 @@ def defaults(mode: str) -> dict:
 
 
 def shown(value) -> str:
-    """A default as ``--help`` writes it: ``on``/``off`` for booleans, ``5e-05`` for floats, else as is."""
+    """A default as ``--help`` writes it: ``on``/``off`` for booleans, ``5e-05`` for floats, ``none`` for an
+    empty list, else as is."""
     if isinstance(value, bool):
         return "on" if value else "off"
+    if value == ():
+        return "none"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -565,8 +568,8 @@ def _add_trackers(p: argparse.ArgumentParser, mode: str) -> None:
                    help="send the run's parameters, metrics (step: images trained on) and, at the end, its sweep plot "
                         "and export/ to this experiment tracker, on rank 0; repeat it or give a comma list; the "
                         "tracker's run id is saved in the checkpoint, so a resumed or requeued job continues its run; "
-                        "a tracker that fails is a warning, never a lost job (needs the trackers extra) (default: "
-                        "none)")
+                        "a tracker that fails is a warning, never a lost job (needs the trackers extra) "
+                        f"({_default_help(mode)('trackers')})")
     g.add_argument("--mlflow-tracking-uri", metavar="URI",
                    help="MLflow's tracking URI: a sqlite:/// database, an http(s):// server, ... (default: "
                         "sqlite:///<job folder>/mlflow.db, artifacts in <job folder>/mlartifacts/)")

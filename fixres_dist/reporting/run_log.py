@@ -153,9 +153,11 @@ class RunLog:
         self.trackers = Trackers(self.config, images_per_epoch, self.runs, self.warn,
                                  stop_signals(self.config.preempt_signal))
         self.runs = self.trackers.runs
-        if self.trackers.open:
-            self.log(f"experiment trackers: {self.trackers.describe()}")
-            self.trackers.replay(self.history)
+        if not self.trackers.open:  # each warned of why; the run ids resumed are kept for the checkpoints
+            self.trackers = None
+            return
+        self.log(f"experiment trackers: {self.trackers.describe()}")
+        self.trackers.replay(self.history)
 
     def _board_failed(self, message: str) -> None:
         """The TensorBoard log stopped (a write failed): say so once; training goes on."""

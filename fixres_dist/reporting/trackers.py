@@ -55,6 +55,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -200,7 +201,7 @@ class MlflowRun(TrackerRun):
     def _send(self, step: int, scalars: list[tuple[str, float]]) -> None:
         from mlflow.entities import Metric
 
-        now = _milliseconds()
+        now = int(time.time() * 1000)  # MLflow's timestamps: milliseconds
         self.queue += [Metric(tag, value, now, step) for tag, value in scalars]
         if len(self.queue) >= BATCH:
             self.flush()
@@ -237,12 +238,6 @@ def _owner_only_store(uri: str) -> None:
         path = Path(uri[len("sqlite:///"):])
         if path.is_file() and path.stat().st_uid == os.getuid():
             path.chmod(0o600)
-
-
-def _milliseconds() -> int:
-    import time
-
-    return int(time.time() * 1000)
 
 
 class WandbRun(TrackerRun):
@@ -330,7 +325,7 @@ class Trackers:
                 continue
             try:
                 act(run)
-            except Exception as exc:  # noqa: BLE001  (the tracker stops, never the run)
+            except Exception as exc:  # any failure of the package: the tracker stops, never the run
                 del self.open[name]
                 self.warn(_failed(name, "stopped", exc))
 
@@ -412,5 +407,5 @@ def log_final_artifacts(config, job_folder: str | Path) -> None:
             run = OPENERS[name](config, runs[name])
             run.log_artifacts(files)
             run.finish("FINISHED")
-        except Exception as exc:  # noqa: BLE001  (a tracker never fails a finished job)
+        except Exception as exc:  # any failure of the package: a tracker never fails a finished job
             say(f"fixres_dist: warning: {_failed(name, 'could not log the artifacts', exc)}")

@@ -11,10 +11,6 @@ from fixres_dist.config import TrainerConfig
 from fixres_dist.reporting import trackers
 from fixres_dist.training.checkpoint import BEST_FILE, CHECKPOINT_FILE, load_checkpoint
 
-mlflow = pytest.importorskip("mlflow")
-pytest.importorskip("wandb")
-from mlflow import MlflowClient  # noqa: E402
-
 # 2 ranks of 8 images on tiny_data's 80: 5 steps of 16 images an epoch, 2 epochs.
 TRACKED = ["--architecture", "resnet20", "--input-size", "32", "--batch", "8", "--epochs", "2", "--workers", "0",
            "--no-progress", "--best-metric", "top1", "--tracker", "mlflow,wandb"]
@@ -27,6 +23,8 @@ def train(folder, data, **env):
 
 @pytest.mark.slow  # two job launches, the first creating the SQLite store's tables: about 25 s on 2 cores
 def test_a_requeued_job_keeps_one_tracker_run_with_continuous_steps(tiny_data, tmp_path):
+    pytest.importorskip("wandb")
+    MlflowClient = pytest.importorskip("mlflow").MlflowClient
     stopped = train(tmp_path, tiny_data, FIXRES_FAULT="signal:rank=1:step=7")  # mid-epoch 2
     assert stopped.returncode == 3, stopped.stderr[-3000:]
     job = tmp_path / "tracked"
@@ -62,6 +60,7 @@ def test_a_requeued_job_keeps_one_tracker_run_with_continuous_steps(tiny_data, t
 
 
 def test_a_broken_tracking_uri_is_one_warning_and_the_job_ends_normally(few_data, tmp_path):
+    pytest.importorskip("mlflow")
     (tmp_path / "a-file").write_text("")
     result = run_script("scratch", "--job-id", "broken", "--shared-folder-path", tmp_path, "--data-path", few_data,
                         "--architecture", "resnet20", "--input-size", 32, "--batch", 4, "--epochs", 1, "--workers", 0,

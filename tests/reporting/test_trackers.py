@@ -19,11 +19,7 @@ from fixres_dist.errors import FixresError
 from fixres_dist.reporting import trackers
 from fixres_dist.reporting.tensorboard_events import event_scalars
 
-mlflow = pytest.importorskip("mlflow")
-wandb = pytest.importorskip("wandb")
-from mlflow import MlflowClient  # noqa: E402
-from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH  # noqa: E402
-from wandb.proto import wandb_internal_pb2  # noqa: E402
+# mlflow and wandb are imported by the tests that use them (seconds), not as each test worker collects this file
 
 BLOCK, HEADER = 32768, 7  # W&B's run file: LevelDB's log format (32 KiB blocks), after a 7-byte ":W&B" header
 
@@ -31,6 +27,8 @@ BLOCK, HEADER = 32768, 7  # W&B's run file: LevelDB's log format (32 KiB blocks)
 def wandb_records(run_folder: Path) -> list:
     """The records of an offline run folder's ``run-<id>.wandb`` (protobuf ``Record``s in LevelDB's log format:
     per chunk a CRC, its length, its kind: full, first, middle, last); the wandb package has no reader."""
+    from wandb.proto import wandb_internal_pb2
+
     data = next(run_folder.glob("run-*.wandb")).read_bytes()
     assert data[:4] == b":W&B"
     records, position, pieces = [], HEADER, b""
@@ -67,6 +65,8 @@ def wandb_history(folder: Path) -> tuple[set[str], dict[str, list[tuple[int, flo
 
 
 def mlflow_curves(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    from mlflow import MlflowClient
+
     client = MlflowClient(uri)
     return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
             for key in client.get_run(run_id).data.metrics}
@@ -85,6 +85,8 @@ def expected(history: list[dict], images_per_epoch: int) -> dict[str, list[tuple
 def tracked(scratch_job, tmp_path, monkeypatch):
     """scratch_job's configuration with both trackers: MLflow on a file store (the job test uses the default SQLite
     one), W&B offline, both under ``tmp_path``; its history; its images per epoch."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store behind this switch
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = attrs.evolve(TrainerConfig.from_json((scratch_job / "config.json").read_text()),
@@ -96,6 +98,9 @@ def tracked(scratch_job, tmp_path, monkeypatch):
 
 
 def test_a_run_stopped_and_resumed_is_one_tracker_run_with_each_step_once(tracked):
+    from mlflow import MlflowClient
+    from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+
     config, history, per_epoch = tracked
     warned = []
     first_epoch = history[:next(i for i, e in enumerate(history) if e.get("epoch", 0) > 1)]  # up to its checkpoint

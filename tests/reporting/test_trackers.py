@@ -13,6 +13,7 @@ import attrs
 import pytest
 import torch
 
+from conftest import run_main
 from fixres_dist.config import TrainerConfig
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.errors import FixresError
@@ -197,8 +198,12 @@ def test_a_broken_tracker_is_one_warning_and_a_missing_package_a_refusal(tracked
     # the preflight's check: a tracker's package missing is refused before anything starts
     trackers.check_available(config)
     monkeypatch.setitem(sys.modules, "wandb", None)  # Python's own way to make an import fail
-    with pytest.raises(FixresError, match=r"--tracker wandb needs the wandb package, not installed: pip install"):
-        trackers.check_available(config)
+    status, err = run_main(capsys, "scratch", "--data-path", config.data_path, "--shared-folder-path",
+                           config.shared_folder_path, "--job-id", "refused", "--architecture", "resnet20",
+                           "--input-size", 32, "--tracker", "mlflow,wandb")
+    assert status == 1 and err == ("fixres_dist: rank 0: --tracker wandb needs the wandb package, not installed: "
+                                   "pip install -e '.[trackers]'\n"), err
+    assert not (Path(config.shared_folder_path) / "refused").exists()
     monkeypatch.setitem(sys.modules, "alembic", None)
     with pytest.raises(FixresError, match="--tracker mlflow needs the alembic package"):
         trackers.check_available(attrs.evolve(config, trackers=("mlflow",), mlflow_tracking_uri=None, wandb_dir=None))

@@ -147,11 +147,9 @@ class RunLog:
 
     def _open_trackers(self, images_per_epoch: int) -> None:
         """Rank 0: the experiment trackers, each that opened told the history it lacks."""
-        from fixres_dist.distributed.preemption import stop_signals
         from fixres_dist.reporting.trackers import Trackers  # imports no tracker package until opened
 
-        self.trackers = Trackers(self.config, images_per_epoch, self.runs, self.warn,
-                                 stop_signals(self.config.preempt_signal))
+        self.trackers = Trackers(self.config, images_per_epoch, self.runs, self.warn)
         self.runs = self.trackers.runs
         if not self.trackers.open:  # each warned of why; the run ids resumed are kept for the checkpoints
             self.trackers = None

@@ -48,13 +48,11 @@ times, ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (10 s unless set) each.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import logging
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -241,27 +239,24 @@ def _owner_only_store(uri: str) -> None:
 
 
 class WandbRun(TrackerRun):
-    """A W&B run (``wandb.init``), new or resumed by ``run_id`` (``resume="allow"``); started with the
-    job's stop signals ignored (``signals``), so that its service process outlives a preemption's
-    signal to the process group until the run is finished."""
+    """A W&B run (``wandb.init``), new or resumed by ``run_id`` (``resume="allow"``). Its service process
+    (``wandb-core``) runs in a session of its own, so a stop signal to the job's process group (Ctrl-C)
+    does not reach it, and it ignores SIGUSR2 (the default preemption signal) sent to every process; a
+    SIGTERM or SIGINT sent to it ends it, and W&B then stops with one warning."""
 
     name = "W&B"
 
-    def __init__(self, config, run_id: str | None = None, signals=()):
+    def __init__(self, config, run_id: str | None = None):
         super().__init__()
         import wandb
 
-        from fixres_dist.distributed.preemption import ignoring
-
         folder = Path(config.wandb_dir or config.job_folder)
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        main = threading.current_thread() is threading.main_thread()  # where signal handlers can be set
-        with ignoring(signals) if main else contextlib.nullcontext():
-            self.run = wandb.init(
-                project=config.wandb_project or DEFAULT_PROJECT, dir=str(folder), mode=config.wandb_mode,
-                id=run_id or None, resume="allow" if run_id else None, name=config.job_id, reinit="create_new",
-                config=parameters(config.to_dict()), allow_val_change=True,
-                settings=wandb.Settings(silent=True, console="off"))
+        self.run = wandb.init(
+            project=config.wandb_project or DEFAULT_PROJECT, dir=str(folder), mode=config.wandb_mode,
+            id=run_id or None, resume="allow" if run_id else None, name=config.job_id, reinit="create_new",
+            config=parameters(config.to_dict()), allow_val_change=True,
+            settings=wandb.Settings(silent=True, console="off"))
         self.run_id, self.holds_history = self.run.id, bool(run_id)  # offline, W&B cannot say where it stops
 
     def _send(self, step: int, scalars: list[tuple[str, float]]) -> None:
@@ -292,11 +287,11 @@ class Trackers:
 
     ``runs``: the tracker run ids the checkpoint resumed saved (``{"mlflow": id, "wandb": id}``, None:
     none); ``images_per_epoch``: the x axis unit; ``warn(message)``: a tracker that failed (once per
-    tracker, which then stops); ``signals``: the job's stop signals. Every tracker that fails to open is
-    warned of here; those that open are in :attr:`open`.
+    tracker, which then stops). Every tracker that fails to open is warned of here; those that open are in
+    :attr:`open`.
     """
 
-    def __init__(self, config, images_per_epoch: int, runs: dict | None, warn: Callable[[str], None], signals=()):
+    def __init__(self, config, images_per_epoch: int, runs: dict | None, warn: Callable[[str], None]):
         from fixres_dist.reporting.tensorboard_events import event_scalars
 
         self._scalars, self.images_per_epoch, self.warn = event_scalars, images_per_epoch, warn
@@ -304,8 +299,7 @@ class Trackers:
         self.open: dict[str, TrackerRun] = {}
         for name in config.trackers:
             try:
-                extra = {"signals": signals} if name == "wandb" else {}
-                run = OPENERS[name](config, self.runs.get(name), **extra)
+                run = OPENERS[name](config, self.runs.get(name))
             except Exception as exc:  # any failure of a tracker's package: the run goes on without it
                 self.warn(_failed(name, "could not start", exc))
                 continue

@@ -28,6 +28,9 @@ setup(
         # the export folder and predictions (fixres_dist.deploy): safetensors weights, ONNX (the dynamo exporter
         # needs onnxscript) checked with onnxruntime, parquet predictions
         "deploy": ["safetensors", "onnx", "onnxscript", "onnxruntime", "pyarrow"],
+        # --tracker mlflow / wandb (fixres_dist.reporting.trackers): MLflow's client without its server, and
+        # SQLAlchemy and Alembic for its default SQLite store (MLflow 3 keeps its file store behind a switch)
+        "trackers": ["mlflow-skinny>=3", "sqlalchemy", "alembic", "wandb"],
     },
     entry_points={"console_scripts": [
         "fixres-scratch=fixres_dist.entry.scripts:main_scratch",

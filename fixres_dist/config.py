@@ -61,6 +61,9 @@ SHARDINGS = ("ddp", "full", "hybrid")
 WORLD_CHANGES = ("keep-global-batch", "keep-rank-batch")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # fixres_dist.distributed.pipeline.SCHEDULES
 AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet")  # torchvision v2 policies (data.train_transform)
+# --tracker: experiment trackers fed rank 0's record (fixres_dist.reporting.trackers), and --wandb-mode.
+TRACKERS = ("mlflow", "wandb")
+WANDB_MODES = ("offline", "online")
 # --best-metric (fixres_dist.training.best_checkpoint): a field of each epoch's evaluation at the test resolution
 # and which way is better (top-1/top-5 in percent, loss in nats); ema_<field>: of the --model-ema average's.
 METRIC_GOALS = {"top1": "higher", "top5": "higher", "loss": "lower"}
@@ -98,6 +101,25 @@ def _positive(instance, attribute, value):
         _finite(attribute, value)
     if value is not None and value <= 0:
         raise FixresError(f"--{attribute.name.replace('_', '-')} must be > 0, got {value}")
+
+
+def _trackers(value) -> tuple[str, ...]:
+    """``--tracker``'s names as a tuple, each once, in order: from a tuple or list, or ``mlflow,wandb``."""
+    if value is None:
+        return ()
+    names = value.split(",") if isinstance(value, str) else value
+    return tuple(dict.fromkeys(name.strip() for name in names if name.strip()))
+
+
+def _known_trackers(instance, attribute, value):
+    for name in value:
+        if name not in TRACKERS:
+            raise FixresError(f"--tracker must be one of {', '.join(TRACKERS)}; got {name!r}")
+
+
+def _optional_name(instance, attribute, value):
+    if value is not None and not value.strip():
+        raise FixresError(f"--{attribute.name.replace('_', '-')} must not be empty")
 
 
 def _one_of(*choices):
@@ -377,6 +399,14 @@ class TrainerConfig:
     # After the run ends successfully, the export folder of its last checkpoint in <job folder>/export/
     # (fixres_dist.deploy.export, written by the launcher, not the ranks).
     export: bool = attrs.field(default=False, metadata=RESUMABLE)
+    # Experiment trackers fed rank 0's record (fixres_dist.reporting.trackers); None: each one's default.
+    trackers: tuple[str, ...] = attrs.field(default=(), converter=_trackers, validator=_known_trackers,
+                                            metadata=RESUMABLE)
+    mlflow_tracking_uri: str | None = attrs.field(default=None, validator=_optional_name, metadata=RESUMABLE)
+    mlflow_experiment: str | None = attrs.field(default=None, validator=_optional_name, metadata=RESUMABLE)
+    wandb_project: str | None = attrs.field(default=None, validator=_optional_name, metadata=RESUMABLE)
+    wandb_mode: str = attrs.field(default="offline", validator=_one_of(*WANDB_MODES), metadata=RESUMABLE)
+    wandb_dir: str | None = attrs.field(default=None, converter=resolved_path, metadata=RESUMABLE)
     dist_bn: str = attrs.field(default="reduce", validator=_one_of("reduce", "broadcast"))
     workers: int = attrs.field(default=2, validator=_non_negative, metadata=RESUMABLE)
     seed: int = attrs.field(default=0, validator=_seed)
@@ -687,6 +717,7 @@ def _check_options(config: "TrainerConfig") -> None:
     if config.mode == "finetune" and not config.eval_only:
         _check_finetune_regularisation(config=config)
     _check_best(config)
+    _check_trackers(config)
     _check_sharding(config)
     _check_tensor_parallel(config)
     _check_pipeline(config)
@@ -699,6 +730,17 @@ def _check_options(config: "TrainerConfig") -> None:
                               "swept test resolution)")
         if not config.test_sizes:
             raise FixresError("--input-size auto needs --test-sizes, the resolutions to choose from")
+
+
+def _check_trackers(config: TrainerConfig) -> None:
+    """A tracker's options without that tracker asked for (``--tracker``) would be silently ignored."""
+    for name, flags in (("mlflow", ("mlflow_tracking_uri", "mlflow_experiment")),
+                        ("wandb", ("wandb_project", "wandb_dir"))):
+        given = [f"--{flag.replace('_', '-')}" for flag in flags if getattr(config, flag) is not None]
+        if given and name not in config.trackers:
+            raise FixresError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --tracker {name}")
+    if config.wandb_mode != "offline" and "wandb" not in config.trackers:
+        raise FixresError("--wandb-mode needs --tracker wandb")
 
 
 def _check_best(config: TrainerConfig) -> None:

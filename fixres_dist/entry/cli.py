@@ -34,6 +34,8 @@ from fixres_dist.config import (
     SCOPES,
     SHARDINGS,
     TIMM_PREFIX,
+    TRACKERS,
+    WANDB_MODES,
     WORLD_CHANGES,
     TrainerConfig,
 )
@@ -80,9 +82,12 @@ def defaults(mode: str) -> dict:
 
 
 def shown(value) -> str:
-    """A default as ``--help`` writes it: ``on``/``off`` for booleans, ``5e-05`` for floats, else as is."""
+    """A default as ``--help`` writes it: ``on``/``off`` for booleans, ``5e-05`` for floats, ``none`` for an
+    empty list, else as is."""
     if isinstance(value, bool):
         return "on" if value else "off"
+    if value == ():
+        return "none"
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -544,6 +549,45 @@ def _add_best(c, mode: str) -> None:
                         "points for top1/top5, nats for loss) (default 0: any)")
 
 
+def _tracker_list(text: str) -> tuple[str, ...]:
+    """``--tracker``: one tracker or a comma list of them."""
+    names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+    for name in names:
+        if name not in TRACKERS:
+            raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(TRACKERS)})")
+    return names
+
+
+class _ExtendTrackers(argparse.Action):
+    """``--tracker`` given several times: the trackers of every one, each once."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, tuple(dict.fromkeys((*(getattr(namespace, self.dest) or ()), *values))))
+
+
+def _add_trackers(p: argparse.ArgumentParser, mode: str) -> None:
+    """MLflow and Weights & Biases, fed rank 0's record (docs/checkpoints.md, "Experiment trackers")."""
+    g = p.add_argument_group("experiment trackers (docs/checkpoints.md#experiment-trackers)")
+    g.add_argument("--tracker", dest="trackers", type=_tracker_list, action=_ExtendTrackers,
+                   metavar="{" + ",".join(TRACKERS) + "}",
+                   help="send the run's parameters, metrics (step: images trained on) and, at the end, its sweep plot "
+                        "and export/ to this experiment tracker, on rank 0; repeat it or give a comma list; the "
+                        "tracker's run id is saved in the checkpoint, so a resumed or requeued job continues its run; "
+                        "a tracker that fails is a warning, never a lost job (needs the trackers extra) "
+                        f"({_default_help(mode)('trackers')})")
+    g.add_argument("--mlflow-tracking-uri", metavar="URI",
+                   help="MLflow's tracking URI: a sqlite:/// database, an http(s):// server, ... (default: "
+                        "sqlite:///<job folder>/mlflow.db, artifacts in <job folder>/mlartifacts/)")
+    g.add_argument("--mlflow-experiment", metavar="NAME",
+                   help="MLflow experiment of the run, created if absent (default fixres_dist)")
+    g.add_argument("--wandb-project", metavar="NAME", help="W&B project of the run (default fixres_dist)")
+    g.add_argument("--wandb-mode", choices=WANDB_MODES,
+                   help="W&B offline (no network; upload later with wandb sync) or online "
+                        f"({_default_help(mode)('wandb_mode')})")
+    g.add_argument("--wandb-dir", metavar="FOLDER",
+                   help="where W&B writes its wandb/ folder (default: the job folder)")
+
+
 def _stall_timeout(text: str) -> float | None:
     """``--stall-timeout``: seconds, ``off`` (0) or ``auto`` (None, the default)."""
     if text.strip().lower() in ("auto", "off"):
@@ -586,6 +630,7 @@ def build_parser(mode: str) -> argparse.ArgumentParser:
     _add_speed(p, mode)
     _add_sharding(p, mode)
     _add_checkpoints(p, mode)
+    _add_trackers(p, mode)
     return p
 
 

@@ -40,6 +40,7 @@ from fixres_dist.distributed.watchdog import REPORTS_S, STALL_EXIT_STATUS
 from fixres_dist.entry import config_file
 from fixres_dist.entry.cli import build_parser, config_fields
 from fixres_dist.errors import FixresError, first_line, say, user_message
+from fixres_dist.reporting import trackers
 from fixres_dist.training import world_change
 from fixres_dist.training.checkpoint import CHECKPOINT_FILE
 from fixres_dist.training.inputs import JobInputs, preflight
@@ -310,6 +311,8 @@ def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
         run_rank(config, inputs, announce=source in ("flags", "slurm"), config_note=note)
     if config.export and config.global_rank == 0:  # the run ended well (else SystemExit): rank 0 or the launcher
         export_run(config)
+
+    trackers.log_final_artifacts(config, config.job_folder)
 
 
 def export_run(config: TrainerConfig) -> None:

@@ -3,7 +3,8 @@
 Every rank keeps the history (a list of :meth:`~fixres_dist.reporting.metrics.MetricsLog.event`
 dicts; it goes into the checkpoint); rank 0 alone prints log lines (above the progress bar),
 appends ``metrics.jsonl`` and, with ``--tensorboard``, writes TensorBoard event files
-(:mod:`fixres_dist.reporting.tensorboard_events`) whose x axis is images trained on.
+(:mod:`fixres_dist.reporting.tensorboard_events`) whose x axis is images trained on; with ``--tracker``,
+it feeds the same figures to MLflow and W&B (:mod:`fixres_dist.reporting.trackers`).
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class RunLog:
         self.board = None  # rank 0's TensorBoardLog with --tensorboard
         self.board_every = 1  # optimizer steps between two per-step points of the training curves
         self.board_until = 0  # images trained on up to which the event files hold the curves
+        self.trackers = None  # rank 0's Trackers with --tracker (trackers.py), from start()
+        self.runs: dict = {}  # the tracker run ids every checkpoint saves (those resumed, while a tracker is off)
         self.profiler = None  # this rank's StepProfiler with --profile (profiling.py), from start()
 
     def log(self, message: str) -> None:
@@ -60,6 +63,8 @@ class RunLog:
         self.metrics.write(entry)
         if self.board is not None:
             self.board.event(entry)
+        if self.trackers is not None:
+            self.trackers.event(entry)
         return entry
 
     def epoch_trained(self, epoch: int, result, lr: float, step_times: list[dict | None] | None = None) -> None:
@@ -94,12 +99,15 @@ class RunLog:
         sweep's: those carry a label)."""
         return any("label" not in e for e in self.events(event, epoch=epoch))
 
-    def start(self, config, history: list[dict], board_at: int, resume_at: int, images_per_epoch: int) -> None:
+    def start(self, config, history: list[dict], board_at: int, resume_at: int, images_per_epoch: int,
+              runs: dict | None = None) -> None:
         """The run's ``config`` (:class:`~fixres_dist.config.TrainerConfig`, once a world change is known:
         :mod:`~fixres_dist.training.world_change`). Rank 0 writes ``config.json`` and the history of
         the checkpoint resumed (dropping events it does not know of) to ``metrics.jsonl``; with
         ``--tensorboard`` it opens the event files;
-        with ``--profile`` every rank starts its profiler (:mod:`fixres_dist.reporting.profiling`).
+        with ``--profile`` every rank starts its profiler (:mod:`fixres_dist.reporting.profiling`); with
+        ``--tracker`` it opens the trackers (continuing ``runs``, the run ids the checkpoint saved:
+        :func:`resumed_runs`) and sends them the history they lack.
 
         ``board_at``: images trained on up to which the job's event files hold the curves
         (:func:`resumed_board_at`). ``resume_at``:
@@ -118,7 +126,11 @@ class RunLog:
             return
         write_private(self.config.job_folder / CONFIG_FILE, self.config.to_json() + "\n")
         self.metrics.rewrite(self.history)
-        self.board_until = board_at
+        self.board_until, self.runs = board_at, dict(runs or {})
+        cfg = self.config
+        self.board_every = max(1, -(-images_per_epoch // cfg.images_per_step) // POINTS_PER_EPOCH)
+        if cfg.trackers:
+            self._open_trackers(images_per_epoch)
         if not self.config.tensorboard:
             return  # the checkpoints carry on where the event files stop
         from fixres_dist.reporting.tensorboard_events import TensorBoardLog  # its writer is imported only when asked
@@ -132,9 +144,18 @@ class RunLog:
                     else ""))
         self.board.replay(self.history, since=since)
         self.board_until = since
-        cfg = self.config
-        steps_per_epoch = -(-images_per_epoch // cfg.images_per_step)
-        self.board_every = max(1, steps_per_epoch // POINTS_PER_EPOCH)
+
+    def _open_trackers(self, images_per_epoch: int) -> None:
+        """Rank 0: the experiment trackers, each that opened told the history it lacks."""
+        from fixres_dist.reporting.trackers import Trackers  # imports no tracker package until opened
+
+        self.trackers = Trackers(self.config, images_per_epoch, self.runs, self.warn)
+        self.runs = self.trackers.runs
+        if not self.trackers.open:  # each warned of why; the run ids resumed are kept for the checkpoints
+            self.trackers = None
+            return
+        self.log(f"experiment trackers: {self.trackers.describe()}")
+        self.trackers.replay(self.history)
 
     def _board_failed(self, message: str) -> None:
         """The TensorBoard log stopped (a write failed): say so once; training goes on."""
@@ -145,8 +166,11 @@ class RunLog:
         """The per-step training curves (every :attr:`board_every` optimizer steps): rank 0's mean loss
         (``loss``: the 0-dim tensor of its summed loss over its ``images``; read only when drawn, a
         device sync on CUDA) and the learning rate at ``images_seen`` images trained on."""
-        if self.board is not None and global_step % self.board_every == 0:
-            self.board.step_scalars(images_seen, loss.item() / images, lr)
+        if (self.board is not None or self.trackers is not None) and global_step % self.board_every == 0:
+            value = loss.item() / images
+            for sink in (self.board, self.trackers):
+                if sink is not None:
+                    sink.step_scalars(images_seen, value, lr)
         if self.profiler is not None:
             self.profiler.after_step()
 
@@ -161,10 +185,22 @@ class RunLog:
             self.board_until = images_seen
         return self.board_until
 
+    def tracker_runs(self) -> dict:
+        """A checkpoint is written: the trackers' queued values are sent; returns the run ids it saves
+        (the checkpoint's ``trackers``)."""
+        if self.trackers is not None:
+            self.runs = self.trackers.checkpointed()
+        return dict(self.runs)
+
     def close(self) -> None:
         if self.board is not None:
             self.board.close()
             self.board = None
+        if self.trackers is not None:
+            from fixres_dist.reporting.trackers import status_now
+
+            self.trackers.close(status_now())  # FINISHED, or KILLED / FAILED while an exception is handled
+            self.trackers = None
         if self.profiler is not None:
             self.profiler.close()
 
@@ -174,8 +210,22 @@ def resumed_board_at(resume, job_folder: Path, resume_at: int) -> int:
     checkpoint resumed (``resume``: a :class:`~fixres_dist.training.inputs.Resume`, or None): its own
     record, or for a checkpoint written before it recorded one, all of them (``resume_at``) if that
     run wrote curves. No checkpoint, or one of another job's folder, says nothing of these files (0)."""
-    if resume is None or Path(resume.path).resolve().parent != job_folder.resolve():
+    if not _own(resume, job_folder):
         return 0
     if resume.contents.tensorboard_at is not None:
         return resume.contents.tensorboard_at
     return resume_at if resume.contents.config.get("tensorboard") else 0
+
+
+def resumed_runs(resume, config) -> dict:
+    """The experiment trackers' run ids a run continues (:mod:`fixres_dist.reporting.trackers`): those of
+    the checkpoint resumed (``resume``: a :class:`~fixres_dist.training.inputs.Resume`, or None) if it is
+    the job folder's own; a checkpoint of another job (``--resume`` to start a new job) starts new runs."""
+    if not _own(resume, config.job_folder):
+        return {}
+    return dict(resume.contents.trackers or {})
+
+
+def _own(resume, job_folder: Path) -> bool:
+    """Whether ``resume`` is a checkpoint of ``job_folder`` (not one a new job starts from)."""
+    return resume is not None and Path(resume.path).resolve().parent == Path(job_folder).resolve()

@@ -142,7 +142,8 @@ class Contents:
     take their defaults). Shapes: ``epoch_sums`` the epoch's (loss sum, images, skipped) so far, over
     all ranks; ``epoch_seconds`` its training time so far (seconds); ``ranks`` one dict per global rank
     (``rng``, ``buffers``, ``ema_buffers``, ``host``: its host name); ``tensorboard_at`` images trained on
-    up to which the job's TensorBoard event files hold the curves (None: not recorded)."""
+    up to which the job's TensorBoard event files hold the curves (None: not recorded); ``trackers`` the
+    run ids of its experiment trackers (``{"mlflow": id, "wandb": id}``), which a resume continues."""
 
     model: dict
     optimizer: dict
@@ -161,6 +162,7 @@ class Contents:
     classes: list | None = None  # the data's class names, in label order (older checkpoints: none)
     data: dict | None = None  # the data's identity: images per split and a SHA-256 (older checkpoints: none)
     tensorboard_at: int | None = None
+    trackers: dict | None = None  # the experiment trackers' run ids by tracker (reporting/trackers.py; None: none)
     model_ema: dict | None = None
     model_ema_state: dict | None = None
     shards: str | None = None  # a sharded checkpoint's folder of model, optimizer and EMA (checkpoint_shards)
@@ -179,7 +181,8 @@ class Contents:
 
 
 # left out when None
-OPTIONAL_ENTRIES = ("model_ema", "model_ema_state", "shards", "shard_digests", "classes", "data", "layout", "best")
+OPTIONAL_ENTRIES = ("model_ema", "model_ema_state", "shards", "shard_digests", "classes", "data", "layout", "best",
+                    "trackers")
 REQUIRED_KEYS = tuple(f.name for f in attrs.fields(Contents) if f.default is attrs.NOTHING)
 
 

@@ -88,7 +88,8 @@ class Checkpointer:
                 epoch_seconds=state.meter.seconds() if partial else 0.0, config=cfg.to_dict(),
                 metrics=self.run_log.history, lineage=network.lineage_at(state.input_size).record(),
                 classes=network.classes, data=self.data, layout=network.layout.to_dict(), best=self.best.state_dict(),
-                tensorboard_at=self.run_log.checkpointed(state.images_seen(images_per_epoch)))
+                tensorboard_at=self.run_log.checkpointed(state.images_seen(images_per_epoch)),
+                trackers=self.run_log.tracker_runs() or None)
             try:
                 checkpoint.save_checkpoint(cfg.job_folder, contents.as_dict(), state.global_step, cfg.keep_checkpoints,
                                            self.faults.checkpoint_write, protect=cfg.resume, best_step=self.best.step)

@@ -24,7 +24,7 @@ from fixres_dist.distributed.pipeline import check_schedule, check_starts, has_b
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
 from fixres_dist.models import architectures, class_names, lineage, resolutions, weights
-from fixres_dist.reporting import profiling, tensorboard_events
+from fixres_dist.reporting import profiling, tensorboard_events, trackers
 from fixres_dist.training import checkpoint, extraction, memory_budget
 from fixres_dist.training.memory_estimate import MemoryEstimate
 
@@ -162,6 +162,7 @@ def preflight(config: TrainerConfig) -> JobInputs:
     if config.tensorboard:
         tensorboard_events.check_available()
         tensorboard_events.check_folder(config.job_folder)
+    trackers.check_available(config)
     check_sizes(config, len(inputs.classes), lineage.for_run(config, inputs.weights).train_size)
     if inputs.weights:
         _check_weights(config, inputs)

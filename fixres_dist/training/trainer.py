@@ -33,7 +33,7 @@ from fixres_dist.errors import FixresWarning
 from fixres_dist.finite import LossWatch
 from fixres_dist.fixres import finetuning
 from fixres_dist.reporting import progress
-from fixres_dist.reporting.run_log import RunLog, resumed_board_at
+from fixres_dist.reporting.run_log import RunLog, resumed_board_at, resumed_runs
 from fixres_dist.training import engine, plan, recipes, world_change
 from fixres_dist.training.checkpointer import Checkpointer
 from fixres_dist.training.evaluator import Evaluator
@@ -123,7 +123,7 @@ class Trainer:
         self.state = TrainState.start(cfg, resume.contents if resume else None)
         per_epoch, seen = self.data.images_per_epoch, self.state.images_seen(self.data.images_per_epoch)
         self.run_log.start(cfg, resume.contents.metrics if resume else [],
-                           resumed_board_at(resume, cfg.job_folder, seen), seen, per_epoch)
+                           resumed_board_at(resume, cfg.job_folder, seen), seen, per_epoch, resumed_runs(resume, cfg))
         self.network = Network(cfg, self.data.classes, Network.build_size(cfg, self.state.input_size),
                                inputs.weights, self.session.device, log, self.run_log.warn)
         self.protocol = plan.protocol(cfg)

@@ -311,7 +311,6 @@ def main(mode: str, argv: list[str] | argparse.Namespace | None = None) -> None:
         run_rank(config, inputs, announce=source in ("flags", "slurm"), config_note=note)
     if config.export and config.global_rank == 0:  # the run ended well (else SystemExit): rank 0 or the launcher
         export_run(config)
-
     trackers.log_final_artifacts(config, config.job_folder)
 
 

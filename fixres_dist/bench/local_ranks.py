@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from fixres_dist.errors import first_line
 
 # What the forkserver imports once (each rank is forked from it with these already imported).
-PRELOAD = ["fixres_dist.training.trainer", "timm", "torch.distributed.fsdp"]
+PRELOAD = ["fixres_dist.bench.preload"]
 GRACE_SECONDS = 10  # after one rank failed, how long the others have to end before SIGTERM (then SIGKILL)
 STOP_SECONDS = 5  # after SIGTERM, how long a rank has to end before SIGKILL
 

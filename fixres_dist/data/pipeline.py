@@ -39,6 +39,7 @@ import errno
 import functools
 import multiprocessing
 import os
+import re
 import signal
 from importlib import resources
 from pathlib import Path
@@ -478,7 +479,8 @@ def bad_image_message(path: str, exc: Exception, skip_flag: str = "--skip-bad-im
     if isinstance(exc, images.ImageTooLargeError):
         problem, fix = f"image {path} is too large: {exc}", "downscale"
     else:
-        problem, fix = f"unreadable image {path} ({type(exc).__name__}: {first_line(exc)})", "fix"
+        said = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", first_line(exc))  # Pillow names its buffer
+        problem, fix = f"unreadable image {path} ({type(exc).__name__}: {said})", "fix"
     return f"{problem}; {fix} or remove it, or pass {skip_flag}"
 
 

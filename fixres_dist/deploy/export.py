@@ -195,7 +195,7 @@ def _write_onnx(exported: torch.export.ExportedProgram, size: int, target: Path)
     try:
         import onnx_ir
     except ImportError:
-        raise FixresError("the ONNX export needs onnx and onnxscript: pip install -e .[export]") from None
+        raise FixresError("the ONNX export needs onnx and onnxscript: pip install -e .[deploy]") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         onnx_program = torch.onnx.export(exported, (torch.zeros(EXAMPLE_BATCH, 3, size, size),), None,

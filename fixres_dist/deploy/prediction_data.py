@@ -69,8 +69,10 @@ def open_data(path: str | Path, split: str = "val", cache_folder: str | Path | N
     ``cache_folder``: where a parquet dataset is converted (:func:`fixres_dist.data.hf_datasets.open_hf_dataset`).
     Raises :class:`FixresError` for a path that is not a folder, a set its reader refuses, or no images."""
     path = Path(path)
+    if path.is_file():
+        raise FixresError(f"data {path} is a file; give a folder of images, packed shards or a Hugging Face dataset")
     if not path.is_dir():
-        raise FixresError(f"data {path} does not exist or is not a folder")
+        raise FixresError(f"data {path} does not exist")
     if shards.is_packed(path):
         split_set = shards.open_packed(path).dataset(split)
         ids = [f"{os.path.basename(split_set.shard_paths[shard])}:{key.decode(errors='replace')}"

@@ -647,7 +647,7 @@ def _with_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser,
     for name, value in taken.items():
         setattr(args, name, value)
     overridden = [f"--{name.replace('_', '-')}" for name in values if name not in taken]
-    setattr(args, config_file.NOTE, settings.note(overridden))
+    setattr(args, config_file.NOTE, settings.note(overridden, args.num_tasks))
 
 
 def _file_values(values: dict, args: argparse.Namespace, mode: str) -> dict:

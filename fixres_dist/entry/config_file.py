@@ -30,21 +30,27 @@ NOTE = "config_note"  # the parsed namespace's attribute holding the log's line 
 @attrs.frozen
 class FileSettings:
     """What a ``--config`` file sets. ``path``: the file, absolute; ``values``: option (the parser's
-    ``dest``) -> value, as its flag parses it; ``ignored``: the keys read and not applied, in the file's order."""
+    ``dest``) -> value, as its flag parses it; ``ignored``: the keys read and not applied, in the file's order;
+    ``ranks``: the file's ``num_tasks`` (the world size of the run whose ``config.json`` it is), or None."""
 
     path: str
     values: dict
     ignored: tuple[str, ...] = ()
+    ranks: int | None = None
 
-    def note(self, overridden: list[str]) -> str:
-        """The log's line: the file read, the flags of ``overridden`` (the command line's instead), and
-        what was ignored."""
+    def note(self, overridden: list[str], ranks: int | None = None) -> str:
+        """The log's line: the file read, the flags of ``overridden`` (the command line's instead), what was
+        ignored, and, where the file's run had another number of ranks than ``--num-tasks`` (``ranks``, None:
+        not given), how to give it the same global batch."""
         line = f"settings read from --config {self.path}"
         if overridden:
             line += f"; the command line's {', '.join(overridden)} instead of the file's"
         if self.ignored:
-            line += (f"; ignored, as no setting of this run (a run's placement comes from the command line or its "
-                     f"launcher): {', '.join(self.ignored)}")
+            line += (f"; ignored, as no setting of this run (where its run sat, its record, the other script's "
+                     f"options): {', '.join(self.ignored)}")
+        if self.ranks is not None and (ranks or 1) != self.ranks:
+            line += (f"; its run had {self.ranks} rank(s), and --batch is per rank: run on {self.ranks} (--num-tasks "
+                     f"{self.ranks}, or its launcher's) for its global batch and learning rate")
         return line
 
 
@@ -134,7 +140,9 @@ def read_settings(path: str, parser: argparse.ArgumentParser, mode: str, placeme
             raise FixresError(f"{where}: {action.option_strings[0]} only applies to {action.belongs_to}")
         elif (parsed := _value(parser, action, value, where)) is not None:
             values[action.dest] = parsed
-    return FileSettings(resolved_path(path), values, tuple(ignored))
+    ranks = data.get("num_tasks")
+    return FileSettings(resolved_path(path), values, tuple(ignored),
+                        ranks if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 0 else None)
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

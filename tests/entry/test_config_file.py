@@ -100,8 +100,10 @@ def test_a_runs_config_json_gives_its_configuration_back(run, tmp_path):
     changed = {k for k, v in first.to_dict().items() if again.to_dict()[k] != v}
     assert changed == {"num_tasks", "job_id", "dist_url", "config_file"}
     assert getattr(args, config_file.NOTE) == (f"settings read from --config {os.path.realpath(path)}; ignored, as no "
-                                               "setting of this run (a run's placement comes from the command line or "
-                                               f"its launcher): {IGNORED_OF_SCRATCH}")
+                                               "setting of this run (where its run sat, its record, the other script's "
+                                               f"options): {IGNORED_OF_SCRATCH}; its run had 2 rank(s), and --batch "
+                                               "is per rank: run on 2 (--num-tasks 2, or its launcher's) for its "
+                                               "global batch and learning rate")
 
 
 def test_a_finetunes_config_json_gives_its_configuration_back(tmp_path):
@@ -246,5 +248,5 @@ def test_a_run_starts_again_from_its_config_json(tiny_data, tmp_path):
     assert made.stdout.splitlines()[1] == f"settings read from --config {os.path.realpath(tmp_path / 'run.yaml')}"
     assert again.stdout.splitlines()[1] == (
         f"settings read from --config {os.path.realpath(runs / 'from-file' / 'config.json')}; the command line's "
-        f"--epochs instead of the file's; ignored, as no setting of this run (a run's placement comes from the command "
-        f"line or its launcher): {IGNORED_OF_SCRATCH}")
+        f"--epochs instead of the file's; ignored, as no setting of this run (where its run sat, its record, the "
+        f"other script's options): {IGNORED_OF_SCRATCH}")

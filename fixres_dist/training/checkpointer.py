@@ -150,7 +150,8 @@ class Checkpointer:
         if not same_world and state.epoch < cfg.epochs and not ended:
             self._world_changed(contents, state, train_images)
         if state.epoch >= cfg.epochs or ended:
-            done = f"stopped early after epoch {state.epoch}" if ended else f"completed its {cfg.epochs} epoch{'s' * (cfg.epochs != 1)}"
+            epochs = f"{cfg.epochs} epoch{'s' * (cfg.epochs != 1)}"
+            done = f"stopped early after epoch {state.epoch}" if ended else f"completed its {epochs}"
             self.run_log.log(f"{resume.path}: this job already {done}; nothing to do (use another --job-id for a new "
                              "run)")
         else:

@@ -80,17 +80,54 @@ def read_mapping(path: str) -> dict:
     return data
 
 
+class DuplicateKey(ValueError):
+    """A mapping of the file that gives one key twice (JSON and YAML parsers keep the last, silently)."""
+
+
+def _unique(pairs) -> dict:
+    """A JSON object's ``(key, value)`` pairs as a dict; :class:`DuplicateKey` for a key given twice."""
+    found = {}
+    for key, value in pairs:
+        if key in found:
+            raise DuplicateKey(key)
+        found[key] = value
+    return found
+
+
+def _yaml_loader():
+    """PyYAML's safe loader, refusing a mapping that gives one key twice (:class:`DuplicateKey`)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            twice = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+            if twice is not None:
+                raise DuplicateKey(twice)
+            return super().construct_mapping(node, deep=deep)
+    return UniqueKeys
+
+
 def _parsed(text: str, kind: str, where: str):
-    """``text`` parsed as ``kind`` (``YAML`` or ``JSON``); FixresError saying where it is malformed."""
-    if kind == "JSON":
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise FixresError(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    """``text`` parsed as ``kind`` (``YAML`` or ``JSON``); FixresError saying where it is malformed, or
+    which key it gives twice."""
+    try:
+        if kind == "JSON":
+            try:
+                return json.loads(text, object_pairs_hook=_unique)
+            except json.JSONDecodeError as exc:
+                raise FixresError(f"{where}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") \
+                    from None
+        return _yaml(text, where)
+    except DuplicateKey as exc:
+        raise FixresError(f"{where}: {exc.args[0]!r} is given twice (which one is meant?)") from None
+
+
+def _yaml(text: str, where: str):
     import yaml
 
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_yaml_loader())
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc)
         mark = getattr(exc, "problem_mark", None)

@@ -185,6 +185,10 @@ BAD_FILES = {
     "unknown field": ("scratch", bad("inptu_size: 32\n"), "unknown option 'inptu_size'; did you mean input_size?"),
     "unknown flag": ("scratch", bad("--wieght-decay: 0.1\n"), "unknown option '--wieght-decay'; did you mean "
                                                                "--weight-decay?"),
+    "one key twice": ("scratch", bad("epochs: 2\nbatch: 8\nepochs: 5\n"),
+                      "'epochs' is given twice (which one is meant?)"),
+    "one JSON key twice": ("scratch", written("r.json", '{"epochs": 2, "epochs": 9}'),
+                           "'epochs' is given twice (which one is meant?)"),
     "two keys of one option": ("scratch", bad("input-size: 32\ninput_size: 40\n"),
                                "input-size and input_size are one option, --input-size"),
     "wrong type": ("scratch", bad("epochs: three\n"), "argument --epochs: 'three' is not a whole number"),

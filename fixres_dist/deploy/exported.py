@@ -165,7 +165,8 @@ def _model(entries: dict, state_dict: dict, origin: str) -> ExportedModel:
 def read_export(folder: str | Path) -> ExportedModel:
     """Read and check the export folder ``folder`` (module docstring). Raises :class:`FixresError` in one
     line for a missing folder or file, a ``model.json`` that is not one of this format and version, a
-    SHA-256 that differs from the recorded one, or weights that do not fit the architecture."""
+    SHA-256 that differs from the recorded one, values that cannot be used (:func:`_check_values`), or
+    weights that do not fit the architecture."""
     folder = Path(folder)
     meta = folder / METADATA_FILE
     if not meta.is_file():

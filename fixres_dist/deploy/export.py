@@ -30,18 +30,25 @@ folder ``OUT`` with four files:
 
 Atomic: everything is written into a hidden sibling ``.OUT.<host>.<pid>.partial`` and renamed to ``OUT``
 once complete; on any failure (a full disk mid-ONNX included) the partial folder is removed, so ``OUT``
-is whole or absent. ``OUT`` existing is refused, never overwritten. Owner-only, as every file the project
-writes. Bad input (not a checkpoint of this project, no ``model_ema`` when asked, an incomplete sharded
-checkpoint, ``OUT`` existing or its folder unwritable) is one :class:`~fixres_dist.errors.FixresError` line.
+is whole or absent (each file is serialised in memory, then written by :func:`fixres_dist.io.write_private`,
+so a full disk is one OSError whichever file it hits); partial folders of ``OUT`` that a killed export of
+this host left (their process gone) are removed by the next export to ``OUT``. Ctrl-C (SIGINT) is one
+line, exit status 130, nothing written. ``OUT`` existing is refused, never overwritten. Owner-only, as
+every file the project writes. Bad input (not a checkpoint of this project, a torch.export program, no
+``model_ema`` when asked, an incomplete sharded checkpoint, ``OUT`` empty, existing or its folder unwritable)
+is one :class:`~fixres_dist.errors.FixresError` line.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 import socket
 import sys
 import warnings
+import zipfile
+from io import BytesIO
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -66,6 +73,8 @@ PREPROCESSING_FIELDS = ("mean", "std", "crop_ratio", "interpolation")  # a run's
 RUN_FOLDER = "export"  # --export: the export folder in the job folder, written after the run ends
 EXAMPLE_BATCH = 2  # the traced batch: torch.export specialises a batch of 1
 ZIP_MAGIC = b"PK\x03\x04"  # how every file torch.save writes begins (its zip format, torch 1.6 on)
+PROGRAM_MARKER = "/archive_format"  # an entry of every torch.export.save archive, of no torch.save file
+INTERRUPTED = 130  # the exit status of a command stopped by SIGINT (128 + 2), as a shell reports it
 
 
 @attrs.frozen
@@ -131,6 +140,18 @@ def _check_format(path: Path) -> None:
     if head and head != ZIP_MAGIC:
         raise FixresError(f"{path} is not a fixres_dist checkpoint: another format (a checkpoint is a PyTorch zip "
                           "file, as torch.save writes it)")
+    if head and _is_program(path):
+        raise FixresError(f"{path} is a torch.export program (an export's {PROGRAM_FILE}), not a fixres_dist "
+                          "checkpoint: export the checkpoint it came from")
+
+
+def _is_program(path: Path) -> bool:
+    """Whether the zip file at ``path`` is a :func:`torch.export.save` archive (its ``archive_format`` entry)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith(PROGRAM_MARKER) for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):  # truncated or damaged: load_checkpoint says so
+        return False
 
 
 def _warning(line: str) -> None:
@@ -190,8 +211,9 @@ def program(model: torch.nn.Module, size: int) -> torch.export.ExportedProgram:
         return torch.export.export(model, (example,), dynamic_shapes=({0: torch.export.Dim(BATCH_AXIS, min=1)},))
 
 
-def _write_onnx(exported: torch.export.ExportedProgram, size: int, target: Path) -> None:
-    """``exported`` as one ONNX file at ``target``: input ``images``, output ``logits``, batch axis ``batch``."""
+def _onnx_bytes(exported: torch.export.ExportedProgram, size: int) -> bytes:
+    """``exported`` as one serialised ONNX model (no external data): input ``images``, output ``logits``,
+    batch axis ``batch``."""
     try:
         import onnx_ir
     except ImportError:
@@ -204,30 +226,46 @@ def _write_onnx(exported: torch.export.ExportedProgram, size: int, target: Path)
     graph = onnx_program.model.graph
     for value in (graph.inputs[0], graph.outputs[0]):
         value.shape = onnx_ir.Shape([BATCH_AXIS, *value.shape[1:]])  # the exporter's own name: s0, s77, ...
-    onnx_program.save(str(target), external_data=False)
+    return onnx_ir.to_proto(onnx_program.model).SerializeToString()
+
+
+def _serialised(what: str, serialise: Callable[[], bytes]) -> bytes:
+    """``serialise()``'s bytes, made in memory so that only the package's own writer touches the disk (a full
+    disk is then one OSError: torch's zip writer and safetensors raise their own types, or abort)."""
+    try:
+        return serialise()
+    except Exception as exc:
+        raise FixresError(f"cannot serialise {what}: {type(exc).__name__}: {first_line(exc)}") from None
+
+
+def _program_bytes(exported: torch.export.ExportedProgram) -> bytes:
+    buffer = BytesIO()
+    torch.export.save(exported, buffer)
+    return buffer.getvalue()
 
 
 def _write(exportable: Exportable, folder: Path) -> None:
-    """The four files into ``folder`` (the partial one). Raises OSError, FixresError."""
-    from safetensors.torch import save_file
+    """The four files into ``folder`` (the partial one), each serialised in memory first and written by
+    :func:`fixres_dist.io.write_private`. Raises OSError (a full disk included), FixresError."""
+    from safetensors.torch import save
 
     model, size = exportable.model, exportable.description["input_size"]
     tensors = {name: t.detach().contiguous().clone() for name, t in model.state_dict().items()}
-    io.write_private_by_name(folder / WEIGHTS_FILE, lambda name: save_file(tensors, str(name),
-                                                                          metadata={"format": "pt"}))
+    io.write_private(folder / WEIGHTS_FILE, _serialised(WEIGHTS_FILE, lambda: save(tensors, metadata={"format": "pt"})))
     try:
         exported = program(model, size)
     except Exception as exc:  # torch.export raises many types for what it cannot trace
         raise FixresError(f"torch.export cannot trace {exportable.build['name']}: {type(exc).__name__}: "
                           f"{first_line(exc)}") from None
-    io.write_private(folder / PROGRAM_FILE, lambda f: torch.export.save(exported, f))
+    io.write_private(folder / PROGRAM_FILE, _serialised(PROGRAM_FILE, lambda: _program_bytes(exported)))
     try:
-        io.write_private_by_name(folder / ONNX_FILE, lambda name: _write_onnx(exported, size, name))
-    except (OSError, FixresError):
+        onnx = _onnx_bytes(exported, size)
+    except FixresError:
         raise
     except Exception as exc:  # the exporter's own failures: unsupported operators, ...
         raise FixresError(f"cannot export {exportable.build['name']} to ONNX: {type(exc).__name__}: "
                           f"{first_line(exc)}") from None
+    io.write_private(folder / ONNX_FILE, onnx)
     files = {name: sha256(folder / name) for name in (WEIGHTS_FILE, ONNX_FILE, PROGRAM_FILE)}
     io.write_private(folder / DESCRIPTION_FILE, json.dumps({**exportable.description, "files": files}, indent=2,
                                                            ensure_ascii=False) + "\n")
@@ -236,6 +274,26 @@ def _write(exportable: Exportable, folder: Path) -> None:
 def partial_name(out: Path) -> Path:
     """The hidden sibling folder ``out`` is written in before its rename."""
     return out.with_name(f".{out.name}.{socket.gethostname()}.{os.getpid()}{PARTIAL}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's process, alive
+        return True
+    return True
+
+
+def remove_stale_partials(out: Path) -> None:
+    """Remove the partial folders of ``out`` (:func:`partial_name`) that a killed export of this host left:
+    those whose process is gone. Other hosts' (a shared folder) are left, their processes unknown here."""
+    prefix = f".{out.name}.{socket.gethostname()}."
+    for found in out.parent.glob(f".{glob.escape(out.name)}.*{PARTIAL}"):
+        pid = found.name[len(prefix):-len(PARTIAL)] if found.name.startswith(prefix) else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(found, ignore_errors=True)
 
 
 def export_folder(checkpoint_path: str | Path, out: str | Path, weight_key: str = "model",
@@ -247,11 +305,14 @@ def export_folder(checkpoint_path: str | Path, out: str | Path, weight_key: str 
     Raises :class:`FixresError` (one line) when ``out`` exists, its folder is missing or cannot be written,
     or for the checkpoint's bad input (:func:`read_exportable`); nothing of ``out`` is left then.
     """
+    if not str(out).strip():
+        raise FixresError("the export folder is empty: give a path to write (a new folder)")
     out = Path(out)
     if out.exists() or out.is_symlink():
         raise FixresError(f"{out} exists; export writes a new folder (remove it or give another path)")
     if not out.parent.is_dir():
         raise FixresError(f"cannot write {out}: its folder {out.parent} does not exist")
+    remove_stale_partials(out)
     partial = partial_name(out)
     try:
         partial.mkdir(mode=0o700)
@@ -287,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     except FixresError as exc:
         print(f"fixres_dist: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the partial folder already removed (export_folder's finally)
+        print("fixres_dist: export stopped by SIGINT; nothing written", file=sys.stderr)
+        return INTERRUPTED
     print(describe(out))
     return 0
 

@@ -24,11 +24,13 @@ lineage). Both return an :class:`ExportedModel`; :func:`open_model` takes either
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import attrs
 from torch import nn
 
+from fixres_dist.config import INTERPOLATIONS
 from fixres_dist.data import pipeline
 from fixres_dist.data.shards import sha256
 from fixres_dist.deploy import export
@@ -110,11 +112,37 @@ def _check_types(entries: dict, where: str) -> None:
             raise FixresError(f"{where}: {name} is {value!r}, not a JSON {getattr(kind, '__name__', 'number')}")
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_values(entries: dict, origin: str) -> None:
+    """``model.json``'s preprocessing values, each usable: ``mean`` and ``std`` 3 finite numbers (``std``
+    above 0), ``crop_ratio`` in (0, 1], ``input_size`` and ``resize_size`` at least 1, a known
+    ``interpolation``. (``input_size`` has no upper bound: a FixRes test resolution may be any multiple of
+    the training one, and a network runs at any size its memory allows.)"""
+    for name in ("mean", "std"):
+        values = entries[name]
+        if len(values) != 3 or not all(_number(v) for v in values):
+            raise FixresError(f"{origin}: {name} is {values!r}, not 3 finite numbers (one per RGB channel)")
+    if not all(v > 0 for v in entries["std"]):
+        raise FixresError(f"{origin}: std is {entries['std']!r}: each must be above 0 (images are divided by it)")
+    if not (_number(entries["crop_ratio"]) and 0 < entries["crop_ratio"] <= 1):
+        raise FixresError(f"{origin}: crop_ratio is {entries['crop_ratio']!r}, not in (0, 1]")
+    for name in ("input_size", "resize_size"):
+        if entries[name] < 1:
+            raise FixresError(f"{origin}: {name} is {entries[name]!r}, not a size in pixels (at least 1)")
+    if entries["interpolation"] not in INTERPOLATIONS:
+        raise FixresError(f"{origin}: interpolation {entries['interpolation']!r} is none of "
+                          f"{', '.join(INTERPOLATIONS)}")
+
+
 def _model(entries: dict, state_dict: dict, origin: str) -> ExportedModel:
     """An :class:`ExportedModel` of ``model.json``'s ``entries``, checked against each other and against
     the architecture's keys and shapes (built on the meta device)."""
     if len(entries["class_names"]) != entries["num_classes"]:
         raise FixresError(f"{origin}: {len(entries['class_names'])} class names for {entries['num_classes']} classes")
+    _check_values(entries, origin)
     if entries["resize_size"] != round(entries["input_size"] / entries["crop_ratio"]):
         raise FixresError(f"{origin}: resize_size {entries['resize_size']} is not input_size / crop_ratio "
                           f"({entries['input_size']} / {entries['crop_ratio']:g}, rounded)")
@@ -137,7 +165,8 @@ def _model(entries: dict, state_dict: dict, origin: str) -> ExportedModel:
 def read_export(folder: str | Path) -> ExportedModel:
     """Read and check the export folder ``folder`` (module docstring). Raises :class:`FixresError` in one
     line for a missing folder or file, a ``model.json`` that is not one of this format and version, a
-    SHA-256 that differs from the recorded one, or weights that do not fit the architecture."""
+    SHA-256 that differs from the recorded one, values that cannot be used (:func:`_check_values`), or
+    weights that do not fit the architecture."""
     folder = Path(folder)
     meta = folder / METADATA_FILE
     if not meta.is_file():

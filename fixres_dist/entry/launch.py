@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from fixres_dist import io, startup
 from fixres_dist.config import TrainerConfig
-from fixres_dist.deploy import export
+from fixres_dist.deploy import export, exported
 from fixres_dist.distributed import collectives, joblock, layout, placement, rendezvous
 from fixres_dist.distributed.preemption import (
     INTERRUPTED_EXIT_STATUS,
@@ -318,9 +318,17 @@ def export_run(config: TrainerConfig) -> None:
     """``--export``, after the run ended successfully: the export folder of the job's last checkpoint in
     ``<job folder>/export/`` (:func:`fixres_dist.deploy.export.export_folder`), one line on stdout; kept as it is
     when an earlier run of the job wrote it (the same configuration, so the same last checkpoint). A failure is
-    one line and exit status 1; the job's checkpoints are untouched."""
+    one line and exit status 1; the job's checkpoints are untouched. Something else named ``export`` there (a
+    file, a folder that :func:`fixres_dist.deploy.exported.read_export` refuses) is one line and exit status 1,
+    left as it is."""
     out = config.job_folder / export.RUN_FOLDER
-    if out.exists():
+    if out.exists() or out.is_symlink():
+        try:
+            exported.read_export(out)
+        except FixresError as exc:
+            say(f"fixres_dist: rank 0: --export: {out} exists and is not an export folder ({exc}); remove it and "
+                "run again to export")
+            raise SystemExit(1) from None
         print(f"--export: {out} kept (an earlier run of this job wrote it)", flush=True)
         return
     try:

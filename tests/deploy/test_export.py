@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +92,27 @@ def test_a_rerun_keeps_the_export_it_finds(finetune_job, capsys):
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
 
 
+@pytest.mark.parametrize("found", ["file", "junk-json"])
+def test_a_rerun_refuses_an_export_that_is_not_one(tmp_path, capsys, found):
+    """``--export`` finding something else named ``export`` in the job folder (a file, a folder whose model.json is
+    not an export's): one line naming it, exit status 1, left as it was."""
+    folder = tmp_path / "j" / export.RUN_FOLDER
+    if found == "file":
+        folder.parent.mkdir()
+        folder.write_text("notes")
+    else:
+        folder.mkdir(parents=True)
+        (folder / export.DESCRIPTION_FILE).write_text('{"format": "mine"}')
+    with pytest.raises(SystemExit) as exit_status:
+        launch.export_run(TrainerConfig(shared_folder_path=str(tmp_path), job_id="j", export=True))
+    assert exit_status.value.code == 1
+    captured = capsys.readouterr()
+    assert not captured.out and len(captured.err.splitlines()) == 1, captured
+    assert f"--export: {folder} exists and is not an export folder (" in captured.err
+    assert captured.err.endswith("; remove it and run again to export\n")
+    assert folder.is_file() if found == "file" else sorted(os.listdir(folder)) == [export.DESCRIPTION_FILE]
+
+
 @needs_photos
 @pytest.mark.numeric
 def test_onnx_and_torch_export_give_the_checkpoints_logits_on_real_photos(exported):
@@ -125,21 +147,46 @@ def test_onnx_and_torch_export_give_the_checkpoints_logits_on_real_photos(export
     assert (baseline - reference).abs().max() > 0  # float32 rounds: the tolerance is measured, not zero
 
 
-@pytest.fixture()
-def no_room(tmp_path, exported):
-    """A folder on a disk with room for the export's safetensors and torch.export files but not its ONNX file."""
-    out = exported
-    sizes = {name: (out / name).stat().st_size for name in os.listdir(out)}
-    room = sizes["model.safetensors"] + sizes["model.pt2"] + sizes["model.onnx"] // 2
+WRITTEN_IN_ORDER = (export.WEIGHTS_FILE, export.PROGRAM_FILE, export.ONNX_FILE)
+
+
+def small_disk(tmp_path: Path, exported: Path, full_at: str):
+    """A folder on a disk with room for the export's files written before ``full_at`` and half of that one."""
+    sizes = {name: (exported / name).stat().st_size for name in os.listdir(exported)}
+    before = WRITTEN_IN_ORDER[:WRITTEN_IN_ORDER.index(full_at)]
+    room = sum(sizes[name] for name in before) + sizes[full_at] // 2
     folder = tmp_path / "small"
     folder.mkdir()
     yield from tmpfs(folder, f"size={room}", "a small disk that fills up")
 
 
+@pytest.fixture()
+def no_room(tmp_path, exported):
+    """A folder on a disk with room for the export's safetensors and torch.export files but not its ONNX file."""
+    yield from small_disk(tmp_path, exported, export.ONNX_FILE)
+
+
+@pytest.fixture(params=[export.WEIGHTS_FILE, export.PROGRAM_FILE])
+def full_early(request, tmp_path, exported):
+    """A folder on a disk that fills up in the middle of the safetensors file, or of the torch.export program."""
+    yield from small_disk(tmp_path, exported, request.param)
+
+
+def test_a_disk_full_in_any_file_is_one_line(finetune_job, full_early, capsys):
+    """Each file is serialised in memory and written by the package's writer: a full disk in the safetensors
+    or torch.export file is the same one line as in the ONNX file (not safetensors' error nor an abort from
+    torch's zip writer), nothing left."""
+    assert export.main([str(finetune_job.folder / CHECKPOINT_FILE), str(full_early / "e")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"fixres_dist: cannot write {full_early / 'e'}: No space left on device; nothing written\n"
+    assert list(full_early.iterdir()) == []
+
+
 def test_bad_input_is_one_line_and_writes_nothing(exported, finetune_job, tmp_path, capsys, no_room):
     """Each refused in one line, exit status 1, nothing left behind: not a checkpoint (a plain state_dict, a
-    safetensors file, an ONNX file), no model_ema in a run without --model-ema, an OUT that exists (kept as it was), a
-    missing folder, and a disk that fills up in the middle of the ONNX file."""
+    safetensors file, an ONNX file, a torch.export program), no model_ema in a run without --model-ema, an empty
+    OUT, an OUT that exists (kept as it was), a missing folder, and a disk that fills up in the middle of the
+    ONNX file."""
     out = exported
     source = finetune_job.folder / CHECKPOINT_FILE
     torch.save(load_file(out / export.WEIGHTS_FILE), tmp_path / "state_dict.pth")
@@ -148,6 +195,9 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, finetune_job, tmp_pa
     cases = [([tmp_path / "state_dict.pth", tmp_path / "a"], "not a fixres_dist checkpoint (no integer format_"),
              ([out / export.WEIGHTS_FILE, tmp_path / "b"], f"model.safetensors {other}"),
              ([out / export.ONNX_FILE, tmp_path / "b"], f"model.onnx {other}"),
+             ([out / export.PROGRAM_FILE, tmp_path / "b"], "model.pt2 is a torch.export program (an export's "
+                                                           "model.pt2), not a fixres_dist checkpoint"),
+             ([source, ""], "the export folder is empty: give a path to write"),
              ([source, tmp_path / "c", "--weight-key", "model_ema"], "has no model_ema weights (a run without"),
              ([source, out], "export exists; export writes a new folder"),
              ([source, tmp_path / "no" / "d"], "its folder"),
@@ -174,6 +224,36 @@ def test_an_unwritable_folder_is_one_line(finetune_job, read_only, capsys):
     err = capsys.readouterr().err
     assert "cannot write" in err and "out" in err and len(err.splitlines()) == 1, err
     assert not any(read_only.iterdir())
+
+
+def test_ctrl_c_is_one_line_and_writes_nothing(finetune_job, tmp_path, capsys, monkeypatch):
+    """SIGINT (KeyboardInterrupt) once the safetensors file is written, while tracing: one line, exit status 130
+    (what ``python -m fixres_dist.deploy.export`` exits with), the partial folder removed."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "program", interrupted)
+    assert export.main([str(finetune_job.folder / CHECKPOINT_FILE), str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == "fixres_dist: export stopped by SIGINT; nothing written\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_exports_partial_folder_is_removed_by_the_next(tmp_path, capsys):
+    """An export killed by SIGKILL leaves its partial folder; the next export to the same OUT removes those of
+    this host whose process is gone, and keeps a live process's, another host's and another OUT's."""
+    out = tmp_path / "out"
+    gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process has it
+    host = socket.gethostname()
+    names = {"dead": f".out.{host}.{gone}.partial", "alive": f".out.{host}.1.partial",  # pid 1: init, alive
+             "other host": f".out.elsewhere.{gone}.partial", "other out": f".out2.{host}.{gone}.partial"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / export.WEIGHTS_FILE).write_bytes(b"half")
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
+    assert export.main([str(tmp_path / "junk.pth"), str(out)]) == 1  # refused, after the clean-up
+    assert "another format" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["junk.pth", *(names[k] for k in names
+                                                                              if k != "dead")])
 
 
 @pytest.mark.numeric

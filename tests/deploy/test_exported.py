@@ -44,6 +44,12 @@ def test_an_export_folder_and_its_checkpoint_are_the_same_model(exported_by_hand
         assert torch.equal(logits, other(x)) and torch.equal(logits, plain.eval()(x))
 
 
+# model.json's values edited to ones that would give NaN probabilities, a ZeroDivisionError or no image
+EDITS = {"std-zero": {"std": [0, 0, 0]}, "std-nan": {"std": [float("nan"), 0.2, 0.2]}, "mean-two": {"mean": [0.5, 0.5]},
+         "crop-zero": {"crop_ratio": 0}, "crop-above-1": {"crop_ratio": 1.5, "resize_size": 32},
+         "size-zero": {"input_size": 0, "resize_size": 0}, "interpolation": {"interpolation": "lanczos"}}
+
+
 def damaged(source: Path, dest: Path, problem: str) -> Path:
     """A copy of the export folder ``source`` at ``dest`` with ``problem``."""
     shutil.copytree(source, dest)
@@ -71,6 +77,8 @@ def damaged(source: Path, dest: Path, problem: str) -> Path:
         meta_path.unlink()
     elif problem == "field":
         meta["input_size"] = "48"
+    elif problem in EDITS:
+        meta.update(EDITS[problem])
     if meta_path.exists():
         meta_path.write_text(json.dumps(meta))
     return dest
@@ -85,6 +93,13 @@ def damaged(source: Path, dest: Path, problem: str) -> Path:
     ("version", r"has fixres_dist\.export version 2; this fixres_dist reads version 1"),
     ("no-json", r"is not an export folder: it has no model\.json$"),
     ("field", r"model\.json: input_size is '48', not a JSON int$"),
+    ("std-zero", r"bad: std is \[0, 0, 0\]: each must be above 0 \(images are divided by it\)$"),
+    ("std-nan", r"bad: std is \[nan, 0\.2, 0\.2\], not 3 finite numbers \(one per RGB channel\)$"),
+    ("mean-two", r"bad: mean is \[0\.5, 0\.5\], not 3 finite numbers"),
+    ("crop-zero", r"bad: crop_ratio is 0, not in \(0, 1\]$"),
+    ("crop-above-1", r"bad: crop_ratio is 1\.5, not in \(0, 1\]$"),
+    ("size-zero", r"bad: input_size is 0, not a size in pixels \(at least 1\)$"),
+    ("interpolation", r"bad: interpolation 'lanczos' is none of bilinear, bicubic, nearest$"),
 ])
 def test_a_bad_export_folder_is_refused_in_one_line(exported_by_hand, tmp_path, problem, message):
     with pytest.raises(FixresError, match=message) as error:

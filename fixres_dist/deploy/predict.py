@@ -13,8 +13,10 @@ logits bit for bit, on 1, 2 or 3 ranks (on this CPU the logits were also the sam
 Each rank writes its part (``part-<rank>.npz``) into a work folder beside ``FILE``
 (``.<FILE name>.predict``, where the ranks also meet: a file rendezvous unless torchrun's or ``--dist-url``
 says otherwise); rank 0 merges the parts in the data's order into ``FILE``, atomically, then removes the
-work folder. A failure on any rank (a bad image with ``--on-bad-image error``) leaves no ``FILE`` and no
-work folder.
+work folder. A failure on any rank (a bad image with ``--on-bad-image error``, a full disk, a rank that died,
+Ctrl-C) is one line and leaves no ``FILE`` and no work folder (:func:`run_rank`, :func:`spawn`; only a
+killed rank 0 of ranks started apart leaves it, for the next run to reuse). The work folder's lock
+(:func:`lock_work_folder`) refuses a second predict writing the same ``FILE``.
 
 Ranks as the scripts take them (:func:`fixres_dist.distributed.placement.resolve_placement`): explicit
 ``--num-tasks/--global-rank/--local-rank``, torchrun's or SLURM's environment, else ``--num-tasks N``
@@ -383,6 +385,14 @@ def parser() -> OneLineParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (0, or 1 with one line on stderr; usage errors exit 2)."""
     args = parser().parse_args(argv)
+    try:
+        return _main(args)
+    except KeyboardInterrupt:  # Ctrl-C before any rank started (the model or data being read)
+        say(f"fixres_dist: {STOPPED}")
+        return INTERRUPTED_EXIT_STATUS
+
+
+def _main(args) -> int:
     try:
         where = placement.resolve_placement(args.num_tasks, args.global_rank, args.local_rank, args.job_id,
                                             args.dist_url)

@@ -228,7 +228,7 @@ def run_rank(request: Request, rank: int, world: int, dist_url: str | None = Non
     if world > 1 and not os.environ.get("OMP_NUM_THREADS"):  # the node's cores shared by its ranks
         torch.set_num_threads(placement.threads_per_rank(world))
     failure = outcome = meeting = lock = None
-    owner = rank == 0  # removes the work folder when the run fails
+    owner = rank == 0 and not spawned  # removes the work folder when the run fails (spawned: the parent, locked)
     try:
         try:
             if rank == 0 and not spawned:
@@ -261,7 +261,8 @@ def run_rank(request: Request, rank: int, world: int, dist_url: str | None = Non
                     outcome = ("fail", failure) if failure else ("done", merge(request, model, data, world))
                 except FixresError as exc:
                     outcome = ("fail", str(exc))
-                shutil.rmtree(work, ignore_errors=True)
+                if owner or outcome[0] == "done":
+                    shutil.rmtree(work, ignore_errors=True)
             outcome = collectives.broadcast_object(outcome)
         except (RuntimeError, dist.DistError) as exc:  # a peer died or vanished
             lost = _lost(exc, meeting)
@@ -319,8 +320,12 @@ def spawn(request: Request, world: int) -> int:
             multiprocessing.forkserver.ensure_running()
     processes, died, code = [], None, 1
     try:
-        processes = mp.start_processes(_spawned, args=(request, world), nprocs=world, join=False,
-                                       start_method=method).processes
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # a Ctrl-C meanwhile: once they are known
+        try:
+            processes = mp.start_processes(_spawned, args=(request, world), nprocs=world, join=False,
+                                           start_method=method).processes
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         deadline = None
         while any(p.exitcode is None for p in processes):
             multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=1.0)
@@ -332,18 +337,21 @@ def spawn(request: Request, world: int) -> int:
                 for p in processes:
                     p.kill()
         code = 0 if all(p.exitcode == 0 for p in processes) else 1
-    except KeyboardInterrupt:  # Ctrl-C: the ranks got it too (the process group), or end now
+    except KeyboardInterrupt:  # Ctrl-C: the ranks (which ignore it, as the forkserver) end now
         code = INTERRUPTED_EXIT_STATUS
-        say(f"fixres_dist: {STOPPED}")
     finally:  # no rank outlives this call
         for p in processes:
             if p.exitcode is None:
                 p.terminate()
                 p.join()
-        if code:
-            remove_work_folder(request, lock)
-        else:
-            os.close(lock)
+    if code == INTERRUPTED_EXIT_STATUS and processes and all(p.exitcode == 0 for p in processes):
+        code = 0  # too late: the ranks had written FILE (rank 0 said so)
+    elif code == INTERRUPTED_EXIT_STATUS:
+        say(f"fixres_dist: {STOPPED}")
+    if code:
+        remove_work_folder(request, lock)
+    else:
+        os.close(lock)
     if died is not None and code == 1:
         say(f"fixres_dist: rank {died[0]} {_how_ended(died[1])}; stopped the other ranks, nothing written")
     return code

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -207,7 +206,7 @@ def test_a_killed_rank_and_ctrl_c_end_the_run_in_one_line_leaving_nothing(export
     err = capsys.readouterr().err.strip()
     assert err == "fixres_dist: rank 1 ended by SIGKILL; stopped the other ranks, nothing written"
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no file, no work folder
-    spawned_then(monkeypatch, lambda _: threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start())
+    spawned_then(monkeypatch, lambda _: os.kill(os.getpid(), signal.SIGINT))  # Ctrl-C as the ranks start
     assert run(exported_by_hand, tiny_data / "val", out, "--num-tasks", 2, "--batch", 8) == 130
     assert capsys.readouterr().err.strip() == "fixres_dist: predict stopped by SIGINT; nothing written"
     assert sorted(p.name for p in tmp_path.iterdir()) == []

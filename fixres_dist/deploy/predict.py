@@ -13,8 +13,10 @@ logits bit for bit, on 1, 2 or 3 ranks (on this CPU the logits were also the sam
 Each rank writes its part (``part-<rank>.npz``) into a work folder beside ``FILE``
 (``.<FILE name>.predict``, where the ranks also meet: a file rendezvous unless torchrun's or ``--dist-url``
 says otherwise); rank 0 merges the parts in the data's order into ``FILE``, atomically, then removes the
-work folder. A failure on any rank (a bad image with ``--on-bad-image error``) leaves no ``FILE`` and no
-work folder.
+work folder. A failure on any rank (a bad image with ``--on-bad-image error``, a full disk, a rank that died,
+Ctrl-C) is one line and leaves no ``FILE`` and no work folder (:func:`run_rank`, :func:`spawn`; only a
+killed rank 0 of ranks started apart leaves it, for the next run to reuse). The work folder's lock
+(:func:`lock_work_folder`) refuses a second predict writing the same ``FILE``.
 
 Ranks as the scripts take them (:func:`fixres_dist.distributed.placement.resolve_placement`): explicit
 ``--num-tasks/--global-rank/--local-rank``, torchrun's or SLURM's environment, else ``--num-tasks N``
@@ -23,8 +25,11 @@ spawns N local ranks.
 from __future__ import annotations
 
 import multiprocessing.connection
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,21 +37,26 @@ from pathlib import Path
 import attrs
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
+from fixres_dist import locks
 from fixres_dist.arguments import Formatter, OneLineParser, non_negative_int, positive_int
 from fixres_dist.data import pipeline
 from fixres_dist.data.samplers import SampleKey
 from fixres_dist.deploy import export, exported, prediction_data, prediction_files
 from fixres_dist.distributed import collectives, placement, rendezvous
-from fixres_dist.errors import FixresError, say, user_message
+from fixres_dist.distributed.preemption import INTERRUPTED_EXIT_STATUS, ignoring
+from fixres_dist.errors import FixresError, first_line, say, user_message
 from fixres_dist.io import write_private
 
 DEFAULT_TOPK = 5
 DEFAULT_BATCH = 32
 DIST_TIMEOUT_S = 300.0  # seconds the ranks wait for each other
 GRACE_S = 10.0  # seconds the other ranks have to end after one failed, before they are killed
+LOCK_FILE = "lock"  # in the work folder: held by the predict writing OUT (its pid and host inside)
+STOPPED = "predict stopped by SIGINT; nothing written"
 
 
 @attrs.frozen
@@ -157,40 +167,124 @@ def merge(request: Request, model: exported.ExportedModel, data, world: int) -> 
     return f"{request.out}: {len(index)} images, {len(skipped)} skipped{first}"
 
 
-def run_rank(request: Request, rank: int, world: int, dist_url: str | None = None, inputs=None) -> int:
+def lock_work_folder(request: Request) -> int:
+    """Make the work folder and hold its lock (``flock``, :mod:`fixres_dist.locks`: it dies with this
+    process); returns the lock file's descriptor, this process's pid and host written in it. Raises
+    :class:`FixresError` in one line when another predict writing the same ``--out`` holds it (naming
+    its pid and host), or the folder cannot be made or locked."""
+    work = request.work_folder
+    lock = work / LOCK_FILE
+    for _ in range(3):  # a folder removed between our open and our lock (its predict ended): again
+        try:
+            work.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise FixresError(f"cannot make the work folder {work}: {exc.strerror or exc}") from None
+        try:
+            if not locks.try_lock(fd, lock, "two predicts writing the same --out would not be kept apart"):
+                pid, host = (os.pread(fd, 300, 0).decode(errors="replace").split() + ["?", "?"])[:2]
+                raise FixresError(f"--out {request.out} is being written by another predict (pid {pid} on host "
+                                  f"{host}); wait for it to end, or give another --out")
+            if lock.exists() and os.path.samestat(os.fstat(fd), lock.stat()):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()} {os.uname().nodename}\n".encode(), 0)
+                return fd
+        except OSError as exc:
+            os.close(fd)
+            raise FixresError(f"cannot write {lock}: {exc.strerror or exc}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise FixresError(f"cannot lock {lock}: the folder keeps being removed by another predict")
+
+
+def remove_work_folder(request: Request, lock: int | None = None) -> None:
+    """The work folder removed (its parts, rendezvous file and lock), then ``lock`` released."""
+    shutil.rmtree(request.work_folder, ignore_errors=True)
+    if lock is not None:
+        os.close(lock)
+
+
+def _lost(exc: BaseException, meeting) -> str | None:
+    """After a failed collective: ``lost rank R (host H...); stopping`` naming the peers that died or
+    vanished (:meth:`~fixres_dist.distributed.rendezvous.Rendezvous.lost_peers`), else the failure in one
+    line; None for an exception that is no collective's failure (a bug: re-raised)."""
+    if not collectives.is_collective_failure(exc):
+        return None
+    gone = meeting.lost_peers() if meeting is not None else ""
+    return str(rendezvous.LostPeers(gone)) if gone else f"a collective failed: {first_line(exc)}"
+
+
+def run_rank(request: Request, rank: int, world: int, dist_url: str | None = None, inputs=None,
+             spawned: bool = False) -> int:
     """This rank's share (module docstring); rank 0 prints the summary line (stdout) or the first
-    failure (stderr, one line). ``inputs``: the model and data, when the caller opened them. Returns the
-    exit status: 0, or 1 when any rank failed."""
+    failure (stderr, one line). ``inputs``: the model and data, when the caller opened them. ``spawned``:
+    started by :func:`spawn`, which holds the work folder's lock and itself reports a rank that died and
+    Ctrl-C (this rank is then silent about them), else rank 0 takes the lock. Returns the exit status: 0,
+    1 when any rank failed (also a peer lost: one line naming it), 130 after Ctrl-C (SIGINT); rank 0
+    removes the work folder whenever the run fails."""
     work = request.work_folder
     if world > 1 and not os.environ.get("OMP_NUM_THREADS"):  # the node's cores shared by its ranks
         torch.set_num_threads(placement.threads_per_rank(world))
-    failure = outcome = None
-    try:
-        work.mkdir(mode=0o700, exist_ok=True)
-        collectives.init_process_group("gloo", dist_url or f"file://{work / 'rendezvous'}", rank, world, DIST_TIMEOUT_S)
-    except (FixresError, OSError) as exc:
-        say(f"fixres_dist: rank {rank}: {exc}")
-        return 1
+    failure = outcome = meeting = lock = None
+    owner = rank == 0 and not spawned  # removes the work folder when the run fails (spawned: the parent, locked)
     try:
         try:
-            model, data = inputs or open_inputs(request)
-            part = predict_part(request, model, data, batches(len(data), request.batch)[rank::world])
-            write_private(_part(work, rank), lambda f: np.savez(f, **part))
-        except Exception as exc:  # a FixresError, also one a loader worker raised: ends every rank
-            failure = user_message(exc)
-            if failure is None:
-                raise
-        failures = collectives.gather_object(failure)
-        if rank == 0:
-            failure = next((f for f in failures if f is not None), None)
+            if rank == 0 and not spawned:
+                owner = False  # until the lock is ours: the folder may be another predict's
+                lock = lock_work_folder(request)
+                owner = True
+            work.mkdir(mode=0o700, exist_ok=True)
+            meeting = collectives.init_process_group("gloo", dist_url or f"file://{work / 'rendezvous'}", rank, world,
+                                                     DIST_TIMEOUT_S)
+        except (FixresError, OSError) as exc:
+            if not (spawned and isinstance(exc, rendezvous.LostPeers)):
+                say(f"fixres_dist: rank {rank}: {exc}")
+            return 1
+        try:
             try:
-                outcome = ("fail", failure) if failure else ("done", merge(request, model, data, world))
-            except FixresError as exc:
-                outcome = ("fail", str(exc))
-            shutil.rmtree(work, ignore_errors=True)
-        outcome = collectives.broadcast_object(outcome)
+                model, data = inputs or open_inputs(request)
+                part = predict_part(request, model, data, batches(len(data), request.batch)[rank::world])
+                try:
+                    write_private(_part(work, rank), lambda f: np.savez(f, **part))
+                except OSError as exc:
+                    raise FixresError(f"cannot write {_part(work, rank)}: {exc.strerror or exc}") from None
+            except Exception as exc:  # a FixresError, also one a loader worker raised: ends every rank
+                failure = user_message(exc)
+                if failure is None:
+                    raise
+            failures = collectives.gather_object(failure)
+            if rank == 0:
+                failure = next((f for f in failures if f is not None), None)
+                try:
+                    outcome = ("fail", failure) if failure else ("done", merge(request, model, data, world))
+                except FixresError as exc:
+                    outcome = ("fail", str(exc))
+                if owner or outcome[0] == "done":
+                    shutil.rmtree(work, ignore_errors=True)
+            outcome = collectives.broadcast_object(outcome)
+        except (RuntimeError, dist.DistError) as exc:  # a peer died or vanished
+            lost = _lost(exc, meeting)
+            if lost is None:
+                raise
+            if not spawned:
+                say(f"fixres_dist: rank {rank}: {lost}")
+            return 1
+        finally:
+            if meeting is not None:
+                meeting.stop_heartbeat()
+            collectives.destroy_process_group()
+    except KeyboardInterrupt:
+        if not spawned:
+            say(f"fixres_dist: {'' if world == 1 else f'rank {rank}: '}{STOPPED}")
+        return INTERRUPTED_EXIT_STATUS
     finally:
-        collectives.destroy_process_group()
+        if outcome is None or outcome[0] != "done":
+            if owner:
+                remove_work_folder(request)
+        if lock is not None:
+            os.close(lock)
     done, line = outcome
     if rank == 0 and done == "done":
         print(line, flush=True)
@@ -201,35 +295,66 @@ def run_rank(request: Request, rank: int, world: int, dist_url: str | None = Non
 
 def _spawned(index: int, request: Request, world: int) -> None:
     os.environ[rendezvous.ONE_HOST] = "1"  # rank 0's store listens on loopback only
-    code = run_rank(request, index, world)
+    code = run_rank(request, index, world, spawned=True)
     if code:
         raise SystemExit(code)
 
 
+def _how_ended(code: int) -> str:
+    return f"ended by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+
+
 def spawn(request: Request, world: int) -> int:
-    """Start ``world`` local ranks (forked from a forkserver that imported this module once) and wait for
-    them all; returns 0, or 1 when a rank failed. A rank that failed alone (a crash: the others wait for it
-    in a collective) has the others ended :data:`GRACE_S` seconds later."""
+    """Hold the work folder's lock, start ``world`` local ranks (forked from a forkserver that imported
+    this module once) and wait for them all; returns 0, 1 when a rank failed, 130 after Ctrl-C. A rank
+    that died (a signal, a crash: it said nothing) is named in one line (``rank 1 ended by SIGKILL``) and
+    the others are ended at once; a rank that failed alone otherwise (the others wait for it in a
+    collective) has the others ended :data:`GRACE_S` seconds later. The work folder is removed unless
+    the run succeeded."""
+    lock = lock_work_folder(request)
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
-    if method == "forkserver":
-        mp.set_forkserver_preload([__name__])
-    processes = mp.start_processes(_spawned, args=(request, world), nprocs=world, join=False,
-                                   start_method=method).processes
-    deadline = None
+    with ignoring((signal.SIGINT,)):  # helpers started now (forkserver, resource tracker) ignore Ctrl-C
+        multiprocessing.resource_tracker.ensure_running()
+        if method == "forkserver":
+            mp.set_forkserver_preload([__name__])
+            multiprocessing.forkserver.ensure_running()
+    processes, died, code = [], None, 1
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # a Ctrl-C meanwhile: once they are known
+        try:
+            processes = mp.start_processes(_spawned, args=(request, world), nprocs=world, join=False,
+                                           start_method=method).processes
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        deadline = None
         while any(p.exitcode is None for p in processes):
             multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=1.0)
-            if deadline is None and any(p.exitcode not in (None, 0) for p in processes):
-                deadline = time.monotonic() + GRACE_S
-            if deadline is not None and time.monotonic() > deadline:
+            ended = [(rank, p.exitcode) for rank, p in enumerate(processes) if p.exitcode not in (None, 0)]
+            died = died or next(((r, c) for r, c in ended if c not in (1, INTERRUPTED_EXIT_STATUS)), None)
+            if deadline is None and ended:
+                deadline = time.monotonic() + (0 if died else GRACE_S)
+            if deadline is not None and time.monotonic() >= deadline:
                 for p in processes:
                     p.kill()
-    finally:  # also on Ctrl-C: no rank outlives this call
+        code = 0 if all(p.exitcode == 0 for p in processes) else 1
+    except KeyboardInterrupt:  # Ctrl-C: the ranks (which ignore it, as the forkserver) end now
+        code = INTERRUPTED_EXIT_STATUS
+    finally:  # no rank outlives this call
         for p in processes:
             if p.exitcode is None:
                 p.terminate()
                 p.join()
-    return 0 if all(p.exitcode == 0 for p in processes) else 1
+    if code == INTERRUPTED_EXIT_STATUS and processes and all(p.exitcode == 0 for p in processes):
+        code = 0  # too late: the ranks had written FILE (rank 0 said so)
+    elif code == INTERRUPTED_EXIT_STATUS:
+        say(f"fixres_dist: {STOPPED}")
+    if code:
+        remove_work_folder(request, lock)
+    else:
+        os.close(lock)
+    if died is not None and code == 1:
+        say(f"fixres_dist: rank {died[0]} {_how_ended(died[1])}; stopped the other ranks, nothing written")
+    return code
 
 
 def parser() -> OneLineParser:
@@ -269,6 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit status (0, or 1 with one line on stderr; usage errors exit 2)."""
     args = parser().parse_args(argv)
     try:
+        return _main(args)
+    except KeyboardInterrupt:  # Ctrl-C before any rank started (the model or data being read)
+        say(f"fixres_dist: {STOPPED}")
+        return INTERRUPTED_EXIT_STATUS
+
+
+def _main(args) -> int:
+    try:
         where = placement.resolve_placement(args.num_tasks, args.global_rank, args.local_rank, args.job_id,
                                             args.dist_url)
         request = Request(args.model, args.data, args.out, prediction_files.format_of(args.out, args.format),
@@ -280,7 +413,11 @@ def main(argv: list[str] | None = None) -> int:
         say(f"fixres_dist: {exc}")
         return 1
     if where.source == "spawn":
-        return spawn(request, where.num_tasks)
+        try:
+            return spawn(request, where.num_tasks)
+        except FixresError as exc:  # the work folder is another predict's
+            say(f"fixres_dist: {exc}")
+            return 1
     return run_rank(request, where.global_rank, where.num_tasks, where.dist_url, inputs)
 
 

@@ -4,9 +4,12 @@ each bad input in one line with nothing left behind."""
 from __future__ import annotations
 
 import csv
+import errno
 import json
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +21,7 @@ import torchvision
 from safetensors.torch import load_file
 
 import shown_commands as shown
-from conftest import read_only_folder
+from conftest import read_only_folder, tmpfs
 from fixres_dist.data import images, packing, pipeline
 from fixres_dist.deploy import predict
 
@@ -181,3 +184,68 @@ def test_bad_input_is_refused_in_one_line_leaving_nothing(exported_by_hand, flat
         with pytest.raises(SystemExit) as exit_info:
             run(exported_by_hand, flat_images, out, *flags)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+START_PROCESSES = mp.start_processes
+
+
+def spawned_then(monkeypatch, act):
+    """predict's spawn with ``act(processes)`` run as soon as its ranks started."""
+    def started(*args, **kwargs):
+        context = START_PROCESSES(*args, **kwargs)
+        act(context.processes)
+        return context
+    monkeypatch.setattr(mp, "start_processes", started)
+
+
+def test_a_killed_rank_and_ctrl_c_end_the_run_in_one_line_leaving_nothing(exported_by_hand, tiny_data, tmp_path,
+                                                                           monkeypatch, capsys):
+    out = tmp_path / "p.csv"
+    spawned_then(monkeypatch, lambda processes: os.kill(processes[1].pid, signal.SIGKILL))
+    assert run(exported_by_hand, tiny_data / "val", out, "--num-tasks", 2, "--batch", 8) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "fixres_dist: rank 1 ended by SIGKILL; stopped the other ranks, nothing written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no file, no work folder
+    spawned_then(monkeypatch, lambda _: os.kill(os.getpid(), signal.SIGINT))  # Ctrl-C as the ranks start
+    assert run(exported_by_hand, tiny_data / "val", out, "--num-tasks", 2, "--batch", 8) == 130
+    assert capsys.readouterr().err.strip() == "fixres_dist: predict stopped by SIGINT; nothing written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_second_predict_of_the_same_out_is_refused_while_the_first_writes(exported_by_hand, tiny_data, tmp_path,
+                                                                           capsys):
+    out = tmp_path / "p.csv"
+    request = predict.Request(str(exported_by_hand), str(tiny_data / "val"), out, "csv")
+    lock = predict.lock_work_folder(request)  # the first predict, writing
+    try:
+        for ranks in (1, 2):
+            assert run(exported_by_hand, tiny_data / "val", out, "--num-tasks", ranks) == 1
+            assert capsys.readouterr().err.strip() == (
+                f"fixres_dist: {'rank 0: ' if ranks == 1 else ''}--out {out} is being written by another predict "
+                f"(pid {os.getpid()} on host {os.uname().nodename}); wait for it to end, or give another --out")
+            assert not out.exists() and (request.work_folder / predict.LOCK_FILE).exists()  # the first's, kept
+    finally:
+        predict.remove_work_folder(request, lock)
+    assert run(exported_by_hand, tiny_data / "val", out) == 0  # once it ended
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A small disk with one page free: room for the lock file, none for a part."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    for mounted in tmpfs(folder, "size=64k", "a small disk that fills up"):
+        (mounted / "page").write_bytes(b"x" * 4096)
+        with open(mounted / "filler", "wb", buffering=0) as f, pytest.raises(OSError) as full:
+            while True:
+                f.write(b"x" * 4096)
+        assert full.value.errno == errno.ENOSPC
+        (mounted / "page").unlink()
+        yield mounted
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(exported_by_hand, tiny_data, full_disk, capsys):
+    assert run(exported_by_hand, tiny_data / "val", full_disk / "p.csv") == 1
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"fixres_dist: cannot write .*part-0\.npz: No space left on device", err), err
+    assert sorted(p.name for p in full_disk.iterdir()) == ["filler"]

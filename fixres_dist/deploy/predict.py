@@ -216,6 +216,35 @@ def _lost(exc: BaseException, meeting) -> str | None:
     return str(rendezvous.LostPeers(gone)) if gone else f"a collective failed: {first_line(exc)}"
 
 
+def _share(request: Request, rank: int, world: int, inputs, owner: bool) -> tuple[str, str]:
+    """This rank's batches predicted and written as its part; the first failure of any rank, or rank 0's
+    merge of the parts into the file, as ``("done", summary line)`` or ``("fail", line)`` on every rank.
+    Rank 0 removes the work folder once the file is written, or after a failure where it ``owner``s it."""
+    failure = None
+    try:
+        model, data = inputs or open_inputs(request)
+        part = predict_part(request, model, data, batches(len(data), request.batch)[rank::world])
+        try:
+            write_private(_part(request.work_folder, rank), lambda f: np.savez(f, **part))
+        except OSError as exc:
+            raise FixresError(f"cannot write {_part(request.work_folder, rank)}: {exc.strerror or exc}") from None
+    except Exception as exc:  # a FixresError, also one a loader worker raised: ends every rank
+        failure = user_message(exc)
+        if failure is None:
+            raise
+    failures = collectives.gather_object(failure)
+    outcome = None
+    if rank == 0:
+        failure = next((f for f in failures if f is not None), None)
+        try:
+            outcome = ("fail", failure) if failure else ("done", merge(request, model, data, world))
+        except FixresError as exc:
+            outcome = ("fail", str(exc))
+        if owner or outcome[0] == "done":
+            shutil.rmtree(request.work_folder, ignore_errors=True)
+    return collectives.broadcast_object(outcome)
+
+
 def run_rank(request: Request, rank: int, world: int, dist_url: str | None = None, inputs=None,
              spawned: bool = False) -> int:
     """This rank's share (module docstring); rank 0 prints the summary line (stdout) or the first
@@ -227,7 +256,7 @@ def run_rank(request: Request, rank: int, world: int, dist_url: str | None = Non
     work = request.work_folder
     if world > 1 and not os.environ.get("OMP_NUM_THREADS"):  # the node's cores shared by its ranks
         torch.set_num_threads(placement.threads_per_rank(world))
-    failure = outcome = meeting = lock = None
+    outcome = meeting = lock = None
     owner = rank == 0 and not spawned  # removes the work folder when the run fails (spawned: the parent, locked)
     try:
         try:
@@ -243,27 +272,7 @@ def run_rank(request: Request, rank: int, world: int, dist_url: str | None = Non
                 say(f"fixres_dist: rank {rank}: {exc}")
             return 1
         try:
-            try:
-                model, data = inputs or open_inputs(request)
-                part = predict_part(request, model, data, batches(len(data), request.batch)[rank::world])
-                try:
-                    write_private(_part(work, rank), lambda f: np.savez(f, **part))
-                except OSError as exc:
-                    raise FixresError(f"cannot write {_part(work, rank)}: {exc.strerror or exc}") from None
-            except Exception as exc:  # a FixresError, also one a loader worker raised: ends every rank
-                failure = user_message(exc)
-                if failure is None:
-                    raise
-            failures = collectives.gather_object(failure)
-            if rank == 0:
-                failure = next((f for f in failures if f is not None), None)
-                try:
-                    outcome = ("fail", failure) if failure else ("done", merge(request, model, data, world))
-                except FixresError as exc:
-                    outcome = ("fail", str(exc))
-                if owner or outcome[0] == "done":
-                    shutil.rmtree(work, ignore_errors=True)
-            outcome = collectives.broadcast_object(outcome)
+            outcome = _share(request, rank, world, inputs, owner)
         except (RuntimeError, dist.DistError) as exc:  # a peer died or vanished
             lost = _lost(exc, meeting)
             if lost is None:

@@ -41,10 +41,10 @@ def finetune_of(scratch_job, few_data, shared: Path, *extra) -> FinishedJob:
 def finetune_job(scratch_job, few_data, tmp_path_factory) -> FinishedJob:
     """A finished 2-rank FixRes finetune (job id ``f``) of :func:`conftest.scratch_job`'s checkpoint
     (resnet18 trained at 32 px) at 48 px on :func:`few_data`: 1 epoch, loader workers, the default
-    scope (head+last-norm), no sweep, ``--export`` (its export folder in ``export/``). Read it; copy it to
-    change it."""
+    scope (head+last-norm), no sweep. Read it; copy it to change it (but ``export/``, which
+    ``tests/deploy/test_export.py``'s ``exported`` writes as ``--export`` does)."""
     return once_per_run(tmp_path_factory, "finetune_job",
-                        lambda shared: finetune_of(scratch_job, few_data, shared, "--export"))
+                        lambda shared: finetune_of(scratch_job, few_data, shared))
 
 
 @pytest.fixture(scope="session")

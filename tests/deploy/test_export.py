@@ -4,7 +4,9 @@ safetensors weights (torchvision's and timm's own models, loaded without this pa
 checkpoint's logits on 20 real photographs at the test resolution, and its bad input."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -21,7 +23,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import shown_commands as shown
-from conftest import read_only_folder, tmpfs
+from conftest import once_per_run, read_only_folder, tmpfs
 from fixres_dist.config import TrainerConfig
 from fixres_dist.data import pipeline
 from fixres_dist.deploy import export
@@ -38,10 +40,23 @@ needs_photos = pytest.mark.skipif(len(PHOTOS) != 20, reason="foolbox's 20 ImageN
 
 
 @pytest.fixture(scope="module")
-def exported(finetune_job):
+def run_export(finetune_job, tmp_path_factory) -> tuple[Path, str]:
     """The export folder of :func:`jobs_fixtures.finetune_job` (resnet18 trained at 32 px, FixRes-finetuned at
-    48 px on 2 ranks), which its ``--export`` wrote after the ranks ended."""
-    return finetune_job.folder / export.RUN_FOLDER
+    48 px on 2 ranks), written by what ``--export`` runs once the ranks ended (``launch.export_run``: in this
+    process, off the path of the finetune every test shares; tests/jobs/test_using.py runs the flag itself),
+    and the line it printed."""
+    def make(_: Path) -> tuple[Path, str]:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            launch.export_run(TrainerConfig(shared_folder_path=str(finetune_job.folder.parent), job_id="f",
+                                            export=True))
+        return finetune_job.folder / export.RUN_FOLDER, printed.getvalue()
+    return once_per_run(tmp_path_factory, "finetune_export", make)
+
+
+@pytest.fixture(scope="module")
+def exported(run_export) -> Path:
+    return run_export[0]
 
 
 def photos(described: dict) -> torch.Tensor:
@@ -53,13 +68,13 @@ def photos(described: dict) -> torch.Tensor:
     return pipeline.normalize(images, (described["mean"], described["std"]))
 
 
-def test_the_export_of_a_run_says_what_its_checkpoint_says(exported, finetune_job):
+def test_the_export_of_a_run_says_what_its_checkpoint_says(run_export, finetune_job):
     """``--export``: the folder written once the finetune's 2 ranks ended, named on stdout; its JSON says what
     the checkpoint says (sizes, preprocessing, class names, lineage, source) and the SHA-256 of each file; its
     weights are the checkpoint's, BatchNorm statistics averaged over the ranks."""
-    out = exported
-    assert f"--export: {out}: resnet18 at 48 px, 10 classes, model weights of " in finetune_job.stdout
-    assert finetune_job.stdout.rstrip().endswith("(model.safetensors, model.onnx, model.pt2, model.json)")
+    out, line = run_export
+    assert line.startswith(f"--export: {out}: resnet18 at 48 px, 10 classes, model weights of ")
+    assert line.rstrip().endswith("(model.safetensors, model.onnx, model.pt2, model.json)")
     assert sorted(os.listdir(out)) == ["model.json", "model.onnx", "model.pt2", "model.safetensors"]
     assert not [p.name for p in out.parent.iterdir() if export.PARTIAL in p.name]  # no partial folder left
     described = json.loads((out / export.DESCRIPTION_FILE).read_text(encoding="utf-8"))
@@ -82,7 +97,7 @@ def test_the_export_of_a_run_says_what_its_checkpoint_says(exported, finetune_jo
     assert {t.dtype for t in weights.values()} == {torch.float32, torch.int64}  # num_batches_tracked
 
 
-def test_a_rerun_keeps_the_export_it_finds(finetune_job, capsys):
+def test_a_rerun_keeps_the_export_it_finds(exported, finetune_job, capsys):
     """``--export`` at a rerun of the finished job (the same configuration, so the same last checkpoint) keeps the
     folder, untouched, in one line."""
     folder = finetune_job.folder / export.RUN_FOLDER
@@ -172,6 +187,7 @@ def full_early(request, tmp_path, exported):
     yield from small_disk(tmp_path, exported, request.param)
 
 
+@pytest.mark.slow  # an export per file that fills the disk: about 25 s of CPU, over the test command's budget
 def test_a_disk_full_in_any_file_is_one_line(finetune_job, full_early, capsys):
     """Each file is serialised in memory and written by the package's writer: a full disk in the safetensors
     or torch.export file is the same one line as in the ONNX file (not safetensors' error nor an abort from
@@ -257,6 +273,7 @@ def test_a_killed_exports_partial_folder_is_removed_by_the_next(tmp_path, capsys
 
 
 @pytest.mark.numeric
+@pytest.mark.slow  # an export of a sharded job's checkpoint: about 10 s of CPU, over the test command's budget
 def test_a_sharded_checkpoints_average_loads_into_timm(vit_jobs, tmp_path, capsys):
     """docs/models.md's command on a ``--sharding full`` checkpoint's EMA (its tensors in the shards folder): the
     weights load strictly into ``timm.create_model`` at the build size, whose logits the ``torch.export`` program

@@ -198,6 +198,7 @@ def spawned_then(monkeypatch, act):
     monkeypatch.setattr(mp, "start_processes", started)
 
 
+@pytest.mark.slow  # ranks started and killed: over the test command's budget
 def test_a_killed_rank_and_ctrl_c_end_the_run_in_one_line_leaving_nothing(exported_by_hand, tiny_data, tmp_path,
                                                                            monkeypatch, capsys):
     out = tmp_path / "p.csv"
@@ -244,6 +245,7 @@ def full_disk(tmp_path):
         yield mounted
 
 
+@pytest.mark.slow  # a run on a disk that fills: about 25 s on 2 cores, over the test command's budget
 def test_a_full_disk_is_one_line_and_leaves_nothing(exported_by_hand, tiny_data, full_disk, capsys):
     assert run(exported_by_hand, tiny_data / "val", full_disk / "p.csv") == 1
     err = capsys.readouterr().err.strip()

@@ -345,7 +345,6 @@ def assert_kept_global_batch(folder: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.elastic
 def test_torchrun_elastic_continues_on_the_surviving_node_and_grows_back(nodes, tiny_data, tmp_path):
     """docs/cluster.md's elastic torchrun line on both nodes (a LayerNorm ViT, 8 images a rank): every
     process of n2 killed mid-training, n1's agent restarts its 2 ranks, which continue from the last

@@ -59,6 +59,7 @@ def test_a_requeued_job_keeps_one_tracker_run_with_continuous_steps(tiny_data, t
     assert len(attempts) == 2 and {a.name.split("-")[3] for a in attempts} == {runs["wandb"]}
 
 
+@pytest.mark.slow  # a job launch: over the test command's budget
 def test_a_broken_tracking_uri_is_one_warning_and_the_job_ends_normally(few_data, tmp_path):
     pytest.importorskip("mlflow")
     (tmp_path / "a-file").write_text("")

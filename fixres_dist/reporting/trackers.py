@@ -146,7 +146,8 @@ class TrackerRun:
             self._send(step, fresh)
 
     def _send(self, step: int, scalars: list[tuple[str, float]]) -> None:
-        raise NotImplementedError
+        """Send ``scalars`` (tag, value) at ``step`` (images trained on) to the tracker: each tracker's own."""
+        raise NotImplementedError(f"{type(self).__name__} sends its own scalars")
 
     def flush(self) -> None:
         """Write what is queued."""

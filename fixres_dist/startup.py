@@ -73,15 +73,34 @@ def quiet_native_logs() -> None:
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def _load_prctl():
+    """libc's ``prctl``, loaded once as this module is imported (None where there is none: not Linux). Not in a
+    worker just forked from a rank (:func:`die_with_parent`): loading takes time during which the worker can be
+    stopped or orphaned before its request, and the dynamic loader's lock, which a thread of the rank may have
+    held at the fork."""
+    import ctypes
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def prctl(option: int, *args) -> bool:
+    """Linux's ``prctl(option, *args)`` (integers or ctypes references); whether it succeeded (False where
+    there is no ``prctl``: not Linux)."""
+    return _PRCTL is not None and _PRCTL(option, *args) == 0
+
+
 def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> None:
     """Ask Linux to send this process ``signum`` when its parent exits (best effort, Linux only): a
     worker process must not run on as an orphan when its parent is killed. ``parent``: the process id
     the parent had; where it is no longer this process's parent (it ended between the fork and this
-    call, when Linux would not signal), ``signum`` is sent at once."""
-    import ctypes
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
-    except (OSError, AttributeError):
-        pass
+    call, when Linux would not signal), ``signum`` is sent at once. One call into the libc loaded at
+    import; what the window before it still leaves (a worker stopped or killed before this call) the
+    launcher ends (:mod:`fixres_dist.distributed.orphans`)."""
+    prctl(PR_SET_PDEATHSIG, int(signum))
     if parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), signum)

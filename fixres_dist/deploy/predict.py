@@ -46,7 +46,7 @@ from fixres_dist.arguments import Formatter, OneLineParser, non_negative_int, po
 from fixres_dist.data import pipeline
 from fixres_dist.data.samplers import SampleKey
 from fixres_dist.deploy import export, exported, prediction_data, prediction_files
-from fixres_dist.distributed import collectives, placement, rendezvous
+from fixres_dist.distributed import collectives, orphans, placement, rendezvous
 from fixres_dist.distributed.preemption import INTERRUPTED_EXIT_STATUS, ignoring
 from fixres_dist.errors import FixresError, first_line, say, user_message
 from fixres_dist.io import write_private
@@ -313,13 +313,30 @@ def _how_ended(code: int) -> str:
     return f"ended by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
+def _wait_for_ranks(processes) -> tuple[int, int] | None:
+    """Wait until every rank has ended; returns ``(rank, exit code)`` of the first that died (a signal, a crash:
+    the others are killed at once), or None. After a rank failed otherwise, the others have :data:`GRACE_S`."""
+    died, deadline = None, None
+    while any(p.exitcode is None for p in processes):
+        multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=1.0)
+        ended = [(rank, p.exitcode) for rank, p in enumerate(processes) if p.exitcode not in (None, 0)]
+        died = died or next(((r, c) for r, c in ended if c not in (1, INTERRUPTED_EXIT_STATUS)), None)
+        if deadline is None and ended:
+            deadline = time.monotonic() + (0 if died else GRACE_S)
+        if deadline is not None and time.monotonic() >= deadline:
+            for p in processes:
+                p.kill()
+    return died
+
+
 def spawn(request: Request, world: int) -> int:
     """Hold the work folder's lock, start ``world`` local ranks (forked from a forkserver that imported
     this module once) and wait for them all; returns 0, 1 when a rank failed, 130 after Ctrl-C. A rank
     that died (a signal, a crash: it said nothing) is named in one line (``rank 1 ended by SIGKILL``) and
     the others are ended at once; a rank that failed alone otherwise (the others wait for it in a
-    collective) has the others ended :data:`GRACE_S` seconds later. The work folder is removed unless
-    the run succeeded."""
+    collective) has the others ended :data:`GRACE_S` seconds later; what the ranks leave (loader workers) is
+    killed once they have ended (:func:`fixres_dist.distributed.orphans.adopting_orphans`). The work folder is
+    removed unless the run succeeded."""
     lock = lock_work_folder(request)
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     with ignoring((signal.SIGINT,)):  # helpers started now (forkserver, resource tracker) ignore Ctrl-C
@@ -328,31 +345,24 @@ def spawn(request: Request, world: int) -> int:
             mp.set_forkserver_preload([__name__])
             multiprocessing.forkserver.ensure_running()
     processes, died, code = [], None, 1
-    try:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # a Ctrl-C meanwhile: once they are known
+    with orphans.adopting_orphans() as keep:  # nor anything a rank leaves (its loader workers)
         try:
-            processes = mp.start_processes(_spawned, args=(request, world), nprocs=world, join=False,
-                                           start_method=method).processes
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        deadline = None
-        while any(p.exitcode is None for p in processes):
-            multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=1.0)
-            ended = [(rank, p.exitcode) for rank, p in enumerate(processes) if p.exitcode not in (None, 0)]
-            died = died or next(((r, c) for r, c in ended if c not in (1, INTERRUPTED_EXIT_STATUS)), None)
-            if deadline is None and ended:
-                deadline = time.monotonic() + (0 if died else GRACE_S)
-            if deadline is not None and time.monotonic() >= deadline:
-                for p in processes:
-                    p.kill()
-        code = 0 if all(p.exitcode == 0 for p in processes) else 1
-    except KeyboardInterrupt:  # Ctrl-C: the ranks (which ignore it, as the forkserver) end now
-        code = INTERRUPTED_EXIT_STATUS
-    finally:  # no rank outlives this call
-        for p in processes:
-            if p.exitcode is None:
-                p.terminate()
-                p.join()
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # a Ctrl-C meanwhile: once they are known
+            try:
+                processes = mp.start_processes(_spawned, args=(request, world), nprocs=world, join=False,
+                                               start_method=method).processes
+                keep.update(p.pid for p in processes)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            died = _wait_for_ranks(processes)
+            code = 0 if all(p.exitcode == 0 for p in processes) else 1
+        except KeyboardInterrupt:  # Ctrl-C: the ranks (which ignore it, as the forkserver) end now
+            code = INTERRUPTED_EXIT_STATUS
+        finally:  # no rank outlives this call
+            for p in processes:
+                if p.exitcode is None:
+                    p.terminate()
+                    p.join()
     if code == INTERRUPTED_EXIT_STATUS and processes and all(p.exitcode == 0 for p in processes):
         code = 0  # too late: the ranks had written FILE (rank 0 said so)
     elif code == INTERRUPTED_EXIT_STATUS:

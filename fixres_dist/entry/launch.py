@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from fixres_dist import io, startup
 from fixres_dist.config import TrainerConfig
 from fixres_dist.deploy import export, exported
-from fixres_dist.distributed import collectives, joblock, layout, placement, rendezvous
+from fixres_dist.distributed import collectives, joblock, layout, orphans, placement, rendezvous
 from fixres_dist.distributed.preemption import (
     INTERRUPTED_EXIT_STATUS,
     PREEMPTED_EXIT_STATUS,
@@ -187,7 +187,8 @@ def spawn(config: TrainerConfig, index_note: str | None = None, config_note: str
     (again every second until they exit, should one arrive before a rank listens). The forkserver
     and the resource tracker ignore them: a signal to the whole process group reaches the ranks
     (and this parent) only. When a rank fails the others are terminated; the parent exits 1 (3, or
-    130 for SIGINT, if the ranks stopped on a signal and wrote their checkpoint).
+    130 for SIGINT, if the ranks stopped on a signal and wrote their checkpoint). What the ranks leave (loader
+    workers) is killed once they have ended, before the lock is released (:mod:`fixres_dist.distributed.orphans`).
     """
     io.make_private_folder(config.job_folder)
     lock = joblock.JobLock.acquire(config.job_folder, config.num_tasks)
@@ -213,14 +214,16 @@ def spawn(config: TrainerConfig, index_note: str | None = None, config_note: str
 
     previous = {s: signal.signal(s, forward) for s in signals}
     try:
-        context = mp.start_processes(_spawned_rank, args=(config, PassedFd(lock.fd), index_note, config_note,
-                                           LauncherContext.of_this_process()),
-                                     nprocs=config.num_tasks,
-                                     join=False, start_method=method)
-        failed = _wait_for_ranks(context.processes, lambda: [send(signum) for signum in received])
-    except BaseException:  # leaving without the ranks' end (a bug, a caller's time limit): none outlives this
-        _stop_ranks(context.processes if context is not None else [])
-        raise
+        with orphans.adopting_orphans() as keep:
+            try:
+                context = mp.start_processes(_spawned_rank, args=(config, PassedFd(lock.fd), index_note, config_note,
+                                                   LauncherContext.of_this_process()),
+                                             nprocs=config.num_tasks, join=False, start_method=method)
+                keep.update(p.pid for p in context.processes)
+                failed = _wait_for_ranks(context.processes, lambda: [send(signum) for signum in received])
+            except BaseException:  # leaving without the ranks' end (a bug, a caller's time limit): none outlives this
+                _stop_ranks(context.processes if context is not None else [])
+                raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

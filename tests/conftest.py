@@ -23,8 +23,12 @@ import torch
 # One intra-op thread in the test processes: pytest-xdist's 4 workers and the ranks they start share the
 # machine's cores, where OpenMP threads that wait by spinning would take turns with them (a test of 3 s
 # alone took 73 s in the suite so); one thread also sums in the same order on any machine, whatever its
-# core count. (The ranks the tests start take their own share: fixres_dist.distributed.session.)
+# core count. The jobs the tests start get one thread per rank too (OMP_NUM_THREADS, which the ranks and the
+# predict command keep: fixres_dist.distributed.session): alone, a rank takes the node's cores shared by its
+# ranks, which on 2 cores is 2 threads for a 1-rank job; beside 3 other workers' jobs, those threads took
+# turns at every parallel region, and a resume on 1 rank took 52 s against 6 s on 3 ranks.
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import launched  # imports torch
 from fixres_dist.data.images import read_image
@@ -435,11 +439,17 @@ def pytest_configure(config):
         os.environ[CLUSTERS_APART] = "1" if local_slurm_up() else "0"
 
 
+# The files whose tests start jobs for minutes in all, after the cluster tests: pytest-xdist hands a worker each
+# file (its group) in this order, and the last group to start sets the run's end (on 2 cores, 2026-12-08, these
+# took 130-250 s each of the test time summed over the workers).
+LONG_FIRST = ("test_stalls", "test_pipeline", "test_resume", "test_reruns", "test_signals", "test_tensor_parallel")
+
+
 def pytest_collection_modifyitems(config, items):
-    """``slow`` tests (minutes on 2 CPU cores) run only with FIXRES_RUN_SLOW=1 (``.ci/run`` runs them
-    after the README's command: ``FIXRES_RUN_SLOW=1 pytest -q -m slow``). The cluster tests first: the
-    longest group (SLURM's and the nodes' latencies) starts at once."""
-    items.sort(key=lambda item: cluster_of(item) is None)
+    """``slow`` tests (minutes on 2 CPU cores) run only with FIXRES_RUN_SLOW=1, by hand
+    (``FIXRES_RUN_SLOW=1 pytest -q -m slow``, docs/testing.md). The cluster tests first: the
+    longest group (SLURM's and the nodes' latencies) starts at once; then :data:`LONG_FIRST`."""
+    items.sort(key=lambda item: (cluster_of(item) is None, Path(item.nodeid.split("::")[0]).stem not in LONG_FIRST))
     if os.environ.get("FIXRES_RUN_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow on a 2-core CPU; run with FIXRES_RUN_SLOW=1")

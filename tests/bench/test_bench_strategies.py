@@ -32,6 +32,8 @@ def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env=clean_env(), cwd=ROOT)
 
 
+@pytest.mark.slow  # five layouts benchmarked on 2 ranks: 55 s of a 2-core test run; the bench's refusals, failures and
+# Ctrl-C stay in the README's test command
 def test_four_layouts_on_two_ranks_side_by_side(tmp_path):
     """docs/sharding.md's command, shrunk to timm's test ViT on 2 ranks for 2 CPU cores."""
     command = shown.argv(shown.command("python -m fixres_dist.bench.strategies"))

@@ -439,17 +439,13 @@ def pytest_configure(config):
         os.environ[CLUSTERS_APART] = "1" if local_slurm_up() else "0"
 
 
-# The files whose tests start jobs for minutes in all, after the cluster tests: pytest-xdist hands a worker each
-# file (its group) in this order, and the last group to start sets the run's end (on 2 cores, 2026-12-08, these
-# took 130-250 s each of the test time summed over the workers).
-LONG_FIRST = ("test_stalls", "test_pipeline", "test_resume", "test_reruns", "test_signals", "test_tensor_parallel")
-
-
 def pytest_collection_modifyitems(config, items):
     """``slow`` tests (minutes on 2 CPU cores) run only with FIXRES_RUN_SLOW=1, by hand
     (``FIXRES_RUN_SLOW=1 pytest -q -m slow``, docs/testing.md). The cluster tests first: the
-    longest group (SLURM's and the nodes' latencies) starts at once; then :data:`LONG_FIRST`."""
-    items.sort(key=lambda item: (cluster_of(item) is None, Path(item.nodeid.split("::")[0]).stem not in LONG_FIRST))
+    longest group (SLURM's and the nodes' latencies) starts at once. (Handing out the files of 4-rank jobs
+    first as well was tried and not kept: in its one CI run the numeric pass took 292 s against 173 s the run
+    before, as if those jobs' ranks, all at once, waited on each other's collectives.)"""
+    items.sort(key=lambda item: cluster_of(item) is None)
     if os.environ.get("FIXRES_RUN_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow on a 2-core CPU; run with FIXRES_RUN_SLOW=1")

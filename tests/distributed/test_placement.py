@@ -102,3 +102,17 @@ def test_torchrun_elastic_with_the_store_it_shares_is_named():
     assert not placement.elastic_shared_store({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"})
     assert not placement.elastic_shared_store({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"})
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in placement.ELASTIC_SHARED_STORE
+
+
+@pytest.mark.parametrize("environ, num_tasks, threads", [
+    ({}, 1, 8), ({}, 2, 4), ({}, 3, 2), ({}, 16, 1),  # spawned ranks: the node's cores shared out
+    ({"LOCAL_WORLD_SIZE": "4"}, 16, 2),  # torchrun: this node's ranks, not the job's
+    ({"SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "2"}, 8, 4),
+    ({"SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)"}, 8, 2),
+    ({"SLURM_NTASKS": "8", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_CPUS_PER_TASK": "3"}, 8, 3),  # SLURM's say
+])
+def test_a_rank_takes_the_cores_of_its_node_shared_by_the_ranks_on_it(monkeypatch, environ, num_tasks, threads):
+    """``threads_per_rank`` on a node of 8 usable cores. (The jobs the tests start keep one thread each through
+    OMP_NUM_THREADS, tests/conftest.py, which the ranks respect: this is where the share itself is checked.)"""
+    monkeypatch.setattr(placement.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert placement.threads_per_rank(num_tasks, environ) == threads

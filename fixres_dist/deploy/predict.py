@@ -24,6 +24,7 @@ spawns N local ranks.
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -47,7 +48,7 @@ from fixres_dist.data import pipeline
 from fixres_dist.data.samplers import SampleKey
 from fixres_dist.deploy import export, exported, prediction_data, prediction_files
 from fixres_dist.distributed import collectives, orphans, placement, rendezvous
-from fixres_dist.distributed.preemption import INTERRUPTED_EXIT_STATUS, ignoring
+from fixres_dist.distributed.preemption import INTERRUPTED_EXIT_STATUS, ignoring, loader_worker_init, stop_with_launcher
 from fixres_dist.errors import FixresError, first_line, say, user_message
 from fixres_dist.io import write_private
 
@@ -130,7 +131,9 @@ def predict_part(request: Request, model: exported.ExportedModel, data, mine: li
     keys = [[SampleKey(i, 0) for i in batch] for batch in mine]
     loader = DataLoader(_Images(data, model.transform(), 0, request.skip_bad_images), batch_sampler=keys,
                         num_workers=request.workers, collate_fn=list,
-                        multiprocessing_context="fork" if request.workers else None)
+                        multiprocessing_context="fork" if request.workers else None,
+                        worker_init_fn=functools.partial(loader_worker_init, (), os.getpid())  # die with this rank
+                        if request.workers else None)
     index, classes, probabilities, skipped = [], [], [], []
     for batch, samples in zip(mine, loader):
         good = [(i, sample[0]) for i, sample in zip(batch, samples) if sample is not None]
@@ -303,6 +306,7 @@ def run_rank(request: Request, rank: int, world: int, dist_url: str | None = Non
 
 
 def _spawned(index: int, request: Request, world: int) -> None:
+    stop_with_launcher()  # a launcher killed (SIGKILL) ends its ranks, as training's does
     os.environ[rendezvous.ONE_HOST] = "1"  # rank 0's store listens on loopback only
     code = run_rank(request, index, world, spawned=True)
     if code:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.context
+import multiprocessing.forkserver
+import os
 import signal
 from typing import Callable
 
@@ -30,6 +32,7 @@ import torch
 
 from fixres_dist import finite, startup
 from fixres_dist.distributed import collectives
+from fixres_dist.errors import say
 
 PREEMPTED_EXIT_STATUS = 3
 INTERRUPTED_EXIT_STATUS = 128 + signal.SIGINT  # 130, the shells' status for Ctrl-C
@@ -233,3 +236,22 @@ class StepAgreement:
         self.progress()
         stop_code, bad_code = flags.tolist()
         return Agreed(self.stops.adopt(stop_code), finite.agreed_bad_step(bad_code))
+
+
+def stop_with_launcher() -> None:
+    """In a rank started by a local launcher (training's, predict's): ask Linux to send this process SIGTERM
+    when its parent exits (best effort, Linux only); raises ``SystemExit(3)`` where the launcher is already gone.
+
+    A spawned rank's parent is the launcher's forkserver, which exits when the launcher's end of its
+    "alive" pipe closes; multiprocessing hands every child a copy of that end, which is closed here
+    so that the launcher's alone keeps the forkserver up. A launcher killed with SIGKILL thus still
+    has its ranks checkpoint and stop instead of running on as orphans.
+    """
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    startup.die_with_parent(signal.SIGTERM)
+    if os.getppid() == 1:  # the launcher died before the request
+        say("fixres_dist: the launcher is gone; this rank does not start")
+        raise SystemExit(PREEMPTED_EXIT_STATUS)

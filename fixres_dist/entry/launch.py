@@ -24,7 +24,7 @@ import traceback
 import attrs
 import torch.multiprocessing as mp
 
-from fixres_dist import io, startup
+from fixres_dist import io
 from fixres_dist.config import TrainerConfig
 from fixres_dist.deploy import export, exported
 from fixres_dist.distributed import collectives, joblock, layout, orphans, placement, rendezvous
@@ -35,6 +35,7 @@ from fixres_dist.distributed.preemption import (
     exit_status,
     ignoring,
     stop_signals,
+    stop_with_launcher,
 )
 from fixres_dist.distributed.watchdog import REPORTS_S, STALL_EXIT_STATUS
 from fixres_dist.entry import config_file
@@ -96,24 +97,6 @@ def run_rank(config: TrainerConfig, inputs: JobInputs | None = None, locked: boo
     finally:
         collectives.destroy_process_group()
     raise SystemExit(1)
-
-
-def stop_with_launcher() -> None:
-    """Ask Linux to send this process SIGTERM when its parent exits (best effort, Linux only).
-
-    A spawned rank's parent is the launcher's forkserver, which exits when the launcher's end of its
-    "alive" pipe closes; multiprocessing hands every child a copy of that end, which is closed here
-    so that the launcher's alone keeps the forkserver up. A launcher killed with SIGKILL thus still
-    has its ranks checkpoint and stop instead of running on as orphans.
-    """
-    server = multiprocessing.forkserver._forkserver
-    if getattr(server, "_forkserver_alive_fd", None) is not None:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
-    startup.die_with_parent(signal.SIGTERM)
-    if os.getppid() == 1:  # the launcher died before the request
-        say("fixres_dist: the launcher is gone; this rank does not start")
-        raise SystemExit(PREEMPTED_EXIT_STATUS)
 
 
 class PassedFd:

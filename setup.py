@@ -12,8 +12,9 @@ setup(
     py_modules=["main_scratch", "main_finetune"],
     # py-spy: the stall watchdog's stacks of loader workers and frozen ranks (fixres_dist.distributed.stacks)
     # pyyaml: --config FILE in YAML (fixres_dist.entry.config_file)
+    # simplejpeg: libjpeg-turbo's scaled decode of a JPEG's crop (fixres_dist.data.scaled_decode)
     install_requires=["torch>=2.4", "torchvision>=0.19", "submitit>=1.5", "attrs>=23.1", "numpy", "tqdm",
-                      "matplotlib", "psutil", "py-spy", "pyyaml>=5.1"],
+                      "matplotlib", "psutil", "py-spy", "pyyaml>=5.1", "simplejpeg>=1.7"],
     extras_require={
         # ruff: the linter .ci/run runs (ruff.toml); one minor release, since a newer one can add rules
         # pytest below 9.2: pytest-xdist's --dist loadgroup (pytest.ini) loses its groups with 9.2 (xdist issue 1386)

@@ -60,6 +60,8 @@ SHARDINGS = ("ddp", "full", "hybrid")
 # ranks keeps: the global batch (more or fewer accumulated micro-batches) or each rank's batch (linear scaling rule).
 WORLD_CHANGES = ("keep-global-batch", "keep-rank-batch")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")  # fixres_dist.distributed.pipeline.SCHEDULES
+# How JPEGs are decoded (fixres_dist.data.scaled_decode): scaled = the kept window at a DCT scale, full = whole.
+JPEG_DECODES = ("scaled", "full")
 AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet")  # torchvision v2 policies (data.train_transform)
 # --tracker: experiment trackers fed rank 0's record (fixres_dist.reporting.trackers), and --wandb-mode.
 TRACKERS = ("mlflow", "wandb")
@@ -409,6 +411,10 @@ class TrainerConfig:
     wandb_dir: str | None = attrs.field(default=None, converter=resolved_path, metadata=RESUMABLE)
     dist_bn: str = attrs.field(default="reduce", validator=_one_of("reduce", "broadcast"))
     workers: int = attrs.field(default=2, validator=_non_negative, metadata=RESUMABLE)
+    # JPEGs decoded at the smallest DCT scale that covers their crop (fixres_dist.data.scaled_decode), or whole;
+    # the pixels differ by rounding only, so a resume may change it.
+    jpeg_decode: str = attrs.field(default="scaled", validator=_one_of(*JPEG_DECODES),
+                                   metadata={**RESUMABLE, **ADDED_LATER})
     seed: int = attrs.field(default=0, validator=_seed)
     # Input preprocessing (preprocessing.py): None = the architecture's or the weight file's own.
     mean: tuple[float, float, float] | None = attrs.field(default=None, converter=_channel_triple,

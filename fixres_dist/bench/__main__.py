@@ -34,6 +34,7 @@ MODULE = "fixres_dist.bench"
 PROG = f"python -m {MODULE}"
 PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg")
 COLUMNS = ("architecture", "px", "variant", "GFLOPs/img", "train img/s", "infer img/s", "train GiB", "infer GiB")
+INPUT_COLUMNS = ("input train ms/img/core", "input test ms/img/core")  # fixres_dist.bench.input_cost
 
 
 def _listed(kind):
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=positive_int, default=3, help="untimed steps before them (default: %(default)s)")
     p.add_argument("--num-classes", type=positive_int, default=1000, help="classes of the head (default: %(default)s)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available, else cpu")
+    p.add_argument("--input-images", metavar="DIR", help="image files (a class folder of your data) to measure the "
+                   "input pipeline's CPU cost per image at each resolution on (default: foolbox's 20 ImageNet photos "
+                   "where installed; none: not measured)")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the rows and the trade as JSON")
     p.add_argument("--plot", type=Path, metavar="FILE.png",
                    help="also plot GFLOPs and training cost against resolution")
@@ -101,8 +105,10 @@ def fixres_pair(args: argparse.Namespace) -> tuple[int, int] | None:
 
 
 def check_files(args: argparse.Namespace) -> None:
-    """``--json`` and ``--plot`` writable (checked before torch is imported); raises
-    :class:`FixresError` in one line naming the flag."""
+    """``--json`` and ``--plot`` writable, ``--input-images`` a folder (checked before torch is imported);
+    raises :class:`FixresError` in one line naming the flag."""
+    if args.input_images is not None and not Path(args.input_images).is_dir():
+        raise FixresError(f"--input-images {args.input_images}: not a folder")
     if args.json and args.plot and args.json.resolve() == args.plot.resolve():
         raise FixresError(f"--json and --plot both name {args.json}")
     if args.plot and args.plot.suffix.lower() not in PLOT_FORMATS:
@@ -164,24 +170,33 @@ def _figure(value, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-def table(costs: list) -> str:
-    """The costs as a Markdown table, one row per setting (a failed one says why)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+def table(costs: list, inputs: dict | None = None) -> str:
+    """The costs as a Markdown table, one row per setting (a failed one says why); ``inputs``: the input
+    pipeline's cost per resolution (:class:`fixres_dist.bench.input_cost.InputCost`), two more columns."""
+    columns = COLUMNS + (INPUT_COLUMNS if inputs else ())
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for c in costs:
         s = c.setting
         figures = (["error: " + c.error, "", "", "", ""] if c.error else
                    [_figure(c.gflops, 2), _figure(c.train), _figure(c.inference), _figure(c.train_peak_gib, 2),
                     _figure(c.inference_peak_gib, 2)])
-        lines.append("| " + " | ".join([s.architecture, str(s.size), s.variant(), *figures]) + " |")
+        data = [_figure(inputs[s.size].train, 2), _figure(inputs[s.size].test, 2)] if inputs else []
+        lines.append("| " + " | ".join([s.architecture, str(s.size), s.variant(), *figures, *data]) + " |")
     return "\n".join(lines)
 
 
-def trades(costs: list, pair: tuple[int, int] | None) -> list[str]:
+def trades(costs: list, pair: tuple[int, int] | None, inputs: dict | None = None) -> list[str]:
     """FixRes' trade per architecture and variant: training at the train resolution against at the
-    test resolution, in time per image and in GFLOPs; and the inference speed at the test resolution."""
+    test resolution, in time per image and in GFLOPs; and the inference speed at the test resolution;
+    with ``inputs`` (:class:`fixres_dist.bench.input_cost.InputCost` per resolution), the input
+    pipeline's CPU cost per image at both, and a loader core's images per second."""
     if pair is None:
         return []
     train, test = pair
+    data = "" if not inputs else (
+        f"; the input pipeline (train transform, one core) {inputs[train].train:.2f} ms per image at {train} px "
+        f"against {inputs[test].train:.2f} at {test} px ({1000 / inputs[train].train:,.0f} against "
+        f"{1000 / inputs[test].train:,.0f} img/s per loader core)")
     found = {(c.setting.architecture, c.setting.variant(), c.setting.size): c for c in costs if not c.error}
     lines = []
     for (name, variant, size), low in found.items():
@@ -193,7 +208,8 @@ def trades(costs: list, pair: tuple[int, int] | None) -> list[str]:
                      f"per image ({low.train:,.0f} against {high.train:,.0f} img/s; {low.gflops:.2f} against "
                      f"{high.gflops:.2f} GFLOPs, {flops:.2f}), then testing at {test} px runs at "
                      f"{high.inference:,.0f} img/s"
-                     + (" (the times contradict the GFLOPs: noise; raise --steps)" if ratio > 1 >= flops else ""))
+                     + (" (the times contradict the GFLOPs: noise; raise --steps)" if ratio > 1 >= flops else "")
+                     + data)
     return lines
 
 
@@ -253,13 +269,17 @@ def main(argv: list[str] | None = None) -> list:
               "more is)", flush=True)
     try:
         costs = [measure(s, device, args.num_classes, args.steps, args.warmup) for s in settings(args)]
+        inputs = input_costs(args)
     except KeyboardInterrupt:
         say(f"{PROG}: interrupted; nothing written")
         raise SystemExit(130) from None
-    lines = trades(costs, pair)
-    print(table(costs) + "".join(f"\n{line}" for line in lines), flush=True)
+    except FixresError as exc:
+        say(f"{PROG}: {exc}")
+        raise SystemExit(1) from None
+    lines = trades(costs, pair, inputs)
+    print(table(costs, inputs) + "".join(f"\n{line}" for line in lines), flush=True)
     try:
-        write_outputs(args, costs, lines, where)
+        write_outputs(args, costs, lines, where, inputs)
     except OSError as exc:
         say(f"{PROG}: cannot write the results: {exc.strerror or exc} ({exc.filename})")
         raise SystemExit(1) from None
@@ -269,12 +289,29 @@ def main(argv: list[str] | None = None) -> list:
     return costs
 
 
-def write_outputs(args: argparse.Namespace, costs: list, lines: list[str], where: str) -> None:
+def input_costs(args: argparse.Namespace) -> dict | None:
+    """The input pipeline's cost at each of ``--sizes`` on ``--input-images`` (or foolbox's photos), or
+    None where there are no images to measure on (a line says so)."""
+    from fixres_dist.bench import input_cost
+
+    paths = input_cost.found_images(args.input_images)
+    if not paths:
+        print(f"{PROG}: the input pipeline's cost is not measured: no --input-images and no foolbox photos "
+              "(pip install --no-deps foolbox==3.3.4)", flush=True)
+        return None
+    print(f"{PROG}: input pipeline on {len(paths)} image files ({args.input_images or 'foolbox photos'})", flush=True)
+    return {size: input_cost.measure(paths, size) for size in args.sizes}
+
+
+def write_outputs(args: argparse.Namespace, costs: list, lines: list[str], where: str,
+                  inputs: dict | None = None) -> None:
     """``--json`` and ``--plot``, where asked."""
     if args.json:
         args.json.write_text(json.dumps({"device": where, "steps": args.steps, "warmup": args.warmup,
                                          "rows": [dict(attrs.asdict(c, recurse=False), setting=attrs.asdict(c.setting))
-                                                  for c in costs], "fixres": lines}, indent=1) + "\n")
+                                                  for c in costs], "fixres": lines,
+                                         "input_ms_per_image": [attrs.asdict(c) for c in (inputs or {}).values()]},
+                                        indent=1) + "\n")
     if args.plot:
         plot(costs, args.plot, where)
 

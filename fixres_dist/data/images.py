@@ -27,7 +27,7 @@ Pillow's decompression-bomb check is kept, for every format: an image of more th
 :class:`ImageTooLargeError` (a ``ValueError``) with its pixel count and the limit, before anything
 is decoded (JPEGs too, which Pillow's header read checks before ``decode_jpeg`` runs). Between the
 limit and twice the limit, Pillow decodes and warns: they are decoded, without the warning
-(:func:`_pillow_limits` says why).
+(:func:`pillow_limits` says why).
 
 :func:`read_image` is the loader: JPEG files are decoded by ``torchvision.io.decode_jpeg``
 (libjpeg-turbo with Pillow's settings: the same pixels as Pillow's decoder, grey and CMYK become RGB
@@ -69,7 +69,7 @@ _BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")  # the count in Pillow's Decompre
 
 
 @contextlib.contextmanager
-def _pillow_limits():
+def pillow_limits():
     """Within the block, Pillow's ``DecompressionBombError`` becomes :class:`ImageTooLargeError`, and
     its ``DecompressionBombWarning`` is not shown."""
     with warnings.catch_warnings():
@@ -147,7 +147,7 @@ def open_rgb(path: str) -> Image.Image:
     :class:`ImageModeError` for one that cannot be converted and :class:`ImageTooLargeError` for
     one above Pillow's decompression-bomb limit (module docstring).
     """
-    with open(path, "rb") as f, _pillow_limits():
+    with open(path, "rb") as f, pillow_limits():
         return to_rgb8(Image.open(io.BytesIO(f.read())))
 
 
@@ -160,10 +160,21 @@ def read_image(path: str):
         return decode_image(f.read())
 
 
+def jpeg_size(encoded: bytes) -> tuple[int, int] | None:
+    """(width, height) in pixels of a JPEG file's bytes, read from its header alone (nothing decoded;
+    Pillow's decompression-bomb check applied); ``None`` for any other format (a PNG named ``.jpg``
+    included). Raises as :func:`open_rgb` for a header Pillow cannot read."""
+    if encoded[:3] != _JPEG_MAGIC:
+        return None
+    with pillow_limits():
+        image = Image.open(io.BytesIO(encoded))
+    return image.size if image.format in ("JPEG", "MPO") else None
+
+
 def decode_image(encoded: bytes):
     """An image file's bytes (e.g. a packed shard's sample) decoded as :func:`read_image` decodes the
     file; raises as :func:`open_rgb`."""
-    with _pillow_limits():
+    with pillow_limits():
         image = Image.open(io.BytesIO(encoded))  # reads the header alone, and checks its size
         if decode_jpeg is not None and encoded[:3] == _JPEG_MAGIC:
             try:

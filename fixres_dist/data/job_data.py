@@ -62,7 +62,8 @@ class JobData:
                                     rank=layout.of(cfg).data_rank(cfg.global_rank), shuffle=training, seed=cfg.seed,
                                     workers=cfg.workers,
                                     pin_memory=self.device.type == "cuda", skip_bad_images=cfg.skip_bad_images,
-                                    training=training, ignored_signals=stop_signals(cfg.preempt_signal))
+                                    training=training, ignored_signals=stop_signals(cfg.preempt_signal),
+                                    jpeg_decode=cfg.jpeg_decode)
 
     def train(self, size: int, preprocessing) -> None:
         """The training loader at ``size`` pixels, unless one was given: RandomResizedCrop and the

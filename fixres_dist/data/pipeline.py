@@ -54,9 +54,9 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
-from fixres_dist.config import AUTO_AUGMENT_POLICIES, CROP_RATIO
+from fixres_dist.config import AUTO_AUGMENT_POLICIES, CROP_RATIO, JPEG_DECODES
 from fixres_dist.config import INTERPOLATIONS as INTERPOLATION_NAMES
-from fixres_dist.data import images
+from fixres_dist.data import images, scaled_decode
 from fixres_dist.data.samplers import ExactBatchSampler, SampleKey
 from fixres_dist.distributed import preemption
 from fixres_dist.errors import FixresError, first_line
@@ -284,9 +284,11 @@ def resize_size(size: int, crop_ratio: float) -> int:
     return round(size / crop_ratio)
 
 
-def _resize_for_crop(size: int, crop_ratio: float, interpolation: str) -> v2.Resize:
-    """Resize of the shorter side to :func:`resize_size`, antialiased."""
-    return v2.Resize(resize_size(size, crop_ratio), interpolation=_interpolation(interpolation), antialias=True)
+def _resize_for_crop(size: int, crop_ratio: float, interpolation: str, crop: int | None = None):
+    """Resize of the shorter side to :func:`resize_size` (antialiased), then a centre crop of ``crop``
+    pixels (default ``size``); a JPEG's window decoded at a DCT scale (:mod:`fixres_dist.data.scaled_decode`)."""
+    return scaled_decode.WindowedResizeCenterCrop(resize_size(size, crop_ratio), size if crop is None else crop,
+                                                  _interpolation(interpolation))
 
 
 # --auto-augment's names (fixres_dist.config.AUTO_AUGMENT_POLICIES) -> torchvision v2 policies, made
@@ -328,7 +330,7 @@ def train_transform(size: int, interpolation: str = "bilinear", auto_augment: st
     alone. Raises :class:`FixresError` for values outside those.
     """
     mode = _interpolation(interpolation)
-    steps = [v2.RandomResizedCrop(size, interpolation=mode, antialias=True), v2.RandomHorizontalFlip()]
+    steps = [scaled_decode.WindowedRandomResizedCrop(size, mode), v2.RandomHorizontalFlip()]
     if auto_augment is not None:
         if auto_augment not in AUTO_AUGMENTS:
             raise FixresError(f"unknown auto-augment policy {auto_augment!r}; use one of {', '.join(AUTO_AUGMENTS)}")
@@ -350,7 +352,7 @@ def test_transform(size: int, crop_ratio: float = CROP_RATIO, interpolation: str
     ImageNet convention: 224 of 256 px; the model's own, :mod:`fixres_dist.models.preprocessing`);
     ``interpolation`` as :func:`train_transform`. Raises :class:`FixresError` for values outside those.
     """
-    return Uint8Pipeline([_resize_for_crop(size, crop_ratio, interpolation), v2.CenterCrop(size), ToUint8Tensor()])
+    return Uint8Pipeline([_resize_for_crop(size, crop_ratio, interpolation), ToUint8Tensor()])
 
 
 def finetune_transform(size: int, augmentation: str = "test", crop_ratio: float = CROP_RATIO,
@@ -369,9 +371,9 @@ def finetune_transform(size: int, augmentation: str = "test", crop_ratio: float 
     if augmentation != "fixres":
         raise FixresError(f"unknown finetune augmentation {augmentation!r}; use test or fixres")
     shift = max(1, round(0.04 * size))
-    return Uint8Pipeline([_resize_for_crop(size, crop_ratio, interpolation), v2.CenterCrop(size + 2 * shift),
-                          v2.RandomCrop(size), v2.RandomHorizontalFlip(),
-                          v2.ColorJitter(brightness=0.1, contrast=0.1, saturation=0.1), ToUint8Tensor()])
+    return Uint8Pipeline([_resize_for_crop(size, crop_ratio, interpolation, size + 2 * shift), v2.RandomCrop(size),
+                          v2.RandomHorizontalFlip(), v2.ColorJitter(brightness=0.1, contrast=0.1, saturation=0.1),
+                          ToUint8Tensor()])
 
 
 def normalize(images: torch.Tensor, normalization=IMAGENET_NORMALIZATION) -> torch.Tensor:
@@ -434,13 +436,20 @@ class SeededDataset(Dataset):
 
     skip_flag = "--skip-bad-images"  # what the bad image's message says skips it
 
-    def __init__(self, base: datasets.ImageFolder, transform: v2.Transform, seed: int, skip_bad_images: bool = False):
+    def __init__(self, base: datasets.ImageFolder, transform: v2.Transform, seed: int, skip_bad_images: bool = False,
+                 jpeg_decode: str = "scaled"):
+        if jpeg_decode not in JPEG_DECODES:
+            raise FixresError(f"unknown JPEG decode {jpeg_decode!r}; use one of {', '.join(JPEG_DECODES)}")
         self.base, self.transform, self.seed, self.skip_bad_images = base, transform, seed, skip_bad_images
         # Decode files here only where that changes nothing but the speed: our PIL loader, no
         # ImageFolder transforms, and one of this module's transforms (they take tensors).
         self._read_files = (getattr(base, "loader", None) is images.open_rgb
                             and base.transform is None and base.target_transform is None
                             and isinstance(transform, Uint8Pipeline))
+        # Hand JPEGs over undecoded where the transform decodes their window (scaled_decode), from files
+        # or from packed shards (ShardSplit.read: a sample's bytes).
+        self._windows = jpeg_decode == "scaled" and scaled_decode.takes_encoded(transform) and (
+            self._read_files or callable(getattr(base, "read", None)))
 
     @property
     def reads_files(self) -> bool:
@@ -448,10 +457,24 @@ class SeededDataset(Dataset):
         images) rather than as the dataset's own items: see the class docstring for when."""
         return self._read_files
 
+    @property
+    def decodes_windows(self) -> bool:
+        """Whether JPEGs reach ``transform`` undecoded (:class:`~fixres_dist.data.scaled_decode.EncodedJpeg`),
+        so that it decodes only their window at a DCT scale (``jpeg_decode="scaled"``)."""
+        return self._windows
+
     def __len__(self) -> int:
         return len(self.base)
 
     def _load(self, index: int):
+        if self._windows:
+            if self._read_files:
+                with open(self.base.samples[index][0], "rb") as f:
+                    encoded = f.read()
+            else:
+                encoded = self.base.read(index)
+            jpeg = scaled_decode.EncodedJpeg.of(encoded)
+            return jpeg if jpeg is not None else images.decode_image(encoded), self.base.targets[index]
         if self._read_files:
             path, label = self.base.samples[index]
             return images.read_image(path), label
@@ -463,14 +486,20 @@ class SeededDataset(Dataset):
         return name(index) if name is not None else self.base.samples[index][0]
 
     def __getitem__(self, key: SampleKey):
+        image = None
         try:
             image, label = self._load(key.index)
-        except (OSError, ValueError, SyntaxError) as exc:  # PIL's UnidentifiedImageError is an OSError
+            with seeded_cpu_generator([self.seed, key.epoch, key.index] + ([key.copy] if key.copy else [])):
+                return self.transform(image), label
+        except (OSError, ValueError, SyntaxError, scaled_decode.DeferredDecodeError) as exc:
+            # (PIL's UnidentifiedImageError is an OSError)
+            if isinstance(exc, scaled_decode.DeferredDecodeError):  # the window's decode: the image's error
+                exc = exc.__cause__
+            elif image is not None:
+                raise  # a transform's own error, not the image's
             if self.skip_bad_images:
                 return None
             raise FixresError(bad_image_message(self.item_name(key.index), exc, self.skip_flag)) from None
-        with seeded_cpu_generator([self.seed, key.epoch, key.index] + ([key.copy] if key.copy else [])):
-            return self.transform(image), label
 
 
 def bad_image_message(path: str, exc: Exception, skip_flag: str = "--skip-bad-images") -> str:
@@ -541,7 +570,7 @@ def make_loader(dataset: ImageFolder, transform: v2.Transform, *, batch_size: in
                 world_size: int, rank: int, shuffle: bool, seed: int, workers: int,
                 pin_memory: bool = False, skip_bad_images: bool = False, training: bool = False,
                 reps: int = 1, ignored_signals: tuple[signal.Signals, ...] = (), global_batch: int | None = None,
-                accumulation: int = 1, tail_ranks: int | None = None) -> DataLoader:
+                accumulation: int = 1, tail_ranks: int | None = None, jpeg_decode: str = "scaled") -> DataLoader:
     """A DataLoader over ``dataset`` for one rank with an :class:`ExactBatchSampler` (``training``:
     its training semantics; ``reps``: repeated augmentation, K copies of each image per cycle of K
     epochs, training only; ``global_batch``, ``accumulation``, ``tail_ranks``: a step's images over all
@@ -553,7 +582,8 @@ def make_loader(dataset: ImageFolder, transform: v2.Transform, *, batch_size: in
     workers down as it exits.
 
     Loader workers are seeded by torch from a generator seeded with ``seed + rank`` (distinct per
-    worker); augmentation itself is seeded per sample by :class:`SeededDataset`.
+    worker); augmentation itself is seeded per sample by :class:`SeededDataset` (``jpeg_decode``: its
+    ``scaled`` or ``full`` JPEG decode).
     """
     sampler = ExactBatchSampler(len(dataset), world_size, rank, batch_size, shuffle=shuffle, seed=seed,
                                 training=training, reps=reps, global_batch=global_batch, accumulation=accumulation,
@@ -564,7 +594,7 @@ def make_loader(dataset: ImageFolder, transform: v2.Transform, *, batch_size: in
     context = None
     if workers > 0 and "fork" in multiprocessing.get_all_start_methods():
         context = preemption.shielded_fork_context(ignored_signals) if ignored_signals else "fork"
-    return DataLoader(SeededDataset(dataset, transform, seed, skip_bad_images), batch_sampler=sampler,
+    return DataLoader(SeededDataset(dataset, transform, seed, skip_bad_images, jpeg_decode), batch_sampler=sampler,
                       num_workers=workers, collate_fn=collate_readable,
                       pin_memory=pin_memory, persistent_workers=workers > 0, multiprocessing_context=context,
                       worker_init_fn=functools.partial(preemption.loader_worker_init, ignored_signals, os.getpid())

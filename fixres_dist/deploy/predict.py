@@ -129,7 +129,8 @@ def predict_part(request: Request, model: exported.ExportedModel, data, mine: li
     Raises :class:`FixresError` naming a bad image unless ``request.skip_bad_images``."""
     net = model.build()
     keys = [[SampleKey(i, 0) for i in batch] for batch in mine]
-    loader = DataLoader(_Images(data, model.transform(), 0, request.skip_bad_images), batch_sampler=keys,
+    # Whole JPEGs: the pixels model.json's preprocessing promises to anyone who decodes them with Pillow.
+    loader = DataLoader(_Images(data, model.transform(), 0, request.skip_bad_images, "full"), batch_sampler=keys,
                         num_workers=request.workers, collate_fn=list,
                         multiprocessing_context="fork" if request.workers else None,
                         worker_init_fn=functools.partial(loader_worker_init, (), os.getpid())  # die with this rank

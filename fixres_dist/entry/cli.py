@@ -26,6 +26,7 @@ from fixres_dist.config import (
     CROP_RATIO,
     DEFAULT_INTERPOLATION,
     INTERPOLATIONS,
+    JPEG_DECODES,
     LITE_MODELS,
     LR_SCHEDULERS,
     OPTIMIZERS,
@@ -334,6 +335,10 @@ def _add_training_run(t, mode: str) -> None:
                    help="BatchNorm statistics each epoch: reduce = average over the ranks, broadcast = take rank "
                         f"0's ({default('dist_bn')})")
     t.add_argument("--workers", type=int, help=f"data loader worker processes per rank ({default('workers')})")
+    t.add_argument("--jpeg-decode", choices=JPEG_DECODES,
+                   help="scaled: decode only each JPEG's crop, at the smallest DCT scale (1/2, 1/4, 1/8) still at "
+                        "least the output size, the same crops as full; full: decode every JPEG whole "
+                        f"(docs/data.md; {default('jpeg_decode')})")
     t.add_argument("--seed", type=int, help=f"random seed ({default('seed')})")
     t.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

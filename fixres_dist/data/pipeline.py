@@ -469,12 +469,13 @@ class SeededDataset(Dataset):
     def _load(self, index: int):
         if self._windows:
             if self._read_files:
-                with open(self.base.samples[index][0], "rb") as f:
+                path, label = self.base.samples[index]
+                with open(path, "rb") as f:
                     encoded = f.read()
             else:
-                encoded = self.base.read(index)
+                encoded, label = self.base.read(index), self.base.targets[index]
             jpeg = scaled_decode.EncodedJpeg.of(encoded)
-            return jpeg if jpeg is not None else images.decode_image(encoded), self.base.targets[index]
+            return jpeg if jpeg is not None else images.decode_image(encoded), label
         if self._read_files:
             path, label = self.base.samples[index]
             return images.read_image(path), label

@@ -63,7 +63,7 @@ def photos(described: dict) -> torch.Tensor:
     """foolbox's 20 ImageNet photos (various sizes) through the test transform model.json describes, built
     from the project's own functions: (20, 3, input_size, input_size) float32, normalised."""
     transform = pipeline.test_transform(described["input_size"], described["crop_ratio"], described["interpolation"])
-    assert transform.transforms[0].size == [described["resize_size"]]  # the shorter side, as model.json says
+    assert transform.transforms[0].resize == described["resize_size"]  # the shorter side, as model.json says
     images = torch.stack([transform(Image.open(p).convert("RGB")) for p in PHOTOS])
     return pipeline.normalize(images, (described["mean"], described["std"]))
 

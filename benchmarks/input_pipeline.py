@@ -230,7 +230,9 @@ def breakdown(root: Path, size: int, repeats: int, count: int = 100) -> list[tup
             return decode_jpeg(torch.frombuffer(bytearray(encoded[i]), dtype=torch.uint8), mode=ImageReadMode.RGB)
 
     def scaled_decode(i, scale):  # what fixres_dist.data.scaled_decode runs: libjpeg-turbo's scaled IDCT
-        return simplejpeg.decode_jpeg(encoded[i], "RGB", min_factor=scale)
+        height, width, _, _ = simplejpeg.decode_jpeg_header(encoded[i])
+        return simplejpeg.decode_jpeg(encoded[i], "RGB", min_width=-(-width // scale), min_height=-(-height // scale),
+                                      min_factor=scale)
 
     steps = [
         ("read the file (page cache)", lambda i: Path(paths[i]).read_bytes(), len(paths)),

@@ -1,7 +1,7 @@
 """Pack a data folder into WebDataset tar shards with an index, index shards another tool wrote, and
 verify either.
 
-    python -m fixres_dist.data.packing pack SOURCE OUT [--shard-size 256] [--workers N]
+    python -m fixres_dist.data.packing pack SOURCE OUT [--shard-size 256] [--max-side PX [--quality 90]] [--workers N]
     python -m fixres_dist.data.packing index FOLDER [--train GLOB] [--val GLOB] [--classes FILE] [--workers N]
     python -m fixres_dist.data.packing verify OUT
 
@@ -49,10 +49,12 @@ from pathlib import Path
 
 import attrs
 import numpy as np
+from PIL import Image
 from tqdm import tqdm
 
 from fixres_dist import locks, startup
-from fixres_dist.data import pipeline, shards
+from fixres_dist.arguments import OneLineParser, positive_int
+from fixres_dist.data import images, pipeline, shards
 from fixres_dist.errors import FixresError, first_line, plural, say
 from fixres_dist.io import remove_stale_temporaries, temporary_name, write_private
 
@@ -62,16 +64,20 @@ LOCK = ".pack.lock"
 # What a pack folder may hold: shards, indexes, the manifest, the state, the lock and temporary files.
 OURS = re.compile(r"(train|val)-\d{6}\.tar|(train|val)\.index\.npz|shards\.json|\.pack\.(json|lock)|\..+\.tmp")
 INDEX_ARRAYS = {"shard", "offset", "size", "label", "key"}
+QUALITY = 90  # pack --max-side's JPEG quality by default (FFCV's; ImageNet's files are about as fine)
 
 
 @attrs.frozen
 class ShardPlan:
     """One shard to write: its file name, the split's number of its first sample (keys count from
-    it) and its samples as ``(image file, class number)``."""
+    it), its samples as ``(image file, class number)``, and with ``max_side`` (pixels) the images
+    whose shorter side is longer stored resized to it, as JPEGs of ``quality`` (:func:`stored_image`)."""
 
     name: str
     first: int
     samples: tuple[tuple[str, int], ...]
+    max_side: int | None = None
+    quality: int | None = None
 
     def keys(self) -> list[str]:
         return [f"{self.first + number:08d}" for number in range(len(self.samples))]
@@ -80,12 +86,15 @@ class ShardPlan:
         """SHA-256 of what the shard is made of: each sample's file (path, size, modification time)
         and class number. A finished shard is kept by a continued pack only if this is unchanged."""
         stats = [(path, (st := os.stat(path)).st_size, st.st_mtime_ns, label) for path, label in self.samples]
-        return hashlib.sha256(json.dumps([self.name, self.first, stats]).encode()).hexdigest()
+        resized = [self.max_side, self.quality] if self.max_side else []  # a pack before --max-side: unchanged
+        return hashlib.sha256(json.dumps([self.name, self.first, stats, *resized]).encode()).hexdigest()
 
 
-def plan(source: Path, shard_bytes: int) -> tuple[list[str], dict[str, list[ShardPlan]]]:
+def plan(source: Path, shard_bytes: int, max_side: int | None = None,
+         quality: int | None = None) -> tuple[list[str], dict[str, list[ShardPlan]]]:
     """The class names of ``source`` and, for each split, its shards: consecutive samples in the
-    ImageFolder's order, a new shard once one holds ``shard_bytes`` of image files. Raises
+    ImageFolder's order, a new shard once one holds ``shard_bytes`` of image files (source files: with
+    ``max_side`` the shards come out smaller); ``max_side``, ``quality``: :class:`ShardPlan`'s. Raises
     :class:`FixresError` as a run does for a bad data folder."""
     classes = pipeline.check_image_folder(source)
     planned = {}
@@ -101,7 +110,7 @@ def plan(source: Path, shard_bytes: int) -> tuple[list[str], dict[str, list[Shar
         if current:
             split_shards.append(current)
         first = np.cumsum([0] + [len(s) for s in split_shards])
-        planned[split] = [ShardPlan(f"{split}-{number:06d}.tar", int(first[number]), tuple(s))
+        planned[split] = [ShardPlan(f"{split}-{number:06d}.tar", int(first[number]), tuple(s), max_side, quality)
                           for number, s in enumerate(split_shards)]
     return classes, planned
 
@@ -118,13 +127,40 @@ def write_shard(shard: ShardPlan, out: Path, num_classes: int) -> tuple[dict, sh
     def write(file):
         with tarfile.open(fileobj=file, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for key, (path, label) in zip(shard.keys(), shard.samples):
-                with open(path, "rb") as image:  # streamed: a large file is never held whole
-                    tar.addfile(_member(f"{key}{Path(path).suffix.lower()}", os.fstat(image.fileno()).st_size), image)
+                resized = stored_image(path, shard.max_side, shard.quality) if shard.max_side else None
+                if resized is not None:
+                    tar.addfile(_member(f"{key}.jpg", len(resized)), io.BytesIO(resized))
+                else:
+                    with open(path, "rb") as image:  # streamed: a large file is never held whole
+                        tar.addfile(_member(f"{key}{Path(path).suffix.lower()}", os.fstat(image.fileno()).st_size),
+                                    image)
                 text = str(label).encode()
                 tar.addfile(_member(f"{key}.cls", len(text)), io.BytesIO(text))
     final = write_private(out / shard.name, write, SHARED)
     found = shards.index_shard(final, num_classes)
     return _entry(final, found), found
+
+
+def stored_image(path: str, max_side: int, quality: int) -> bytes | None:
+    """What ``pack --max-side`` stores for the image file ``path``: ``None`` (its bytes as they are) when its
+    shorter side is at most ``max_side`` pixels (read from its header), else the image decoded as a run
+    decodes it (:func:`fixres_dist.data.images.open_rgb`: 8-bit RGB, levels preserved), resized with
+    Pillow's antialiased bicubic filter so that its shorter side is ``max_side`` (the longer one
+    rounded), as a baseline JPEG of ``quality`` with 4:2:0 chroma (the same bytes every time). Raises
+    :class:`FixresError` naming a file that cannot be read or converted."""
+    try:
+        with images.pillow_limits(), Image.open(path) as header:
+            width, height = header.size
+        if min(width, height) <= max_side:
+            return None
+        image = images.open_rgb(path)
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise FixresError(f"cannot pack {path}: {type(exc).__name__}: {first_line(exc)}; fix or remove it") from None
+    scale = max_side / min(width, height)
+    size = (max_side, round(height * scale)) if width <= height else (round(width * scale), max_side)
+    out = io.BytesIO()
+    image.resize(size, Image.Resampling.BICUBIC).save(out, "JPEG", quality=quality, subsampling=2)
+    return out.getvalue()
 
 
 def kept_shard(shard: ShardPlan, out: Path, num_classes: int, entry: dict) -> tuple[dict, shards.ShardIndex]:
@@ -137,15 +173,21 @@ def _entry(path: Path, found: shards.ShardIndex) -> dict:
 
 
 def pack(source: str | Path, out: str | Path, shard_mib: float = 256, workers: int = 1,
-         progress: bool = True) -> dict:
+         progress: bool = True, max_side: int | None = None, quality: int | None = None) -> dict:
     """Pack ``source`` into ``out`` (module docstring); returns ``shards.json``'s content (with
-    ``kept``: the shards a continued pack kept). Raises :class:`FixresError` for a bad data folder, an
-    ``out`` it must not write into (:func:`_check_destination`), another pack into ``out`` running,
-    or a file it cannot read or write."""
+    ``kept``: the shards a continued pack kept). ``max_side`` (pixels): images with a longer shorter
+    side stored resized to it, as JPEGs of ``quality`` (1-95, default 90; :func:`stored_image`). Raises
+    :class:`FixresError` for a bad data folder or value, an ``out`` it must not write into
+    (:func:`_check_destination`), another pack into ``out`` running, or a file it cannot read or write."""
     source, out = Path(source), Path(out)
     if not math.isfinite(shard_mib) or shard_mib <= 0:
         raise FixresError(f"--shard-size must be a positive number of MiB; got {shard_mib}")
-    classes, planned = plan(source, int(shard_mib * 2 ** 20))
+    if quality is not None and max_side is None:
+        raise FixresError("--quality is the JPEG quality of the images --max-side resizes: give --max-side too")
+    if max_side is not None and not 1 <= (quality := QUALITY if quality is None else quality) <= 95:
+        raise FixresError(f"--quality must be 1 to 95 (Pillow's JPEG qualities; above 95 only grows the files); "
+                          f"got {quality}")
+    classes, planned = plan(source, int(shard_mib * 2 ** 20), max_side, quality)
     state = _check_destination(source, out)
     with _locked(out):
         try:
@@ -175,7 +217,9 @@ def _pack(source: Path, out: Path, classes: list[str], planned: dict[str, list[S
             results[name], kept = (entry, found), kept + was_kept
             state["shards"][name] = {"digest": digest, "entry": entry}
             write_private(out / STATE, json.dumps(state), SHARED)
-    manifest = _write_indexes(out, {"format": shards.FORMAT, "source": state["source"], "classes": classes},
+    first = next(shard for split in shards.SPLITS for shard in planned[split])
+    manifest = _write_indexes(out, {"format": shards.FORMAT, "source": state["source"], "classes": classes,
+                                    "max_side": first.max_side, "quality": first.quality},
                               {split: [results[shard.name] for shard in planned[split]] for split in shards.SPLITS})
     named = {shard.name for _, shard, _ in jobs}
     for old in out.glob("*.tar"):
@@ -507,7 +551,7 @@ def _interrupted(signum, frame):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fixres_dist.data.packing",
+    parser = OneLineParser(prog="python -m fixres_dist.data.packing",
                                      description="pack a data folder into WebDataset tar shards, index the shards "
                                                  "another tool wrote, or verify either")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -516,6 +560,12 @@ def _parser() -> argparse.ArgumentParser:
     packing.add_argument("out", help="the folder to write the shards into (new, or a pack to continue)")
     packing.add_argument("--shard-size", type=float, default=256,
                          help="MiB of image files per shard (default 256; a tar adds 1 KiB per image)")
+    packing.add_argument("--max-side", type=positive_int, metavar="PX",
+                         help="store each image whose shorter side is longer resized to PX pixels on that side (a "
+                              "JPEG; the others as they are): cheaper to read and decode, enough for test "
+                              "resolutions up to PX x crop ratio (docs/data_at_scale.md)")
+    packing.add_argument("--quality", type=positive_int, metavar="Q",
+                         help=f"JPEG quality of the images --max-side resizes, 1-95 (default {QUALITY})")
     indexing = commands.add_parser("index", help="index the WebDataset shards another tool wrote into FOLDER, "
                                                  "in place (writes only the index files and shards.json there)")
     indexing.add_argument("folder", help="the folder of the shards (samples <key>.jpg or .png... and <key>.cls)")
@@ -541,7 +591,8 @@ def _counts(manifest: dict) -> str:
 
 
 def _run_pack(args) -> str:
-    manifest = pack(args.source, args.out, args.shard_size, args.workers, not args.no_progress)
+    manifest = pack(args.source, args.out, args.shard_size, args.workers, not args.no_progress, args.max_side,
+                    args.quality)
     kept = f" ({manifest['kept']} already written, kept)" if manifest["kept"] else ""
     return f"{args.out}: {_counts(manifest)}{kept}, {len(manifest['classes'])} classes; use it as --data-path"
 

@@ -265,6 +265,8 @@ class PackedData:
     def __init__(self, root: Path, manifest: dict, indexes: dict[str, dict[str, np.ndarray]]):
         self.root, self.manifest, self.indexes = root, manifest, indexes
         self.classes: list[str] = list(manifest["classes"])
+        # The longest shorter side (pixels) of the images (pack --max-side), None for images as they were.
+        self.max_side: int | None = manifest.get("max_side")
 
     def images(self, split: str) -> int:
         return len(self.indexes[split]["label"])
@@ -290,9 +292,20 @@ class PackedData:
 
     def describe(self) -> str:
         shards = sum(len(self.manifest["splits"][s]["shards"]) for s in SPLITS)
+        resized = f", shorter sides at most {self.max_side} px" if self.max_side else ""
         return (f"data: {origin(self.manifest)[0]}: {self.images('train'):,} train and {self.images('val'):,} val "
-                f"images in {len(self.classes):,} classes, {plural(shards, 'shard')} of {self.root} ({MANIFEST}), "
-                "checked")
+                f"images in {len(self.classes):,} classes{resized}, {plural(shards, 'shard')} of {self.root} "
+                f"({MANIFEST}), checked")
+
+    def check_sizes(self, needs: dict[str, tuple[int, int]]) -> None:
+        """Refuse what needs larger images than a pack made with ``--max-side`` holds: ``needs`` maps what
+        (``"test resolution 224 (224 / crop ratio 0.875)"``) to (the shorter side it needs, the largest
+        resolution this pack serves it at), in pixels. Raises :class:`FixresError` naming the first."""
+        for what, (side, fits) in needs.items():
+            if self.max_side is not None and side > self.max_side:
+                raise FixresError(f"--data-path {self.root}: the pack holds images with shorter sides of at most "
+                                  f"{self.max_side} px (packed with --max-side {self.max_side}); {what} needs "
+                                  f"{side} px: pack again with --max-side {side} or more, or use {fits} px or less")
 
 
 def is_packed(root: str | Path) -> bool:
@@ -375,6 +388,9 @@ def read_manifest(root: Path) -> dict:
                          f"{shard['name']}: images or bytes is not a count")
                 _require(isinstance(shard["sha256"], str), f"{shard['name']}: no SHA-256")
             _require(isinstance(manifest["splits"][split]["index_sha256"], str), f"no {split} index checksum")
+        side = manifest.get("max_side")  # absent: packed before --max-side, images as they were
+        _require(side is None or (isinstance(side, int) and not isinstance(side, bool) and side > 0),
+                 f"max_side {side!r} is not a positive number of pixels")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise FixresError(f"{path} is not a packed data manifest ({type(exc).__name__}: {first_line(exc)}); "
                           "pack the data again") from None

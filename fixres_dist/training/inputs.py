@@ -23,7 +23,7 @@ from fixres_dist.distributed import joblock, layout, placement, tensor_parallel
 from fixres_dist.distributed.pipeline import check_schedule, check_starts, has_batchnorm, pieces, virtual_stages
 from fixres_dist.errors import FixresError, plural
 from fixres_dist.fixres import finetuning
-from fixres_dist.models import architectures, class_names, lineage, resolutions, weights
+from fixres_dist.models import architectures, class_names, lineage, preprocessing, resolutions, weights
 from fixres_dist.reporting import profiling, tensorboard_events, trackers
 from fixres_dist.training import checkpoint, extraction, memory_budget
 from fixres_dist.training.memory_estimate import MemoryEstimate
@@ -164,6 +164,7 @@ def preflight(config: TrainerConfig) -> JobInputs:
         tensorboard_events.check_folder(config.job_folder)
     trackers.check_available(config)
     check_sizes(config, len(inputs.classes), lineage.for_run(config, inputs.weights).train_size)
+    check_pack_sizes(config, inputs)
     if inputs.weights:
         _check_weights(config, inputs)
     estimate = memory_budget.check_budget(config, len(inputs.classes))
@@ -179,6 +180,31 @@ def check_sizes(config: TrainerConfig, num_classes: int, trained_at: int | None 
     for size in sorted(sizes):
         architectures.check_resolution(config.architecture, size)
     resolutions.check_run_sizes(config, num_classes, trained_at)
+
+
+def check_pack_sizes(config: TrainerConfig, inputs: JobInputs) -> None:
+    """Packed data made with ``--max-side N`` (:mod:`fixres_dist.data.packing`) against every resolution of
+    the run: training from scratch at K needs shorter sides of K pixels (RandomResizedCrop's largest box is
+    the whole image, then not upsampled), a test resolution and a finetune at K need round(K / crop
+    ratio) (the test transform's resize). FixresError in one line naming the first that needs more."""
+    packed = inputs.index
+    if not isinstance(packed, shards.PackedData) or packed.max_side is None:
+        return
+    crop = preprocessing.resolve(config, inputs.weights.config if inputs.weights else None).crop_ratio
+    served = max((k for k in range(1, packed.max_side + 1) if pipeline.resize_size(k, crop) <= packed.max_side),
+                 default=1)  # the largest test resolution the pack serves
+
+    def test_side(what: str, size: int) -> tuple[str, tuple[int, int]]:
+        return f"{what} {size} px ({size} / crop ratio {crop})", (pipeline.resize_size(size, crop), served)
+    needs = {}
+    if not config.eval_only and config.mode == "scratch":
+        needs[f"training at {config.first_input_size} px (RandomResizedCrop's largest box is the whole image)"] = (
+            config.first_input_size, packed.max_side)
+    elif not config.eval_only:
+        needs.update([test_side("the finetune at", config.first_input_size)])
+    needs.update(test_side("test resolution", size)
+                 for size in config.test_sizes or (config.test_size or config.first_input_size,))
+    packed.check_sizes(needs)
 
 
 def check_split(config: TrainerConfig, num_classes: int) -> None:

@@ -123,8 +123,8 @@ def pack64(source, tmp_path_factory) -> Path:
     ({"input_size": 56, "test_size": 64}, "test resolution 64 px (64 / crop ratio 0.875) needs 73 px: pack again "
                                           "with --max-side 73 or more, or use 56 px or less"),
     ({"input_size": 32, "test_sizes": (32, 48, 60)}, "test resolution 60 px (60 / crop ratio 0.875) needs 69 px"),
-    ({"mode": "finetune", "input_size": 64, "train_size": 32, "weight_path": "w.pth"}, "the finetune at 64 px (64 / crop ratio 0.875) "
-                                                               "needs 73 px"),
+    ({"mode": "finetune", "input_size": 64, "train_size": 32, "weight_path": "w.pth"},
+     "the finetune at 64 px (64 / crop ratio 0.875) needs 73 px"),
     ({"input_size": 64, "test_size": 64, "crop_ratio": 1.0}, None),
     ({"input_size": 64, "test_size": 56}, None),
 ])

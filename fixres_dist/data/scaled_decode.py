@@ -8,42 +8,40 @@ The transforms here first draw their box from the image's size alone (read from 
 nothing decoded), with the same random draws as torchvision's transform on the decoded image
 (:meth:`torchvision.transforms.v2.RandomResizedCrop.make_params` on a stand-in of that size), then
 decode at the largest scale ``s`` in (8, 4, 2, 1) for which the box is still at least the output size
-on both sides (``box / s >= output``), and resize the box the rest of the way, antialiased, with its
-fractional corners (Pillow's ``Image.resize(box=...)``). The decoder is Pillow's libjpeg-turbo, its
-``draft`` mode (Pillow's documented way to the scaled IDCT). The same idea is NVIDIA DALI's
-``decoders.image_random_crop`` and libjpeg-turbo's ``tjDecompress2`` scaling factors.
+on both sides (``box / s >= output``), and resize the box the rest of the way with torchvision's
+antialiased ``resized_crop``, its corners rounded to the scaled image's pixels (at most ``s / 2``
+source pixels away; the crops of a RandomResizedCrop are drawn to the source pixel). The decoder is
+libjpeg-turbo through simplejpeg (its ``min_height``/``min_width``: libjpeg's scaling factors). The same
+idea is NVIDIA DALI's ``decoders.image_random_crop`` and libjpeg-turbo's ``tjDecompress2`` scaling
+factors.
 
 Where no scale applies (``s == 1``: a box less than twice the output on a side) the image is decoded
 whole and cropped exactly as before (``torchvision.io.decode_jpeg`` and torchvision's
 ``resized_crop``), so the pixels are bit-identical to a full decode's. Where one does, they differ
 from a full decode by the scaled IDCT's own low-pass (a box filter of the 8 x 8 block's frequencies,
-not the antialiased bilinear of a resize): ``tests/data/test_scaled_decode.py`` measures the mean
-absolute difference and bounds it (about 1 level of 255 on photos); ``benchmarks/input_pipeline.py``
-prints it beside the speed. What is not skipped: the entropy (Huffman) decoding of the whole file,
-which libjpeg must run to reach any block, and which is most of the cost of a high-quality or
-progressive JPEG (benchmarks/README.md: the ceiling this leaves).
+not the antialiased bilinear of a resize) and the rounding of the box's corners:
+``tests/data/test_scaled_decode.py`` bounds it against an analytic image, and
+``benchmarks/input_pipeline.py`` prints the mean absolute difference on photos beside the speed.
+What is not skipped: the entropy (Huffman) decoding of the whole file, which libjpeg must run to
+reach any block, and which is most of the cost of a high-quality or progressive JPEG
+(benchmarks/README.md: the ceiling this leaves).
 
-Other formats, and JPEGs whose header Pillow cannot read, never reach these transforms as
-:class:`EncodedJpeg` (:func:`fixres_dist.data.images.decode_image`): they are decoded whole, as
-before. EXIF orientation is ignored, as everywhere in the package.
+Other formats never reach these transforms as :class:`EncodedJpeg`: they are decoded whole, as
+before (:func:`fixres_dist.data.images.decode_image`); so are the JPEGs simplejpeg refuses (CMYK, or
+data it finds corrupt), by the full decode, which decodes them or names the problem as before. EXIF
+orientation is ignored, as everywhere in the package.
 """
 from __future__ import annotations
 
 import attrs
 import simplejpeg
 import torch
-from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
 from fixres_dist.data import images
 
 SCALES = (8, 4, 2, 1)  # libjpeg's scaled IDCT: 1/8, 1/4, 1/2 and full size
-# --interpolation's torchvision modes -> Pillow's resampling filters (the same kernels; Pillow's resize
-# is antialiased when it shrinks, as torchvision's with antialias=True).
-PIL_FILTERS = {v2.InterpolationMode.BILINEAR: Image.Resampling.BILINEAR,
-               v2.InterpolationMode.BICUBIC: Image.Resampling.BICUBIC,
-               v2.InterpolationMode.NEAREST_EXACT: Image.Resampling.NEAREST}
 
 
 class DeferredDecodeError(Exception):
@@ -96,8 +94,9 @@ def decode_full(jpeg: EncodedJpeg):
 def decode_box(jpeg: EncodedJpeg, box: tuple[float, float, float, float], size: tuple[int, int],
                interpolation: v2.InterpolationMode, scale: int) -> torch.Tensor | None:
     """The ``box`` (left, top, width, height, in source pixels, fractional allowed) of ``jpeg`` decoded
-    at 1/``scale`` (2, 4 or 8; libjpeg-turbo's scaled IDCT through simplejpeg) and resized to ``size``
-    (height, width) from its fractional corners with Pillow's ``interpolation`` filter: a uint8
+    at 1/``scale`` (2, 4 or 8; libjpeg-turbo's scaled IDCT through simplejpeg), its corners rounded to
+    the scaled image's pixels (at most ``scale / 2`` source pixels away), and resized to ``size``
+    (height, width) by torchvision's antialiased ``resized_crop`` with ``interpolation``: a uint8
     (3, height, width) RGB tensor. ``None`` where simplejpeg does not decode the file (a CMYK JPEG, or
     data it finds corrupt): the caller decodes it whole, as before, which decodes it or names the problem."""
     try:
@@ -106,10 +105,14 @@ def decode_box(jpeg: EncodedJpeg, box: tuple[float, float, float, float], size: 
     except ValueError:
         return None
     # libjpeg's scaled image is ceil(side / scale) pixels, pixel i covering source pixels [i s, (i + 1) s).
-    left, top, width, height = (v * pixels.shape[1] / -(-jpeg.width // scale) / scale for v in box)
-    kept = Image.fromarray(pixels).resize((size[1], size[0]), PIL_FILTERS[interpolation],
-                                          box=(left, top, left + width, top + height))
-    return TF.pil_to_tensor(kept)
+    height, width = pixels.shape[:2]
+    factor = width / -(-jpeg.width // scale) / scale
+    left, top = (min(round(v * factor), limit - 1) for v, limit in ((box[0], width), (box[1], height)))
+    right, bottom = (min(max(round((v + extent) * factor), start + 1), limit)
+                     for v, extent, start, limit in ((box[0], box[2], left, width), (box[1], box[3], top, height)))
+    image = torch.from_numpy(pixels).permute(2, 0, 1)  # (3, H, W), a view of the decoder's HWC memory
+    return TF.resized_crop(image, top, left, bottom - top, right - left, list(size), interpolation=interpolation,
+                           antialias=True)
 
 
 class WindowedRandomResizedCrop(torch.nn.Module):

@@ -56,8 +56,8 @@ def test_the_train_crops_are_drawn_as_before_and_decoded_near_the_analytic_image
     generator ends in the same state, so the flip and every draw after it are the same), a crop without a
     DCT scale is bit for bit the full decode's, and one with a scale ``s`` is no further from the analytic
     image than the full decode is, plus one level (a rounding), plus the gradient's change over half a scaled
-    pixel (``s / 2`` source pixels: at the image's border the resize clamps to the outermost scaled pixel's
-    centre, that far inside)."""
+    pixel (``s / 2`` source pixels: how far the box's corners move when rounded to the scaled image's
+    pixels, and how far inside the outermost scaled pixel's centre lies at the image's border)."""
     data = encoded(gradient(), quality=95)
     crop = scaled_decode.WindowedRandomResizedCrop(size, v2.InterpolationMode.BILINEAR)
     scaled_seen = 0

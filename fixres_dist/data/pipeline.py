@@ -25,9 +25,12 @@ Workers return ``uint8`` tensors of shape (3, K, K); the float conversion and th
 normalisation happen on the training device (:func:`normalize`), which keeps worker-to-trainer
 traffic four times smaller.
 
-Speed (``benchmarks/input_pipeline.py``): :class:`SeededDataset` decodes JPEG files with
+Speed (``benchmarks/input_pipeline.py``): :class:`SeededDataset` hands the transforms JPEG files
+undecoded, and their first step decodes only the kept window at the smallest DCT scale that still
+covers the output (``jpeg_decode="scaled"``, the default: :mod:`fixres_dist.data.scaled_decode`, the same
+crops as a full decode); with ``jpeg_decode="full"``, or where no scale applies, JPEGs are decoded with
 ``torchvision.io.decode_jpeg`` (libjpeg-turbo with PIL's settings: the same pixels as PIL's decoder)
-straight into a uint8 tensor (:func:`fixres_dist.data.images.read_image`), and the transforms then run on
+straight into a uint8 tensor (:func:`fixres_dist.data.images.read_image`). The transforms then run on
 uint8 tensors (torchvision's vectorised antialiased resize); other formats, and JPEGs that decoder
 refuses, go through PIL. The transforms also take PIL images (then they compute exactly what they
 did with PIL).

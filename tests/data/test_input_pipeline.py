@@ -2,8 +2,9 @@
 and its training augmentation recipes (auto-augment policies, random erasing, repeated-augmentation copies).
 
 ``SeededDataset`` reads JPEG files with ``torchvision.io.decode_jpeg`` and runs the transforms on
-uint8 tensors (benchmarks/input_pipeline.py: 1.6-1.7x the torchvision reference per core); other
-formats, and JPEGs that decoder refuses, still go through PIL.
+uint8 tensors (benchmarks/input_pipeline.py: 1.8-2.6x the torchvision reference per core with
+``--jpeg-decode full``); other formats, and JPEGs that decoder refuses, still go through PIL. The scaled
+decode (the default) is tests/data/test_scaled_decode.py's.
 """
 from __future__ import annotations
 

@@ -434,7 +434,12 @@ class SeededDataset(Dataset):
     :func:`fixres_dist.data.images.open_rgb`, no transforms of its own) and a transform of this module
     (a :class:`Uint8Pipeline`: :func:`train_transform`, :func:`test_transform`, :func:`finetune_transform`),
     JPEG files reach ``transform`` as decoded uint8 tensors (:func:`fixres_dist.data.images.read_image`), other
-    formats as 8-bit RGB PIL images; otherwise the dataset's own items (PIL images).
+    formats as 8-bit RGB PIL images; otherwise the dataset's own items (PIL images). With ``jpeg_decode``
+    ``"scaled"`` (the default) and a transform whose first step decodes windows
+    (:func:`fixres_dist.data.scaled_decode.takes_encoded`: every transform of this module), JPEGs read from
+    files or from packed shards (a base with ``read(index)``: :class:`fixres_dist.data.shards.ShardSplit`)
+    reach it undecoded (:class:`~fixres_dist.data.scaled_decode.EncodedJpeg`); ``"full"`` decodes them
+    whole. Raises :class:`FixresError` for another ``jpeg_decode``.
     """
 
     skip_flag = "--skip-bad-images"  # what the bad image's message says skips it

@@ -297,6 +297,13 @@ class PackedData:
                 f"images in {len(self.classes):,} classes{resized}, {plural(shards, 'shard')} of {self.root} "
                 f"({MANIFEST}), checked")
 
+    def largest_test_size(self, crop_ratio: float) -> int:
+        """The largest test resolution (pixels) whose resize, round(K / ``crop_ratio``), this pack's images
+        serve without upsampling (:attr:`max_side`); 0 where there is no limit."""
+        if self.max_side is None:
+            return 0
+        return max((k for k in range(1, self.max_side + 1) if round(k / crop_ratio) <= self.max_side), default=1)
+
     def check_sizes(self, needs: dict[str, tuple[int, int]]) -> None:
         """Refuse what needs larger images than a pack made with ``--max-side`` holds: ``needs`` maps what
         (``"test resolution 224 (224 / crop ratio 0.875)"``) to (the shorter side it needs, the largest

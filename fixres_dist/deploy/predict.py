@@ -97,12 +97,16 @@ def check_request(request: Request, overwrite: bool) -> None:
 
 
 def open_inputs(request: Request):
-    """The model and data of ``request``; raises :class:`FixresError` for either, or a ``--topk`` above
-    the model's classes."""
+    """The model and data of ``request``; raises :class:`FixresError` for either, a ``--topk`` above
+    the model's classes, or packed data whose ``--max-side`` is below the model's resize."""
     model = exported.open_model(request.model, request.weights)
     if request.topk > model.num_classes:
         raise FixresError(f"--topk {request.topk} is more than the model's {model.num_classes} classes")
     data = prediction_data.open_data(request.data, request.split, request.work_folder)
+    packed = getattr(data, "packed", None)  # packed with --max-side: enough pixels for the model's resize?
+    if packed is not None:
+        packed.check_sizes({f"the model's test resolution {model.input_size} px (resized to {model.resize_size} on "
+                            "the shorter side)": (model.resize_size, packed.largest_test_size(model.crop_ratio))})
     return model, data
 
 

@@ -48,10 +48,11 @@ class ImageFiles(Dataset):
 
 class Unlabelled(Dataset):
     """A labelled split (:class:`~fixres_dist.data.shards.ShardSplit`, :class:`~fixres_dist.data.hf_datasets.HFSplit`)
-    with its labels left out: item ``i`` is ``(image, 0)``; ``ids`` as the module docstring says."""
+    with its labels left out: item ``i`` is ``(image, 0)``; ``ids`` as the module docstring says; ``packed``:
+    the :class:`~fixres_dist.data.shards.PackedData` it comes from, or None."""
 
-    def __init__(self, split, ids: list):
-        self.split, self.ids = split, ids
+    def __init__(self, split, ids: list, packed: shards.PackedData | None = None):
+        self.split, self.ids, self.packed = split, ids, packed
 
     def __len__(self) -> int:
         return len(self.split)
@@ -74,10 +75,11 @@ def open_data(path: str | Path, split: str = "val", cache_folder: str | Path | N
     if not path.is_dir():
         raise FixresError(f"data {path} does not exist")
     if shards.is_packed(path):
-        split_set = shards.open_packed(path).dataset(split)
+        packed = shards.open_packed(path)
+        split_set = packed.dataset(split)
         ids = [f"{os.path.basename(split_set.shard_paths[shard])}:{key.decode(errors='replace')}"
                for shard, key in zip(split_set.shard, split_set.keys)]
-        data = Unlabelled(split_set, ids)
+        data = Unlabelled(split_set, ids, packed)  # its --max-side is checked against the model's resize
     elif hf_datasets.is_hf_dataset(path):
         split_set = hf_datasets.open_hf_dataset(path, cache_folder).dataset(split)
         data = Unlabelled(split_set, list(range(len(split_set))))

@@ -191,8 +191,7 @@ def check_pack_sizes(config: TrainerConfig, inputs: JobInputs) -> None:
     if not isinstance(packed, shards.PackedData) or packed.max_side is None:
         return
     crop = preprocessing.resolve(config, inputs.weights.config if inputs.weights else None).crop_ratio
-    served = max((k for k in range(1, packed.max_side + 1) if pipeline.resize_size(k, crop) <= packed.max_side),
-                 default=1)  # the largest test resolution the pack serves
+    served = packed.largest_test_size(crop)
 
     def test_side(what: str, size: int) -> tuple[str, tuple[int, int]]:
         return f"{what} {size} px ({size} / crop ratio {crop})", (pipeline.resize_size(size, crop), served)

@@ -152,8 +152,10 @@ def read_only(tmp_path):
     yield from read_only_folder(folder)
 
 
-def test_bad_input_is_refused_in_one_line_leaving_nothing(exported_by_hand, flat_images, tmp_path, read_only, capsys):
+def test_bad_input_is_refused_in_one_line_leaving_nothing(exported_by_hand, flat_images, tiny_data, tmp_path, read_only,
+                                                          capsys):
     (tmp_path / "empty" / ".hidden").mkdir(parents=True)
+    packing.pack(tiny_data, tmp_path / "p32", progress=False, max_side=32)
     (tmp_path / "exists.csv").write_text("kept\n")
     (tmp_path / "notes.txt").write_text("no model\n")
     out = tmp_path / "p.csv"
@@ -168,6 +170,9 @@ def test_bad_input_is_refused_in_one_line_leaving_nothing(exported_by_hand, flat
         ((exported_by_hand, flat_images, tmp_path / "p.txt"), r"cannot tell the format of .*p\.txt from its suffix"),
         ((tmp_path / "notes.txt", flat_images, out), r"notes\.txt is not a fixres_dist checkpoint: another format"),
         ((tmp_path, flat_images, out), r"is not an export folder: it has no model\.json$"),
+        ((exported_by_hand, tmp_path / "p32", out),
+         r"the pack holds images with shorter sides of at most 32 px \(packed with --max-side 32\); the model's test resolution 48 px \(resized to 55 on the shorter side\) needs 55 px: "
+         r"pack again with --max-side 55 or more, or use 28 px or less$"),
     ]
     for args, message in cases:
         assert run(*args) == 1

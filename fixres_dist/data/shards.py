@@ -307,9 +307,11 @@ class PackedData:
     def check_sizes(self, needs: dict[str, tuple[int, int]]) -> None:
         """Refuse what needs larger images than a pack made with ``--max-side`` holds: ``needs`` maps what
         (``"test resolution 224 (224 / crop ratio 0.875)"``) to (the shorter side it needs, the largest
-        resolution this pack serves it at), in pixels. Raises :class:`FixresError` naming the first."""
-        for what, (side, fits) in needs.items():
-            if self.max_side is not None and side > self.max_side:
+        resolution this pack serves it at), in pixels. Raises :class:`FixresError` naming the one that needs
+        the most (packing again for it serves them all)."""
+        if self.max_side is not None and needs:
+            what, (side, fits) = max(needs.items(), key=lambda item: item[1][0])  # the first of the largest
+            if side > self.max_side:
                 raise FixresError(f"--data-path {self.root}: the pack holds images with shorter sides of at most "
                                   f"{self.max_side} px (packed with --max-side {self.max_side}); {what} needs "
                                   f"{side} px: pack again with --max-side {side} or more, or use {fits} px or less")

@@ -183,26 +183,25 @@ def check_sizes(config: TrainerConfig, num_classes: int, trained_at: int | None 
 
 
 def check_pack_sizes(config: TrainerConfig, inputs: JobInputs) -> None:
-    """Packed data made with ``--max-side N`` (:mod:`fixres_dist.data.packing`) against every resolution of
-    the run: training from scratch at K needs shorter sides of K pixels (RandomResizedCrop's largest box is
-    the whole image, then not upsampled), a test resolution and a finetune at K need round(K / crop
-    ratio) (the test transform's resize). FixresError in one line naming the first that needs more."""
+    """Packed data made with ``--max-side N`` (:mod:`fixres_dist.data.packing`) against every resolution the
+    run uses (:func:`fixres_dist.models.resolutions.run_sizes`): training from scratch at K needs shorter sides
+    of K pixels (RandomResizedCrop's largest box is the whole image, then not upsampled); an evaluation and
+    the finetune's training at K need round(K / crop ratio) (the test transform's resize), the crop ratio
+    as the run resolves it. FixresError in one line naming the resolution that needs the most (packing for
+    it serves them all)."""
     packed = inputs.index
     if not isinstance(packed, shards.PackedData) or packed.max_side is None:
         return
     crop = preprocessing.resolve(config, inputs.weights.config if inputs.weights else None).crop_ratio
     served = packed.largest_test_size(crop)
+    train, evaluate = resolutions.run_sizes(config, lineage.for_run(config, inputs.weights).train_size)
 
     def test_side(what: str, size: int) -> tuple[str, tuple[int, int]]:
         return f"{what} {size} px ({size} / crop ratio {crop})", (pipeline.resize_size(size, crop), served)
-    needs = {}
-    if not config.eval_only and config.mode == "scratch":
-        needs[f"training at {config.first_input_size} px (RandomResizedCrop's largest box is the whole image)"] = (
-            config.first_input_size, packed.max_side)
-    elif not config.eval_only:
-        needs.update([test_side("the finetune at", config.first_input_size)])
-    needs.update(test_side("test resolution", size)
-                 for size in config.test_sizes or (config.test_size or config.first_input_size,))
+    needs = dict(test_side("the finetune at", size) for size in train) if config.mode == "finetune" else {
+        f"training at {size} px (RandomResizedCrop's largest box is the whole image)": (size, packed.max_side)
+        for size in train}
+    needs.update(test_side("test resolution", size) for size in evaluate)
     packed.check_sizes(needs)
 
 

@@ -125,12 +125,14 @@ def pack64(source, tmp_path_factory) -> Path:
     ({"input_size": 32, "test_sizes": (32, 48, 60)}, "test resolution 60 px (60 / crop ratio 0.875) needs 69 px"),
     ({"mode": "finetune", "input_size": 64, "train_size": 32, "weight_path": "w.pth"},
      "the finetune at 64 px (64 / crop ratio 0.875) needs 73 px"),
+    ({"input_size": 72, "test_size": 64}, "test resolution 64 px (64 / crop ratio 0.875) needs 73 px"),  # the most
     ({"input_size": 64, "test_size": 64, "crop_ratio": 1.0}, None),
     ({"input_size": 64, "test_size": 56}, None),
 ])
 def test_a_run_needing_more_pixels_than_the_pack_holds_is_refused(pack64, fields, message):
     """The preflight's check (before any rank starts): scratch training at K needs K, a test resolution
-    or a finetune at K needs round(K / crop ratio); within the pack's side it passes."""
+    or a finetune at K needs round(K / crop ratio); the one needing the most is named; within the pack's
+    side it passes."""
     config = TrainerConfig(data_path=str(pack64), architecture="resnet20", **fields)
     if message is None:
         inputs.check_pack_sizes(config, run_inputs(pack64))

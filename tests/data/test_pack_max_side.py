@@ -118,8 +118,9 @@ def pack64(source, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"input_size": 72}, "training at 72 px (RandomResizedCrop's largest box is the whole image) needs 72 px: pack "
-                         "again with --max-side 72 or more, or use 64 px or less"),
+    ({"input_size": 72, "test_size": 40},
+     "training at 72 px (RandomResizedCrop's largest box is the whole image) needs 72 px: pack again with --max-side "
+     "72 or more, or use 64 px or less"),
     ({"input_size": 56, "test_size": 64}, "test resolution 64 px (64 / crop ratio 0.875) needs 73 px: pack again "
                                           "with --max-side 73 or more, or use 56 px or less"),
     ({"input_size": 32, "test_sizes": (32, 48, 60)}, "test resolution 60 px (60 / crop ratio 0.875) needs 69 px"),

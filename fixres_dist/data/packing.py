@@ -155,7 +155,8 @@ def stored_image(path: str, max_side: int, quality: int) -> bytes | None:
             return None
         image = images.open_rgb(path)
     except (OSError, ValueError, SyntaxError) as exc:
-        raise FixresError(f"cannot pack {path}: {type(exc).__name__}: {first_line(exc)}; fix or remove it") from None
+        raise FixresError(f"cannot pack {path}: {type(exc).__name__}: {first_line(exc)}; replace or remove it, then "
+                          "run the command again (finished shards are kept)") from None
     scale = max_side / min(width, height)
     size = (max_side, round(height * scale)) if width <= height else (round(width * scale), max_side)
     out = io.BytesIO()

@@ -101,8 +101,8 @@ def test_an_unreadable_image_is_named_in_one_line(source, tmp_path):
         (broken / split / "a").mkdir(parents=True)
         Image.new("RGB", (100, 80)).save(broken / split / "a" / "good.jpg")
     (broken / "train" / "a" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
-    with pytest.raises(FixresError, match=r"^cannot pack .*bad\.jpg: OSError: .*; replace or remove it, then run the command "
-                                         r"again \(finished shards are kept\)$"):
+    with pytest.raises(FixresError, match=r"^cannot pack .*bad\.jpg: OSError: .*; replace or remove it, then run the "
+                                          r"command again \(finished shards are kept\)$"):
         packing.pack(broken, tmp_path / "out", progress=False, max_side=64)
 
 

@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> list:
             raise FixresError("--device cuda: torch sees no CUDA GPU here")
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         check(args, device.type)
+        from fixres_dist.bench import input_cost
+
+        photos = input_cost.found_images(args.input_images)  # each decoded once: a bad one named now
     except FixresError as exc:
         say(f"{PROG}: {exc}")
         raise SystemExit(1) from None
@@ -269,13 +272,10 @@ def main(argv: list[str] | None = None) -> list:
               "more is)", flush=True)
     try:
         costs = [measure(s, device, args.num_classes, args.steps, args.warmup) for s in settings(args)]
-        inputs = input_costs(args)
+        inputs = input_costs(args, photos)
     except KeyboardInterrupt:
         say(f"{PROG}: interrupted; nothing written")
         raise SystemExit(130) from None
-    except FixresError as exc:
-        say(f"{PROG}: {exc}")
-        raise SystemExit(1) from None
     lines = trades(costs, pair, inputs)
     print(table(costs, inputs) + "".join(f"\n{line}" for line in lines), flush=True)
     try:
@@ -289,12 +289,11 @@ def main(argv: list[str] | None = None) -> list:
     return costs
 
 
-def input_costs(args: argparse.Namespace) -> dict | None:
-    """The input pipeline's cost at each of ``--sizes`` on ``--input-images`` (or foolbox's photos), or
-    None where there are no images to measure on (a line says so)."""
+def input_costs(args: argparse.Namespace, paths: list[str]) -> dict | None:
+    """The input pipeline's cost at each of ``--sizes`` on ``paths`` (``--input-images``' files, or
+    foolbox's photos), or None where there are none (a line says so)."""
     from fixres_dist.bench import input_cost
 
-    paths = input_cost.found_images(args.input_images)
     if not paths:
         print(f"{PROG}: the input pipeline's cost is not measured: no --input-images and no foolbox photos "
               "(pip install --no-deps foolbox==3.3.4)", flush=True)

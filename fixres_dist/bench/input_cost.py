@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from fixres_dist.data import images, pipeline
 from fixres_dist.data.samplers import SampleKey
-from fixres_dist.errors import FixresError
+from fixres_dist.errors import FixresError, first_line
 
 
 @attrs.frozen
@@ -53,9 +53,10 @@ class ImageFiles(Dataset):
 
 
 def found_images(folder: str | Path | None) -> list[str]:
-    """The image files under ``folder`` (walked as a class folder is), or, without one, foolbox's 20
-    ImageNet photos where foolbox is installed (``pip install --no-deps foolbox==3.3.4``), else none.
-    Raises :class:`FixresError` for a folder without images."""
+    """The image files under ``folder`` (walked as a class folder is), each decoded once to check it, or,
+    without one, foolbox's 20 ImageNet photos where foolbox is installed (``pip install --no-deps
+    foolbox==3.3.4``), else none. Raises :class:`FixresError` for a folder without images, or naming an
+    image that cannot be read (before anything is measured)."""
     if folder is None:
         spec = importlib.util.find_spec("foolbox")
         if spec is None or not spec.submodule_search_locations:
@@ -66,6 +67,12 @@ def found_images(folder: str | Path | None) -> list[str]:
     paths, _ = pipeline.image_files(folder)
     if not paths:
         raise FixresError(f"--input-images {folder}: no image files in it")
+    for path in paths:
+        try:
+            images.read_image(path)
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise FixresError(f"--input-images {folder}: unreadable image {path} ({type(exc).__name__}: "
+                              f"{first_line(exc)}); remove it from the folder") from None
     return paths
 
 

@@ -551,6 +551,14 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
+def _quality(text: str) -> int:
+    """``--quality``: a whole number from 1 to 95 (above 95 Pillow's JPEGs only grow)."""
+    value = positive_int(text)
+    if value > 95:
+        raise argparse.ArgumentTypeError(f"must be 1 to 95 (above 95 the files only grow), got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="python -m fixres_dist.data.packing",
                                      description="pack a data folder into WebDataset tar shards, index the shards "
@@ -565,7 +573,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="store each image whose shorter side is longer resized to PX pixels on that side (a "
                               "JPEG; the others as they are): cheaper to read and decode, enough for test "
                               "resolutions up to PX x crop ratio (docs/data_at_scale.md)")
-    packing.add_argument("--quality", type=positive_int, metavar="Q",
+    packing.add_argument("--quality", type=_quality, metavar="Q",
                          help=f"JPEG quality of the images --max-side resizes, 1-95 (default {QUALITY})")
     indexing = commands.add_parser("index", help="index the WebDataset shards another tool wrote into FOLDER, "
                                                  "in place (writes only the index files and shards.json there)")
@@ -622,7 +630,10 @@ AFTER_INTERRUPT = {"pack": "; run the same command again to continue (finished s
 def main(argv: list[str] | None = None) -> int:
     """The command line (module docstring); returns the exit status: 0, 1 after a one-line error, 130
     after Ctrl-C or SIGTERM."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "quality", None) is not None and args.max_side is None:
+        parser.error("--quality is the JPEG quality of the images --max-side resizes: give --max-side too")
     signal.signal(signal.SIGTERM, _interrupted)
     try:
         print(RUN[args.command](args))

@@ -304,17 +304,20 @@ class PackedData:
             return 0
         return max((k for k in range(1, self.max_side + 1) if round(k / crop_ratio) <= self.max_side), default=1)
 
-    def check_sizes(self, needs: dict[str, tuple[int, int]]) -> None:
+    def check_sizes(self, needs: dict[str, tuple[int, int]], where: str | None = None,
+                    smaller: bool = True) -> None:
         """Refuse what needs larger images than a pack made with ``--max-side`` holds: ``needs`` maps what
         (``"test resolution 224 (224 / crop ratio 0.875)"``) to (the shorter side it needs, the largest
-        resolution this pack serves it at), in pixels. Raises :class:`FixresError` naming the one that needs
-        the most (packing again for it serves them all)."""
+        resolution this pack serves it at), in pixels; ``where``: how the message names the pack (default
+        ``--data-path ROOT``); ``smaller``: whether it may suggest that smaller resolution. Raises
+        :class:`FixresError` naming the one that needs the most (packing again for it serves them all)."""
         if self.max_side is not None and needs:
             what, (side, fits) = max(needs.items(), key=lambda item: item[1][0])  # the first of the largest
             if side > self.max_side:
-                raise FixresError(f"--data-path {self.root}: the pack holds images with shorter sides of at most "
-                                  f"{self.max_side} px (packed with --max-side {self.max_side}); {what} needs "
-                                  f"{side} px: pack again with --max-side {side} or more, or use {fits} px or less")
+                raise FixresError(f"{where or f'--data-path {self.root}'}: the pack holds images with shorter sides "
+                                  f"of at most {self.max_side} px (packed with --max-side {self.max_side}); {what} "
+                                  f"needs {side} px: pack again with --max-side {side} or more"
+                                  + (f", or use {fits} px or less" if smaller else ""))
 
 
 def is_packed(root: str | Path) -> bool:

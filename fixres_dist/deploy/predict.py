@@ -106,7 +106,7 @@ def open_inputs(request: Request):
     packed = getattr(data, "packed", None)  # packed with --max-side: enough pixels for the model's resize?
     if packed is not None:
         packed.check_sizes({f"the model's test resolution {model.input_size} px (resized to {model.resize_size} on "
-                            "the shorter side)": (model.resize_size, packed.largest_test_size(model.crop_ratio))})
+                            "the shorter side)": (model.resize_size, 0)}, f"data {request.data}", smaller=False)
     return model, data
 
 

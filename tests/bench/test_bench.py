@@ -54,6 +54,16 @@ def test_the_table_of_two_architectures_at_three_resolutions(tmp_path, capsys):
     assert (tmp_path / "cost.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_broken_input_image_is_named_before_anything_is_measured(tmp_path, capsys):
+    (tmp_path / "a.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--architectures", "resnet20", "--sizes", "32", "--input-images", str(tmp_path)])
+    captured = capsys.readouterr()
+    assert refused.value.code == 1 and captured.out == ""  # nothing measured
+    assert captured.err.strip() == (f"python -m fixres_dist.bench: --input-images {tmp_path}: unreadable image "
+                                    f"{tmp_path / 'a.jpg'} (OSError: Truncated File Read); remove it from the folder")
+
+
 @pytest.mark.parametrize("args, status, message", [
     (["--architectures", "resnet81", "--sizes", "32"], 1, "did you mean resnet18"),
     (["--architectures", "vit_b_16", "--sizes", "100"], 1, "vit_b_16"),

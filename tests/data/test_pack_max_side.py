@@ -81,8 +81,8 @@ def test_a_pack_continued_with_another_max_side_is_rewritten(source, tmp_path):
     (["--max-side", "0"], 2, "argument --max-side: must be a positive whole number, got 0"),
     (["--max-side", "abc"], 2, "argument --max-side: 'abc' is not a whole number"),
     (["--max-side", "64", "--quality", "0"], 2, "argument --quality: must be a positive whole number, got 0"),
-    (["--max-side", "64", "--quality", "101"], 1, "--quality must be 1 to 95"),
-    (["--quality", "80"], 1, "--quality is the JPEG quality of the images --max-side resizes: give --max-side too"),
+    (["--max-side", "64", "--quality", "96"], 2, "argument --quality: must be 1 to 95 (above 95 the files only grow)"),
+    (["--quality", "80"], 2, "--quality is the JPEG quality of the images --max-side resizes: give --max-side too"),
 ])
 def test_bad_values_are_one_line_and_write_nothing(source, tmp_path, capsys, argv, status, message):
     out = tmp_path / "out"
@@ -93,6 +93,14 @@ def test_bad_values_are_one_line_and_write_nothing(source, tmp_path, capsys, arg
     err = capsys.readouterr().err.strip()
     assert code == status and message in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_the_function_refuses_what_the_command_line_refuses(source, tmp_path):
+    with pytest.raises(FixresError, match="--quality must be 1 to 95"):
+        packing.pack(source, tmp_path / "out", progress=False, max_side=64, quality=101)
+    with pytest.raises(FixresError, match="give --max-side too"):
+        packing.pack(source, tmp_path / "out", progress=False, quality=80)
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_unreadable_image_is_named_in_one_line(source, tmp_path):

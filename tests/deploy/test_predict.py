@@ -171,9 +171,9 @@ def test_bad_input_is_refused_in_one_line_leaving_nothing(exported_by_hand, flat
         ((tmp_path / "notes.txt", flat_images, out), r"notes\.txt is not a fixres_dist checkpoint: another format"),
         ((tmp_path, flat_images, out), r"is not an export folder: it has no model\.json$"),
         ((exported_by_hand, tmp_path / "p32", out),
-         r"the pack holds images with shorter sides of at most 32 px \(packed with --max-side 32\); the model's test "
-         r"resolution 48 px \(resized to 55 on the shorter side\) needs 55 px: pack again with --max-side 55 or "
-         r"more, or use 28 px or less$"),
+         r"fixres_dist: data .*p32: the pack holds images with shorter sides of at most 32 px \(packed with "
+         r"--max-side 32\); the model's test resolution 48 px \(resized to 55 on the shorter side\) needs 55 px: pack "
+         r"again with --max-side 55 or more$"),
     ]
     for args, message in cases:
         assert run(*args) == 1

@@ -27,9 +27,9 @@ reach any block, and which is most of the cost of a high-quality or progressive 
 (benchmarks/README.md: the ceiling this leaves).
 
 Other formats never reach these transforms as :class:`EncodedJpeg`: they are decoded whole, as
-before (:func:`fixres_dist.data.images.decode_image`); so are the JPEGs simplejpeg refuses (CMYK, or
-data it finds corrupt), by the full decode, which decodes them or names the problem as before. EXIF
-orientation is ignored, as everywhere in the package.
+before (:func:`fixres_dist.data.images.decode_image`); so are the JPEGs simplejpeg refuses (data it
+finds corrupt, a colour space it cannot convert), by the full decode, which decodes them or names the
+problem as before. EXIF orientation is ignored, as everywhere in the package.
 """
 from __future__ import annotations
 
@@ -97,8 +97,8 @@ def decode_box(jpeg: EncodedJpeg, box: tuple[float, float, float, float], size: 
     at 1/``scale`` (2, 4 or 8; libjpeg-turbo's scaled IDCT through simplejpeg), its corners rounded to
     the scaled image's pixels (at most ``scale / 2`` source pixels away), and resized to ``size``
     (height, width) by torchvision's antialiased ``resized_crop`` with ``interpolation``: a uint8
-    (3, height, width) RGB tensor. ``None`` where simplejpeg does not decode the file (a CMYK JPEG, or
-    data it finds corrupt): the caller decodes it whole, as before, which decodes it or names the problem."""
+    (3, height, width) RGB tensor. ``None`` where simplejpeg does not decode the file (data it finds
+    corrupt, a colour space it cannot convert): the caller decodes it whole, as before, which decodes it or names the problem."""
     try:
         pixels = simplejpeg.decode_jpeg(jpeg.data, "RGB", min_width=-(-jpeg.width // scale),
                                         min_height=-(-jpeg.height // scale), min_factor=scale)

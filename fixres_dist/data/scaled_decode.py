@@ -98,7 +98,8 @@ def decode_box(jpeg: EncodedJpeg, box: tuple[float, float, float, float], size: 
     the scaled image's pixels (at most ``scale / 2`` source pixels away), and resized to ``size``
     (height, width) by torchvision's antialiased ``resized_crop`` with ``interpolation``: a uint8
     (3, height, width) RGB tensor. ``None`` where simplejpeg does not decode the file (data it finds
-    corrupt, a colour space it cannot convert): the caller decodes it whole, as before, which decodes it or names the problem."""
+    corrupt, a colour space it cannot convert): the caller decodes it whole, as before, which decodes
+    it or names the problem."""
     try:
         pixels = simplejpeg.decode_jpeg(jpeg.data, "RGB", min_width=-(-jpeg.width // scale),
                                         min_height=-(-jpeg.height // scale), min_factor=scale)

@@ -45,6 +45,8 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fixres_effect as fe  # noqa: E402  (the FixRes benchmark's data, jobs and figures)
 
+from fixres_dist.arguments import positive_int  # noqa: E402  (fixres_effect put the repository on sys.path)
+
 DECODES = ("full", "scaled")
 TRAIN, TEST = fe.DATASETS["canvas"][1:]  # 24 and 32 px
 MARKER = "JPEG.json"
@@ -158,19 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data-root", type=Path, default=Path.home() / ".cache" / "fixres_dist")
     p.add_argument("--output", type=Path, default=Path("runs") / "jpeg_decode_accuracy")
-    p.add_argument("--seeds", type=fe._positive, default=3)
+    p.add_argument("--seeds", type=positive_int, default=3)
     p.add_argument("--architecture", default="resnet20")
-    p.add_argument("--epochs", type=fe._positive, default=12)
-    p.add_argument("--finetune-epochs", type=fe._positive, default=2)
-    p.add_argument("--batch", type=fe._positive, default=128)
+    p.add_argument("--epochs", type=positive_int, default=12)
+    p.add_argument("--finetune-epochs", type=positive_int, default=2)
+    p.add_argument("--batch", type=positive_int, default=128)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--finetune-lr", type=float, default=0.05)
     p.add_argument("--warmup-epochs", type=float, default=0.5)
-    p.add_argument("--num-tasks", type=fe._positive, default=2)
+    p.add_argument("--num-tasks", type=positive_int, default=2)
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--train-images-per-class", type=fe._positive, default=500)
-    p.add_argument("--val-images-per-class", type=fe._positive, default=500)
-    p.add_argument("--jpeg-side", type=fe._positive, default=144, help="pixels of the JPEGs' side (default 144)")
+    p.add_argument("--train-images-per-class", type=positive_int, default=500)
+    p.add_argument("--val-images-per-class", type=positive_int, default=500)
+    p.add_argument("--jpeg-side", type=positive_int, default=144, help="pixels of the JPEGs' side (default 144)")
     args = p.parse_args(argv)
     start = time.perf_counter()
     try:

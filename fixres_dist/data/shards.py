@@ -41,7 +41,7 @@ import numpy as np
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from fixres_dist.data import images
+from fixres_dist.data import images, pipeline
 from fixres_dist.errors import FixresError, first_line, plural
 
 MANIFEST = "shards.json"
@@ -302,7 +302,8 @@ class PackedData:
         serve without upsampling (:attr:`max_side`); 0 where there is no limit."""
         if self.max_side is None:
             return 0
-        return max((k for k in range(1, self.max_side + 1) if round(k / crop_ratio) <= self.max_side), default=1)
+        return max((k for k in range(1, self.max_side + 1) if pipeline.resize_size(k, crop_ratio) <= self.max_side),
+                   default=1)
 
     def check_sizes(self, needs: dict[str, tuple[int, int]], where: str | None = None,
                     smaller: bool = True) -> None:
